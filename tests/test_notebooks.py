@@ -1,0 +1,59 @@
+"""Every notebook runs top to bottom, headless, in a kernel of this test's own Python."""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+KERNEL_NAME = "workbench-test"
+CELL_TIMEOUT_S = 600
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.fixture(scope="module")
+def kernel_spec_manager(tmp_path_factory) -> KernelSpecManager:
+    """A kernelspec running sys.executable: a user-level `python3` kernel cannot stand in for the venv."""
+    spec_dir = tmp_path_factory.mktemp("kernels") / KERNEL_NAME
+    spec_dir.mkdir()
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    spec = {"argv": argv, "display_name": KERNEL_NAME, "language": "python"}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    return KernelSpecManager(kernel_dirs=[str(spec_dir.parent)], ensure_native_kernel=False)
+
+
+def run_notebook(path: Path, kernel_spec_manager: KernelSpecManager) -> str | None:
+    """Execute an in-memory copy of the notebook (the file is never written), cwd = its folder.
+
+    Returns the failing cell's source and traceback, or None when every cell ran.
+    """
+    nb = nbformat.read(path, as_version=4)
+    km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=kernel_spec_manager)
+    resources = {"metadata": {"path": str(path.parent)}}
+    client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, resources=resources)
+    try:
+        # Panel must inline its JavaScript: there is no CDN offline.
+        client.execute(env={**os.environ, "PANEL_INLINE": "true"})
+    except CellExecutionError as err:
+        # The kernel colours its traceback; escape codes make CI logs unreadable.
+        return ANSI_ESCAPE.sub("", str(err))
+    return None
+
+
+# Only defined when there are notebooks: an empty parametrization would still report a skipped test.
+if NOTEBOOKS:
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+    def test_notebook_runs(path: Path, kernel_spec_manager: KernelSpecManager):
+        if error := run_notebook(path, kernel_spec_manager):
+            pytest.fail(f"{path.name}: {error}", pytrace=False)

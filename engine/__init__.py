@@ -1,0 +1,25 @@
+"""The headless engine: a stepwise, vLLM-V1-style inference engine whose every decision is a typed event."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.events import Event, KVUsage, StepRecord
+from engine.request import RequestOutput, RequestStatus, SamplingParams, StructuredOutputsParams
+
+# The engine classes pull in the model code (and transformers): import them on first use, so that the
+# scheduler, the block pool and the CLI start fast.
+_LAZY = {"LLM": "engine.llm_engine", "LLMEngine": "engine.llm_engine"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
+__all__ = [
+    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+    "RequestStatus", "StepRecord", "KVUsage", "Event",
+]

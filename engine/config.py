@@ -1,0 +1,113 @@
+"""EngineConfig: one validated aggregate of every knob the engine has (cache, scheduler, model)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """All engine settings, vLLM's names. Invalid values raise ValueError/TypeError naming the field."""
+
+    model: str = "smollm2-135m"
+    # cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size the cache from kv_cache_memory
+    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "builtin"
+    # scheduler
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    # model
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # None: CUDA where present
+    seed: int = 0
+    # later features: accepted only when their subsystem exists
+    speculative_config: dict | None = None
+    kv_transfer_config: dict | None = None
+
+    def __post_init__(self) -> None:
+        ints = ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
+                "long_prefill_token_threshold", "seed")
+        for name in ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name}: expected int or None, got {type(value).__name__}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected bool, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.model, str):
+            self.model = str(self.model)  # a pathlib.Path is welcome
+        self._check_ranges()
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config: speculative decoding is not built yet; leave it None")
+        if self.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config: KV transfer is not built yet; leave it None")
+
+    def _check_ranges(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks: must be >= 2 (one is the null block), got {self.num_kv_blocks}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory: must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold: must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.prefix_caching_hash_algo not in ("builtin", "sha256"):
+            raise ValueError(
+                f"prefix_caching_hash_algo: must be 'builtin' or 'sha256', got {self.prefix_caching_hash_algo!r}"
+            )
+
+    def set_max_model_len(self, model_max: int) -> None:
+        """Fill `max_model_len` from the model's limit, then check what depends on it."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max
+        elif self.max_model_len > model_max:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({model_max})")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # without chunking, a request (prompt + outputs, recomputed after preemption) must fit one step
+            raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_model_len "
+                             f"({self.max_model_len}) when enable_chunked_prefill is off")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{unknown[0]}: not an EngineConfig field (known: {', '.join(sorted(known))})")
+        return cls(**kwargs)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,1 @@
+"""Block pool, KV cache manager, block hashes, request queues and the scheduler."""

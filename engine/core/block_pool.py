@@ -1,0 +1,183 @@
+"""The block pool: every KV block, the free block queue, and the map from block hash to cached block.
+
+A freed block keeps its hash and waits in the free queue as "cached-free": a later request with the same
+prefix can take it back (`touch`). It is evicted lazily, only when it reaches the head of the queue and is
+popped to serve a new allocation.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from engine.core.block_hash import BlockHash, hash_hex
+from engine.events import EventLog, KVCached, KVEvicted, KVUsage
+
+
+class KVCacheBlock:
+    """One block of KV: its id, how many requests hold it, its hash once full and cached, and its free-list links."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "prev_free_block", "next_free_block", "is_null")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.parent_hash: BlockHash | None = None
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+        self.is_null = False
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={hash_hex(self.block_hash)})"
+
+
+class FreeKVCacheBlockQueue:
+    """Free blocks as an intrusive doubly linked list: O(1) remove from the middle (a prefix hit), popleft from
+    the head (the least recently freed: evicted first), append at the tail. Two sentinels spare the edge cases."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.num_free_blocks = len(blocks)
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        prev = self._head
+        for block in blocks:
+            prev.next_free_block, block.prev_free_block = block, prev
+            prev = block
+        prev.next_free_block, self._tail.prev_free_block = self._tail, prev
+
+    def popleft(self) -> KVCacheBlock:
+        if self.num_free_blocks == 0:
+            raise ValueError("No free blocks available")
+        block = self._head.next_free_block
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"Cannot pop {n} blocks: only {self.num_free_blocks} free")
+        return [self.popleft() for _ in range(n)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if block.prev_free_block is None or block.next_free_block is None:
+            raise RuntimeError(f"remove() called on a block that is not free: {block}")
+        block.prev_free_block.next_free_block = block.next_free_block
+        block.next_free_block.prev_free_block = block.prev_free_block
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free_block
+        last.next_free_block, block.prev_free_block = block, last
+        block.next_free_block, self._tail.prev_free_block = self._tail, block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            self.append(block)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        out, block = [], self._head.next_free_block
+        while block is not self._tail:
+            out.append(block)
+            block = block.next_free_block
+        return out
+
+
+class BlockPool:
+    """Owns all KV blocks: allocation, ref counts, the free queue, and the hash -> cached block map.
+
+    Block 0 is the null block: never allocated, it pads block tables.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool, events: EventLog) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.events = events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.num_cached_free = 0  # blocks in the free queue that still hold a hash
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
+                          num_cached_blocks: int, num_full_blocks: int) -> None:
+        """Give blocks[num_cached_blocks:num_full_blocks] their hashes and enter them in the map."""
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.block_hash is not None:
+                continue  # a prefix hit: cached already
+            block_hash = block_hashes[i]
+            if block_hash in self.cached_block_hash_to_block:
+                continue  # another request computed the same block first; this copy stays anonymous
+            block.block_hash = block_hash
+            block.parent_hash = block_hashes[i - 1] if i else None
+            self.cached_block_hash_to_block[block_hash] = block
+            self.events.emit(KVCached, block_id=block.block_id, block_hash=hash_hex(block_hash),
+                             parent_hash=hash_hex(block.parent_hash))
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash: it leaves the map and can no longer be hit."""
+        if block.block_hash is None:
+            return
+        if self.cached_block_hash_to_block.get(block.block_hash) is block:
+            del self.cached_block_hash_to_block[block.block_hash]
+        self.events.emit(KVEvicted, block_id=block.block_id, block_hash=hash_hex(block.block_hash))
+        block.block_hash = block.parent_hash = None
+
+    def _maybe_evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            self.uncache(block)
+            self.num_cached_free -= 1
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take prefix-hit blocks: a cached-free one leaves the free queue; every one gains a reference."""
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_block_queue.remove(block)
+                self.num_cached_free -= 1
+            block.ref_cnt += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False) while any block is in use."""
+        if self.get_num_free_blocks() != self.num_blocks - 1:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = block.parent_hash = None
+        self.cached_block_hash_to_block.clear()
+        self.num_cached_free = 0
+        return True
+
+    # ---- allocation -----------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            self._maybe_evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each; those that reach 0 go to the tail in the given order
+        (callers pass a request's blocks tail first, so its tail is evicted before its prefix)."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_block_queue.append(block)
+                if block.block_hash is not None:
+                    self.num_cached_free += 1
+
+    # ---- figures --------------------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
+
+    def usage(self) -> KVUsage:
+        free_all = self.get_num_free_blocks()
+        total = self.num_blocks - 1
+        return KVUsage(total=total, used=total - free_all, cached_free=self.num_cached_free,
+                       free=free_all - self.num_cached_free)

@@ -1,0 +1,140 @@
+"""The KV cache manager: which blocks each request holds, prefix-cache lookups, and slot allocation."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.core.block_hash import HASH_FUNCTIONS, update_block_hashes
+from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.events import EventLog, KVAllocated, KVFreed, KVUsage, PrefixLookup
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache queries and hits, in tokens, overall and over the most recent requests."""
+
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Owns each request's block list (`req_to_blocks`) and how many of those blocks are cached; turns
+    "schedule n more tokens of this request" into blocks taken from the pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, hash_algo: str,
+                 events: EventLog, recent_window: int = 64) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_fn = HASH_FUNCTIONS[hash_algo]
+        self.events = events
+        self.block_pool = BlockPool(num_blocks, enable_caching, events)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+        self._recent: deque[tuple[int, int]] = deque(maxlen=recent_window)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_blocks - 1
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest chain of cached blocks that starts the request, and how many tokens it covers.
+        The hit is capped one token short of the whole sequence: the last token must be computed to sample."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = update_block_hashes(request, self.block_size, self.hash_fn)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self._record_lookup(request, max_hit_blocks, hits, num_hit_tokens)
+        return hits, num_hit_tokens
+
+    def _record_lookup(self, request: Request, queried: int, hits: list[KVCacheBlock], hit_tokens: int) -> None:
+        self.stats.requests += 1
+        self.stats.queries += request.num_tokens
+        self.stats.hits += hit_tokens
+        self._recent.append((request.num_tokens, hit_tokens))
+        self.events.emit(PrefixLookup, request_id=request.request_id, num_queried_blocks=queried,
+                         num_hit_blocks=len(hits), num_hit_tokens=hit_tokens)
+
+    @property
+    def recent_hit_rate(self) -> float:
+        queries = sum(q for q, _ in self._recent)
+        return sum(h for _, h in self._recent) / queries if queries else 0.0
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` (plus lookahead slots for draft tokens) after the request's computed
+        tokens and its new prefix hits. Returns the newly allocated blocks, or None if the pool is short
+        (then nothing changes)."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
+        # hit blocks nobody holds sit in the free queue: taking them uses up free blocks too
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
+            return None
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_block[request.request_id] = len(blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks.extend(new_blocks)
+        if new_blocks or new_computed_blocks:
+            self.events.emit(KVAllocated, request_id=request.request_id,
+                             new_block_ids=tuple(b.block_id for b in new_blocks),
+                             block_ids=tuple(b.block_id for b in blocks))
+        if self.enable_caching:
+            # draft tokens are not in request.num_tokens, so blocks holding them are never cached
+            self._cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        num_cached = self.num_cached_block.get(rid, 0)
+        if num_full <= num_cached:
+            return
+        hashes = update_block_hashes(request, self.block_size, self.hash_fn)
+        self.block_pool.cache_full_blocks(self.req_to_blocks[rid], hashes, num_cached, num_full)
+        self.num_cached_block[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first, so its prefix outlives its tail in the cache."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        num_cached = self.num_cached_block.pop(request.request_id, 0)
+        # Blocks are cached when allocated, before the forward computes them. A request preempted in the
+        # step that allocated them leaves them uncomputed: their hashes must not outlive it.
+        for block in blocks[request.num_computed_tokens // self.block_size:num_cached]:
+            if block.ref_cnt == 1:
+                self.block_pool.uncache(block)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+            self.events.emit(KVFreed, request_id=request.request_id, block_ids=tuple(b.block_id for b in blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def usage(self) -> KVUsage:
+        return self.block_pool.usage()

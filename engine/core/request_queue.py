@@ -1,0 +1,78 @@
+"""Waiting queues: FCFS (arrival order) and priority (lower value first, then earlier arrival)."""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Iterator, Protocol
+
+from engine.request import Request
+
+
+class RequestQueue(Protocol):
+    def add_request(self, request: Request) -> None: ...
+    def prepend_request(self, request: Request) -> None: ...
+    def peek_request(self) -> Request: ...
+    def pop_request(self) -> Request: ...
+    def remove_request(self, request: Request) -> None: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Request]: ...
+
+
+class FCFSRequestQueue:
+    """Arrival order. A preempted request goes back to the head so it resumes first."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add_request(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def prepend_request(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek_request(self) -> Request:
+        return self._queue[0]
+
+    def pop_request(self) -> Request:
+        return self._queue.popleft()
+
+    def remove_request(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityRequestQueue:
+    """A heap on (priority, arrival time): a preempted request keeps its place by its own key."""
+
+    def __init__(self) -> None:
+        self._heap: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        heapq.heappush(self._heap, request)
+
+    prepend_request = add_request
+
+    def peek_request(self) -> Request:
+        return self._heap[0]
+
+    def pop_request(self) -> Request:
+        return heapq.heappop(self._heap)
+
+    def remove_request(self, request: Request) -> None:
+        self._heap.remove(request)
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(sorted(self._heap))
+
+
+def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
+    return PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()

@@ -1,0 +1,258 @@
+"""The scheduler: each step, spend the token budget on running requests first, then on waiting ones.
+
+Chunked prefill falls out of the budget: a request gets min(its remaining tokens, the long-prefill threshold,
+what is left of the budget), and the runner samples only when a request's computed tokens reach its end.
+When the KV cache is short, a running request is preempted (its blocks freed, recomputed later).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager, cdiv
+from engine.core.request_queue import create_request_queue
+from engine.events import EventLog, RequestFinished, RequestPreempted, RequestScheduled
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: which of its tokens run, where they start, and where its KV lives."""
+
+    request: Request
+    num_new_tokens: int  # drafts included
+    num_computed_tokens: int  # before this step
+    phase: str
+    block_ids: list[int]
+    samples: bool  # this step reaches the request's last known token, so a new token is sampled
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs, in batch order, plus what the runner must forget."""
+
+    scheduled: list[ScheduledRequest]
+    preempted_req_ids: list[str]
+    finished_req_ids: set[str]
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_new_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and every live request's status and computed-token count."""
+
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, events: EventLog) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.events = events
+        self.policy = config.scheduling_policy
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_req_ids: set[str] = set()
+
+    # ---- queue management ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        budget = self._schedule_running(scheduled, preempted, budget)
+        if not preempted:  # under memory pressure, admit nobody new this step
+            self._schedule_waiting(scheduled, budget)
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        out = SchedulerOutput(scheduled, [r.request_id for r in preempted], self.finished_req_ids)
+        self.finished_req_ids = set()
+        return out
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens_with_spec - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if self.config.enable_chunked_prefill and 0 < threshold < num_new:
+            num_new = threshold
+        return min(num_new, budget)
+
+    def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[Request], budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                budget += self._unschedule(scheduled, victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    return budget
+                if victim_index < index:
+                    index -= 1
+            scheduled.append(self._scheduled(request, num_new, request.num_computed_tokens))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    @staticmethod
+    def _unschedule(scheduled: list[ScheduledRequest], victim: Request) -> int:
+        for i, s in enumerate(scheduled):
+            if s.request is victim:
+                scheduled.pop(i)
+                return s.num_new_tokens
+        return 0
+
+    def _preempt(self, request: Request) -> None:
+        num_blocks = len(self.kv.req_to_blocks.get(request.request_id, ()))
+        self.events.emit(RequestPreempted, request_id=request.request_id,
+                         num_computed_tokens=request.num_computed_tokens, num_freed_blocks=num_blocks)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_prefill_chunks = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek_request()
+            hit_blocks, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens + num_hit
+            num_new = self._num_new_tokens(request, num_computed, budget)
+            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
+                break  # without chunking, a prompt waits until it fits whole
+            if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+                break
+            self.waiting.pop_request()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.monotonic()
+            scheduled.append(self._scheduled(request, num_new, num_computed))
+            budget -= num_new
+
+    def _scheduled(self, request: Request, num_new: int, num_computed: int) -> ScheduledRequest:
+        num_spec = max(0, num_computed + num_new - request.num_tokens)
+        spec = request.spec_token_ids[:num_spec]
+        phase, index, count = self._phase(request, num_new - num_spec, num_computed, bool(spec))
+        self.events.emit(RequestScheduled, request_id=request.request_id, num_tokens=num_new, phase=phase,
+                         num_computed_tokens=num_computed, chunk_index=index, num_chunks=count,
+                         num_cached_tokens=max(request.num_cached_tokens, 0))
+        samples = num_computed + num_new - num_spec >= request.num_tokens
+        return ScheduledRequest(request, num_new, num_computed, phase,
+                                self.kv.get_block_ids(request.request_id), samples, spec)
+
+    @staticmethod
+    def _phase(request: Request, num_new: int, num_computed: int, has_spec: bool) -> tuple[str, int, int]:
+        """Name what this step does for the request. A prefill (first run, or rerun after preemption)
+        covers the tokens known when it started; once they are computed, the request decodes."""
+        if has_spec:
+            return "verify", 0, 0
+        if request.num_prefill_chunks and num_computed >= request.prefill_len:
+            return "decode", 0, 0
+        if request.num_prefill_chunks == 0:
+            request.prefill_len = request.num_tokens
+        request.num_prefill_chunks += 1
+        index, remaining = request.num_prefill_chunks, request.prefill_len - num_computed
+        if index == 1 and num_new == remaining:
+            return "prefill", 1, 1
+        return "chunk", index, index + cdiv(remaining - num_new, num_new)
+
+    # ---- results ------------------------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append sampled tokens, apply token-level stop rules, free what finished.
+        Returns the requests that received tokens (finished ones included)."""
+        updated = []
+        now = time.monotonic()
+        for s in output.scheduled:
+            request = s.request
+            tokens = sampled.get(request.request_id)
+            if not tokens or request.is_finished:
+                continue
+            for token in tokens:
+                request.append_output_token_ids(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.finish_request(request, status)
+                    break
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        # vLLM's order: length first, then (past min_tokens) EOS, then stop token ids
+        params = request.sampling_params
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        if not params.ignore_eos and token == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def finish_request(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """End a request in any state: leave its queue, free its blocks, record why."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status != RequestStatus.RUNNING:
+            self.waiting.remove_request(request)
+        request.status = status
+        request.error = error
+        request.metrics.finished_time = time.monotonic()
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+        self.events.emit(RequestFinished, request_id=request.request_id, reason=status.finish_reason,
+                         num_output_tokens=request.num_output_tokens, error=error)

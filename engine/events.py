@@ -1,0 +1,186 @@
+"""Typed events: every decision the engine makes inside a step, and the StepRecord that gathers them."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, ClassVar
+
+EVENT_TYPES: dict[str, type["Event"]] = {}
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of all events: a dotted `kind`, the `step` it happened in, and a JSON-safe payload."""
+
+    step: int
+    kind: ClassVar[str] = "event"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        EVENT_TYPES[cls.kind] = cls
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"kind": self.kind}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            d[f.name] = list(value) if isinstance(value, tuple) else value
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Event":
+        d = dict(d)
+        cls = EVENT_TYPES[d.pop("kind")]
+        tuple_fields = {f.name for f in fields(cls) if f.type in ("tuple[int, ...]",)}
+        return cls(**{k: tuple(v) if k in tuple_fields else v for k, v in d.items()})
+
+
+@dataclass(frozen=True)
+class RequestAdded(Event):
+    kind: ClassVar[str] = "request.added"
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    priority: int
+
+
+@dataclass(frozen=True)
+class RequestScheduled(Event):
+    """A request got `num_tokens` of this step's budget. For phase "chunk", this is chunk `chunk_index` of
+    `num_chunks` (projected at this chunk's size; exact on the last chunk)."""
+
+    kind: ClassVar[str] = "request.scheduled"
+    request_id: str
+    num_tokens: int
+    phase: str  # "prefill" | "chunk" | "decode" | "verify"
+    num_computed_tokens: int  # before this step
+    chunk_index: int = 0
+    num_chunks: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit counted when it left the waiting queue
+
+
+@dataclass(frozen=True)
+class RequestPreempted(Event):
+    kind: ClassVar[str] = "request.preempted"
+    request_id: str
+    num_computed_tokens: int  # thrown away: recomputed when it resumes
+    num_freed_blocks: int
+
+
+@dataclass(frozen=True)
+class RequestFinished(Event):
+    kind: ClassVar[str] = "request.finished"
+    request_id: str
+    reason: str
+    num_output_tokens: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class KVAllocated(Event):
+    kind: ClassVar[str] = "kv.allocated"
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVFreed(Event):
+    kind: ClassVar[str] = "kv.freed"
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVCached(Event):
+    kind: ClassVar[str] = "kv.cached"
+    block_id: int
+    block_hash: str
+    parent_hash: str | None
+
+
+@dataclass(frozen=True)
+class KVEvicted(Event):
+    kind: ClassVar[str] = "kv.evicted"
+    block_id: int
+    block_hash: str
+
+
+@dataclass(frozen=True)
+class PrefixLookup(Event):
+    kind: ClassVar[str] = "prefix.lookup"
+    request_id: str
+    num_queried_blocks: int
+    num_hit_blocks: int
+    num_hit_tokens: int
+
+
+@dataclass(frozen=True)
+class StepTiming(Event):
+    kind: ClassVar[str] = "step.timing"
+    schedule_ms: float
+    forward_ms: float
+    sample_ms: float
+    total_ms: float
+
+
+class EventLog:
+    """The events of the step in progress. The engine opens it per step; every subsystem appends to it."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.events: list[Event] = []
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        self.events = []
+
+    def emit(self, cls: type[Event], **payload: Any) -> None:
+        self.events.append(cls(step=self.step, **payload))
+
+    def drain(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
+
+
+@dataclass
+class KVUsage:
+    """Blocks by state. total = used + cached_free + free (the null block is not counted)."""
+
+    total: int
+    used: int
+    cached_free: int
+    free: int
+
+
+@dataclass
+class StepRecord:
+    """Everything one engine step did: what it scheduled, its KV state after, its timings and its events."""
+
+    step: int
+    start_ns: int
+    end_ns: int
+    scheduled: dict[str, int]
+    phases: dict[str, str]
+    num_waiting: int
+    num_running: int
+    kv: KVUsage
+    timing: dict[str, float]
+    events: list[Event] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kv", "events")}
+        d["kv"] = asdict(self.kv)
+        d["events"] = [e.to_dict() for e in self.events]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
+        d = dict(d)
+        d["kv"] = KVUsage(**d["kv"])
+        d["events"] = [Event.from_dict(e) for e in d["events"]]
+        return cls(**d)
+
+    def of_kind(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
+
+
+Subscriber = Callable[[StepRecord], None]

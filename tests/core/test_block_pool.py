@@ -1,0 +1,86 @@
+"""The free block queue and the block pool: order, the null block, allocation and freeing."""
+
+import pytest
+
+from engine.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from engine.events import EventLog
+
+
+def ids(blocks: list[KVCacheBlock]) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+@pytest.fixture
+def queue_and_blocks() -> tuple[FreeKVCacheBlockQueue, list[KVCacheBlock]]:
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    return FreeKVCacheBlockQueue(blocks), blocks
+
+
+def test_free_queue_starts_in_id_order_and_pops_from_the_head(queue_and_blocks):
+    queue, blocks = queue_and_blocks
+    assert queue.num_free_blocks == 6
+    assert ids(queue.get_all_free_blocks()) == [0, 1, 2, 3, 4, 5]
+    assert queue.popleft() is blocks[0]
+    assert queue.popleft() is blocks[1]
+    assert ids(queue.get_all_free_blocks()) == [2, 3, 4, 5]
+    assert queue.num_free_blocks == 4
+
+
+def test_free_queue_remove_from_the_middle_then_append_at_the_tail(queue_and_blocks):
+    queue, blocks = queue_and_blocks
+    queue.remove(blocks[3])
+    assert ids(queue.get_all_free_blocks()) == [0, 1, 2, 4, 5]
+    assert blocks[3].prev_free_block is None and blocks[3].next_free_block is None
+    queue.remove(blocks[0])  # the head
+    queue.remove(blocks[5])  # the tail
+    assert ids(queue.get_all_free_blocks()) == [1, 2, 4]
+    queue.append(blocks[3])
+    queue.append_n([blocks[5], blocks[0]])
+    assert ids(queue.get_all_free_blocks()) == [1, 2, 4, 3, 5, 0]
+    assert queue.num_free_blocks == 6
+    assert ids(queue.popleft_n(4)) == [1, 2, 4, 3]
+
+
+def test_free_queue_remove_of_a_block_not_in_it_raises(queue_and_blocks):
+    queue, blocks = queue_and_blocks
+    queue.popleft()
+    with pytest.raises(RuntimeError):
+        queue.remove(blocks[0])
+    assert queue.num_free_blocks == 5
+
+
+def test_free_queue_pop_beyond_free_raises_and_takes_nothing(queue_and_blocks):
+    queue, _ = queue_and_blocks
+    with pytest.raises(ValueError):
+        queue.popleft_n(7)
+    assert queue.num_free_blocks == 6
+    queue.popleft_n(6)
+    with pytest.raises(ValueError):
+        queue.popleft()
+    assert queue.get_all_free_blocks() == []
+
+
+def test_null_block_is_block_zero_and_never_handed_out():
+    pool = BlockPool(num_blocks=5, enable_caching=True, events=EventLog())
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [1, 2, 3, 4]
+    taken = pool.get_new_blocks(4)
+    assert ids(taken) == [1, 2, 3, 4]
+    assert all(b.ref_cnt == 1 for b in taken)
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(1)
+    pool.free_blocks(taken)
+    assert ids(pool.get_new_blocks(4)) == [1, 2, 3, 4]
+    assert pool.null_block.ref_cnt == 0
+
+
+def test_pool_free_appends_in_the_given_order_only_when_the_last_reference_goes():
+    pool = BlockPool(num_blocks=5, enable_caching=False, events=EventLog())
+    a, b, c = pool.get_new_blocks(3)
+    pool.touch([b])  # a second holder
+    pool.free_blocks([c, b, a])
+    assert b.ref_cnt == 1
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [4, 3, 1]
+    pool.free_blocks([b])
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [4, 3, 1, 2]
+    assert pool.usage().used == 0

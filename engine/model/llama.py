@@ -1,0 +1,341 @@
+"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+All tokens of a step, from any number of sequences, go through each layer at once;
+attention reads and writes the paged cache through ``kernels``. Module and parameter
+names follow Hugging Face's, with q/k/v fused into ``qkv_proj`` and gate/up into
+``gate_up_proj`` as in vLLM. Sliding-window attention (Mistral, some Qwen2) is not
+applied: ``ModelShape.sliding_window`` reports it so the caller can cap the context.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import kernels
+from engine.model.attention import AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# "dynamic" matches HF while the context stays within max_position_embeddings;
+# "longrope" switches frequencies with the context length and is not supported.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the runner needs to allocate the KV cache and read the logits."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> ModelShape:
+        """Read the shape from a Llama-family HF config."""
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=_head_dim(config),
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            max_position_embeddings=config.max_position_embeddings,
+            sliding_window=getattr(config, "sliding_window", None),
+        )
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation with a learned scale, computed in float32 as HF does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Owns the RoPE inverse frequencies (with the config's scaling) and applies them by position."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_parameters.rope_type: {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("rope_parameters.partial_rotary_factor: only 1.0 is supported")
+        # Plain CPU float32 attributes, not buffers: the model may be built on the meta
+        # device and moved with to_empty(), which would wipe buffers.
+        with torch.device("cpu"):
+            if rope_type == "default":
+                dim = _head_dim(config)
+                base = rope["rope_theta"]
+                inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+                scaling = 1.0
+            else:
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        self.inv_freq = inv_freq.float()
+        self.attention_scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``[T]`` -> ``cos``, ``sin`` ``[T, 1, head_dim]`` (broadcast over heads)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE on ``[T, H, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaAttention(nn.Module):
+    """One layer's fused q/k/v projection, RoPE, paged KV write and attention, and o_proj."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        self.scale = self.head_dim**-0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        attention_bias = getattr(config, "attention_bias", False)
+        # Qwen2 has biases on q/k/v only; Llama's attention_bias covers o_proj too.
+        qkv_bias = attention_bias or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        kernels.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
+        out = kernels.paged_attention(
+            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """The gated MLP with gate and up fused into one projection."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residuals."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, rope, attn, kv_cache)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache: owns the weights and the forward pass."""
+
+    # HF checkpoint names -> (our fused parameter, shard index) as in vLLM.
+    stacked_params_mapping = (
+        (".qkv_proj", ".q_proj", 0),
+        (".qkv_proj", ".k_proj", 1),
+        (".qkv_proj", ".v_proj", 2),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    )
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model: model_type {config.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.config = config
+        self.shape = ModelShape.from_config(config)
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.tie_weights()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` of all scheduled tokens -> final-normed hidden ``[T, H]``."""
+        return self.model(input_ids, positions, attn, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[N, hidden]`` (only rows that sample) -> float32 logits ``[N, vocab]``."""
+        return self.lm_head(hidden).float()
+
+    def tie_weights(self) -> None:
+        """Share the input embedding as the LM head."""
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (possibly fused) parameters; raise if any is missing.
+
+        A checkpoint without ``lm_head.weight`` ties the head to the embedding.
+        """
+        params = dict(self.named_parameters())
+        missing = {name: p.numel() for name, p in params.items()}
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            name, shard = self._param_name(hf_name)
+            if name not in params:
+                if name == "lm_head.weight":  # tied models may still ship a copy
+                    continue
+                raise ValueError(f"model: unexpected weight {hf_name!r} in checkpoint")
+            target = params[name].data
+            if shard is not None:
+                target = self._shard(name, target, shard)
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"model: weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            missing[name] -= tensor.numel()
+        if "lm_head.weight" in missing and missing["lm_head.weight"] == params["lm_head.weight"].numel():
+            self.tie_weights()
+            del missing["lm_head.weight"]
+        incomplete = sorted(name for name, n in missing.items() if n)
+        if incomplete:
+            raise ValueError(f"model: weights missing from checkpoint: {incomplete[:8]}")
+
+    def _param_name(self, hf_name: str) -> tuple[str, int | None]:
+        for fused, single, shard in self.stacked_params_mapping:
+            if single in hf_name:
+                return hf_name.replace(single, fused), shard
+        return hf_name, None
+
+    def _shard(self, name: str, param: torch.Tensor, shard: int) -> torch.Tensor:
+        if ".qkv_proj" in name:
+            attn = self.model.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return param.split(sizes, dim=0)[shard]
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` over a folder's ``model.safetensors`` or its sharded index."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"model: no model.safetensors (or sharded index) in {path}")
+    for file in files:
+        with safe_open(str(path / file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[LlamaForCausalLM, PretrainedConfig]:
+    """Build the model from an HF folder's config and safetensors, in ``dtype`` on ``device``."""
+    config = AutoConfig.from_pretrained(path)
+    # Built on meta (no random init), then materialised and filled from the checkpoint.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:  # moving off meta made new parameters: tie again
+        model.tie_weights()
+    model.load_weights(iter_safetensors(Path(path)))
+    return model.eval().requires_grad_(False), config

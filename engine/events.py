@@ -40,6 +40,21 @@ class RequestAdded(Event):
     num_prompt_tokens: int
     max_tokens: int
     priority: int
+    arrival_ns: int = 0  # wall clock (time.time_ns), comparable with StepRecord.start_ns / end_ns
+    prompt: str = ""  # the prompt's text (decoded when given as token ids), cut to 200 characters
+
+
+@dataclass(frozen=True)
+class RequestTokens(Event):
+    """Tokens a request received this step and the text they added: the output text is now
+    text_so_far[:text_offset] + text (a stop string can trim text shown before)."""
+
+    kind: ClassVar[str] = "request.tokens"
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    text_offset: int
+    num_output_tokens: int
 
 
 @dataclass(frozen=True)

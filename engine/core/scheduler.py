@@ -204,18 +204,20 @@ class Scheduler:
         return "chunk", index, index + cdiv(remaining - num_new, num_new)
 
     # ---- results ------------------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Append sampled tokens, apply token-level stop rules, free what finished.
-        Returns the requests that received tokens (finished ones included)."""
-        updated = []
+        Returns the tokens each request actually took (up to its stop), by request id."""
+        appended: dict[str, list[int]] = {}
         now = time.monotonic()
         for s in output.scheduled:
             request = s.request
             tokens = sampled.get(request.request_id)
             if not tokens or request.is_finished:
                 continue
+            taken = appended[request.request_id] = []
             for token in tokens:
                 request.append_output_token_ids(token)
+                taken.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
                     self.finish_request(request, status)
@@ -223,8 +225,7 @@ class Scheduler:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
-            updated.append(request)
-        return updated
+        return appended
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         # vLLM's order: length first, then (past min_tokens) EOS, then stop token ids

@@ -1,0 +1,244 @@
+"""LLMEngine: add_request / step / abort over the scheduler, KV cache manager and model runner; LLM on top."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.events import EventLog, RequestAdded, RequestTokens, StepRecord, StepTiming, Subscriber
+from engine.model.loader import resolve_model
+from engine.model.runner import ModelRunner
+from engine.output_processor import IncrementalDetokenizer, make_output
+from engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+
+
+class LLMEngine:
+    """Owns one engine instance: the config, tokenizer, scheduler, KV cache manager, model runner, the
+    per-step event log, the subscribers, and the outputs of requests until they are taken."""
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if config is None:
+            config = EngineConfig.from_kwargs(**kwargs)
+        elif kwargs:
+            raise TypeError("LLMEngine: pass either an EngineConfig or keyword arguments, not both")
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.runner = ModelRunner(config, self.model_path)
+        shape = self.runner.model.shape
+        # attention here has no sliding window: within the window, full attention is the same thing
+        config.set_max_model_len(min(shape.max_position_embeddings or 2048, shape.sliding_window or 1 << 62))
+        from transformers import AutoTokenizer  # heavy: import only when an engine is built
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.eos_token_id = self._eos_token_id()
+        self.events = EventLog()
+        self.events.begin(1)  # adds and aborts between steps belong to the step that follows them
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            config.prefix_caching_hash_algo, self.events,
+        )
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.events)
+        self.step_count = 0
+        self._subscribers: list[Subscriber] = []
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._requests: dict[str, Request] = {}  # every request not yet taken by pop_output
+        self._ids = itertools.count()
+
+    def _eos_token_id(self) -> int | None:
+        eos = getattr(self.runner.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return eos if eos is not None else self.tokenizer.eos_token_id
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request; returns its id. Bad input raises ValueError/TypeError naming the field."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority: expected int, got {type(priority).__name__}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt: expected str or None, got {type(cache_salt).__name__}")
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs: guided decoding is not built yet")
+        token_ids = self._tokenize(prompt)
+        self._validate_length(token_ids, params)
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self._requests:
+            raise ValueError(f"request_id: {rid!r} is already in use")
+        request = Request(rid, token_ids, params, self.eos_token_id, priority, cache_salt, arrival_time)
+        self._requests[rid] = request
+        self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, request)
+        self.scheduler.add_request(request)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids[:200])
+        self.events.emit(RequestAdded, request_id=rid, num_prompt_tokens=len(token_ids),
+                         max_tokens=params.max_tokens, priority=priority, arrival_ns=time.time_ns(),
+                         prompt=text[:200])
+        return rid
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, Sequence):
+            token_ids = list(prompt)
+            bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)), None)
+            if bad is not None:
+                raise TypeError(f"prompt: token ids must be int, got {type(bad).__name__} ({bad!r})")
+            vocab = self.runner.vocab_size
+            out = next((t for t in token_ids if not 0 <= t < vocab), None)
+            if out is not None:
+                raise ValueError(f"prompt: token id {out} is outside the vocabulary [0, {vocab})")
+        else:
+            raise TypeError(f"prompt: expected str or list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        return token_ids
+
+    def _validate_length(self, token_ids: list[int], params: SamplingParams) -> None:
+        cfg = self.config
+        if len(token_ids) >= cfg.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens, but max_model_len is {cfg.max_model_len} "
+                             "(the prompt must leave room for at least one output token)")
+        # a request must fit alone in the cache, its last output token included
+        max_len = min(len(token_ids) + params.max_tokens, cfg.max_model_len)
+        blocks = -(-max_len // cfg.block_size)
+        usable = self.kv_cache_manager.num_usable_blocks
+        if blocks > usable:
+            raise ValueError(f"prompt: with max_tokens={params.max_tokens} it needs {blocks} KV blocks, "
+                             f"but the cache has only {usable} (num_kv_blocks/kv_cache_memory)")
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request in whatever state it is, freeing its blocks. Unknown or finished ids are ignored."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_output(self, request_id: str) -> RequestOutput:
+        """The request's output so far (finished or not)."""
+        return make_output(self._requests[request_id], self._detokenizers[request_id].text)
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The output of a finished request; the engine forgets it."""
+        out = self.get_output(request_id)
+        if not out.finished:
+            raise ValueError(f"request_id: {request_id!r} has not finished")
+        del self._requests[request_id], self._detokenizers[request_id]
+        return out
+
+    def subscribe(self, callback: Subscriber) -> Subscriber:
+        """Call `callback(StepRecord)` after every step. Returns the callback (for unsubscribe)."""
+        self._subscribers.append(callback)
+        return callback
+
+    def unsubscribe(self, callback: Subscriber) -> None:
+        self._subscribers.remove(callback)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> StepRecord:
+        """Schedule, run the model, sample, update; return what happened as a StepRecord."""
+        self.step_count += 1
+        start_ns = time.time_ns()
+        t0 = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        runner_out = self.runner.execute_model(sched_out)
+        t2 = time.perf_counter()
+        appended = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        self._process_outputs(appended, runner_out.logprobs)
+        t3 = time.perf_counter()
+        timing = {"schedule": (t1 - t0) * 1e3, "forward": runner_out.forward_ms, "sample": runner_out.sample_ms,
+                  "update": (t3 - t2) * 1e3, "total": (t3 - t0) * 1e3}
+        self.events.emit(StepTiming, schedule_ms=timing["schedule"], forward_ms=timing["forward"],
+                         sample_ms=timing["sample"], total_ms=timing["total"])
+        record = StepRecord(
+            step=self.step_count, start_ns=start_ns, end_ns=time.time_ns(),
+            scheduled=sched_out.num_scheduled_tokens, phases={s.request_id: s.phase for s in sched_out.scheduled},
+            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+            kv=self.kv_cache_manager.usage(), timing=timing, events=self.events.drain(),
+        )
+        self.events.begin(self.step_count + 1)
+        for callback in list(self._subscribers):
+            callback(record)
+        return record
+
+    def _process_outputs(self, appended: dict[str, list[int]], logprobs: dict[str, list[dict[int, float]]]) -> None:
+        for rid, tokens in appended.items():
+            request = self._requests[rid]
+            if request.logprobs is not None and rid in logprobs:
+                request.logprobs.extend(logprobs[rid])
+            detok = self._detokenizers[rid]
+            before = len(detok.text)
+            stop = detok.update(request.output_token_ids)
+            offset = min(before, len(detok.text))
+            self.events.emit(RequestTokens, request_id=rid, token_ids=tuple(tokens), text=detok.text[offset:],
+                             text_offset=offset, num_output_tokens=request.num_output_tokens)
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+
+
+class LLM:
+    """Offline batch inference over an LLMEngine: generate() and chat() run requests to completion."""
+
+    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. `params`: one for all, or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except (ValueError, TypeError):
+            for rid in ids:  # a bad prompt refuses the whole batch before any work is done
+                self.engine.abort(rid)
+                self.engine.pop_output(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        pending = set(ids)
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+            while pending:
+                record = self.engine.step()
+                done = {e.request_id for e in record.of_kind("request.finished")} & pending
+                pending -= done
+                bar.update(len(done))
+        return [self.engine.pop_output(rid) for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            list(self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+            for c in conversations
+        ]
+        return self.generate(prompts, params, use_tqdm)

@@ -1,0 +1,154 @@
+"""Prefix caching: time to first token and throughput with `enable_prefix_caching` on and off, on requests that
+share a few long prefixes (system prompts, few-shot examples) and differ in their suffixes.
+
+Every request arrives at t=0, so TTFT includes queueing behind the others' prefills: that is where the skipped
+prefix work shows.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from engine import LLM
+from workbench.bench.datasets import BenchRequest, shared_prefix_requests, token_id_range
+from workbench.bench.report import (engine_settings_note, machine_info, machine_markdown, markdown_table,
+                                    percentile, text_table)
+from workbench.bench.throughput import cold_start, greedy_params
+
+MODES = {"on": True, "off": False}
+
+
+@dataclass(frozen=True)
+class PrefixRun:
+    """One pass of the workload on one engine: per-request TTFTs, totals and the prefix-cache counters."""
+
+    ttft_s: list[float]
+    elapsed_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    hit_rate: float
+    num_cached_tokens: int
+    num_preemptions: int
+    peak_kv_blocks: int
+
+    def summary(self) -> dict[str, float]:
+        ms = [t * 1e3 for t in self.ttft_s]
+        return {
+            "ttft_mean_ms": statistics.fmean(ms), "ttft_median_ms": statistics.median(ms),
+            "ttft_p90_ms": percentile(ms, 90), "elapsed_s": self.elapsed_s,
+            "output_tok_s": self.num_output_tokens / self.elapsed_s,
+            "total_tok_s": (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s,
+            "hit_rate": self.hit_rate, "num_cached_tokens": self.num_cached_tokens,
+            "num_preemptions": self.num_preemptions, "peak_kv_blocks": self.peak_kv_blocks,
+        }
+
+
+def run_prefix_once(llm: LLM, requests: Sequence[BenchRequest]) -> PrefixRun:
+    """Add every request with one arrival time, step the engine until all finish, collect the metrics."""
+    cold_start(llm)  # the hits measured are those within the run
+    eng = llm.engine
+    stats = eng.kv_cache_manager.stats
+    queries0, hits0 = stats.queries, stats.hits
+    t0 = time.monotonic()
+    ids = [eng.add_request(r.prompt_token_ids, p, arrival_time=t0) for r, p in zip(requests, greedy_params(requests))]
+    preemptions = peak = 0
+    while eng.has_unfinished_requests():
+        record = eng.step()
+        preemptions += len(record.of_kind("request.preempted"))
+        peak = max(peak, record.kv.used)
+    elapsed = time.monotonic() - t0
+    outs = [eng.pop_output(rid) for rid in ids]
+    queries = stats.queries - queries0
+    return PrefixRun(
+        ttft_s=[o.metrics.first_token_time - o.metrics.arrival_time for o in outs],
+        elapsed_s=elapsed,
+        num_prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+        num_output_tokens=sum(len(o.token_ids) for o in outs),
+        hit_rate=(stats.hits - hits0) / queries if queries else 0.0,
+        num_cached_tokens=sum(o.num_cached_tokens for o in outs),
+        num_preemptions=preemptions,
+        peak_kv_blocks=peak,
+    )
+
+
+def _median_summary(runs: list[PrefixRun]) -> dict[str, float]:
+    summaries = [r.summary() for r in runs]
+    return {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
+
+
+def run_prefix(model: str = "smollm2-135m", num_prefixes: int = 5, prefix_len: int = 512, suffix_len: int = 128,
+               num_requests: int = 64, output_len: int = 16, runs: int = 3, seed: int = 0,
+               max_num_batched_tokens: int = 2048, block_size: int = 16,
+               engine_kwargs: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The shared-prefix workload on two engines (prefix caching on, off), alternating, `runs` times each;
+    per-metric medians. `engine_kwargs`: more EngineConfig fields. Returns settings and one summary per mode,
+    plus on/off speedups."""
+    engine_kwargs = dict(engine_kwargs or {})
+    engines = {mode: LLM(model=model, enable_prefix_caching=on, max_num_batched_tokens=max_num_batched_tokens,
+                         block_size=block_size, seed=seed, **engine_kwargs) for mode, on in MODES.items()}
+    requests = shared_prefix_requests(num_prefixes, prefix_len, suffix_len, num_requests, output_len,
+                                      token_id_range(engines["on"].tokenizer), seed)
+    warmup = [BenchRequest(r.prompt_token_ids[:16], 2) for r in requests[:2]]
+    for llm in engines.values():
+        run_prefix_once(llm, warmup)
+    results: dict[str, list[PrefixRun]] = {mode: [] for mode in MODES}
+    for i in range(runs):
+        for mode, llm in engines.items():
+            results[mode].append(run_prefix_once(llm, requests))
+            log(f"run {i + 1}/{runs}: caching {mode}: {results[mode][-1].elapsed_s:.2f} s")
+    on, off = _median_summary(results["on"]), _median_summary(results["off"])
+    return {
+        "model": model,
+        "settings": {"num_prefixes": num_prefixes, "prefix_len": prefix_len, "suffix_len": suffix_len,
+                     "num_requests": num_requests, "output_len": output_len, "runs": runs, "seed": seed,
+                     "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
+                     "engine_kwargs": engine_kwargs},
+        "on": on,
+        "off": off,
+        "ttft_mean_speedup": off["ttft_mean_ms"] / on["ttft_mean_ms"],
+        "throughput_speedup": on["total_tok_s"] / off["total_tok_s"],
+    }
+
+
+_HEADERS = ("prefix caching", "TTFT mean ms", "TTFT median ms", "TTFT p90 ms", "output tok/s", "total tok/s",
+            "hit rate", "preemptions", "peak KV blocks")
+
+
+def _rows(result: dict[str, Any]) -> list[list[object]]:
+    return [[mode, s["ttft_mean_ms"], s["ttft_median_ms"], s["ttft_p90_ms"], s["output_tok_s"], s["total_tok_s"],
+             f"{s['hit_rate']:.1%}", int(s["num_preemptions"]), int(s["peak_kv_blocks"])]
+            for mode, s in ((m, result[m]) for m in MODES)]
+
+
+def speedup_line(result: dict[str, Any]) -> str:
+    on, off = result["on"], result["off"]
+    return (f"caching on vs off: mean TTFT {on['ttft_mean_ms']:.0f} vs {off['ttft_mean_ms']:.0f} ms "
+            f"({result['ttft_mean_speedup']:.2f}x faster), total throughput {result['throughput_speedup']:.2f}x")
+
+
+def _workload(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    return (f"{result['model']}: {s['num_requests']} requests = one of {s['num_prefixes']} shared "
+            f"{s['prefix_len']}-token prefixes + a {s['suffix_len']}-token random suffix, {s['output_len']} output "
+            f"tokens each, all arriving at t=0; median of {s['runs']} alternating runs")
+
+
+def format_text(result: dict[str, Any]) -> str:
+    return "\n".join([_workload(result), text_table(_HEADERS, _rows(result)), speedup_line(result)])
+
+
+def format_markdown(result: dict[str, Any], command: str) -> str:
+    s = result["settings"]
+    return "\n\n".join([
+        "## Prefix caching: on vs off",
+        f"`{command}`",
+        (f"{_workload(result)}. Greedy, EOS ignored; block_size={s['block_size']}, "
+         f"max_num_batched_tokens={s['max_num_batched_tokens']}, seed {s['seed']}. TTFT = first token time - "
+         "arrival time. Hit rate = prefix-cache hit tokens / queried prompt tokens.")
+        + engine_settings_note(s["engine_kwargs"]),
+        markdown_table(_HEADERS, _rows(result)),
+        f"**{speedup_line(result)}**",
+        machine_markdown(machine_info()),
+    ])

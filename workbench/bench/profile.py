@@ -1,0 +1,217 @@
+"""Where a decode step's time goes: scheduler, model forward (attention, linear layers, the rest), LM head,
+sampler, output processing, and what the events and the StepRecord cost.
+
+A steady workload (every request mid-decode) is stepped three ways: plainly (the step times and the events each
+step made), under cProfile (the split by stage, read by code object so that no name is ambiguous), and under
+torch.profiler (the heaviest aten ops). The events' cost is measured twice: cProfile's cumulative time of
+`EventLog.emit` and `StepRecord` construction (inflated by the profiler's per-call overhead, which falls hardest on
+small Python calls), and by replaying each plain step's events into a fresh `EventLog` and rebuilding its
+StepRecord without any profiler (a lower bound: building the payloads at the call sites is not replayed).
+"""
+from __future__ import annotations
+
+import cProfile
+import statistics
+import time
+from dataclasses import fields
+from typing import Any, Callable
+
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import kernels
+from engine import LLM, SamplingParams, StepRecord
+from engine.core.scheduler import Scheduler
+from engine.events import EventLog
+from engine.llm_engine import LLMEngine
+from engine.model.llama import LlamaForCausalLM
+from engine.model.runner import ModelRunner
+from engine.model.sampler import Sampler
+from engine.output_processor import IncrementalDetokenizer
+from workbench.bench.datasets import random_requests, token_id_range
+from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table, text_table
+
+# The functions whose cumulative time makes up the split; the rows below are built from their differences.
+_FUNCS = {
+    "step": LLMEngine.step,
+    "schedule": Scheduler.schedule,
+    "execute_model": ModelRunner.execute_model,
+    "model": LlamaForCausalLM.forward,
+    "store_kvcache": kernels.store_kvcache,
+    "paged_attention": kernels.paged_attention,
+    "linear": nn.Linear.forward,
+    "compute_logits": LlamaForCausalLM.compute_logits,
+    "sampler": Sampler.__call__,
+    "update": Scheduler.update_from_output,
+    "detokenize": IncrementalDetokenizer.update,
+    "emit": EventLog.emit,
+    "begin": EventLog.begin,
+    "drain": EventLog.drain,
+    "step_record": StepRecord.__init__,
+}
+# Rows that are the model's own arithmetic; every other row is engine overhead around it.
+MODEL_ROWS = ("model: attention (KV write + paged attention)", "model: linear layers", "model: other (norms, RoPE, "
+              "embedding, activations)", "LM head (logits)")
+
+
+def _cumulative_ms(profiler: cProfile.Profile, steps: int) -> dict[str, float]:
+    """Cumulative ms per step of each function in _FUNCS (0 when it never ran)."""
+    by_code = {entry.code: entry.totaltime for entry in profiler.getstats()}
+    return {name: by_code.get(func.__code__, 0.0) * 1e3 / steps for name, func in _FUNCS.items()}
+
+
+def stage_split(ms: dict[str, float]) -> list[tuple[str, float]]:
+    """Exclusive stages of one step (ms) from the cumulative times; they add up to the step."""
+    attention = ms["store_kvcache"] + ms["paged_attention"]
+    linear = ms["linear"] - ms["compute_logits"]  # the LM head is a Linear too: counted in its own row
+    rows = [
+        ("scheduler: schedule", ms["schedule"]),
+        ("runner: inputs, sampling metadata", ms["execute_model"] - ms["model"] - ms["compute_logits"] - ms["sampler"]),
+        (MODEL_ROWS[0], attention),
+        (MODEL_ROWS[1], linear),
+        (MODEL_ROWS[2], ms["model"] - attention - linear),
+        (MODEL_ROWS[3], ms["compute_logits"]),
+        ("sampler", ms["sampler"]),
+        ("scheduler: update_from_output", ms["update"]),
+        ("output processing (detokenize, stop strings)", ms["detokenize"]),
+    ]
+    rows.append(("rest of step (StepRecord, StepTiming, KV usage, glue)", ms["step"] - sum(v for _, v in rows)))
+    return rows
+
+
+def _payloads(record: StepRecord) -> list[tuple[type, dict[str, Any]]]:
+    return [(type(e), {f.name: getattr(e, f.name) for f in fields(e) if f.name != "step"}) for e in record.events]
+
+
+def replay_events_ms(record: StepRecord, repeats: int = 20) -> float:
+    """ms to emit this step's events into a fresh EventLog and build its StepRecord, without any profiler
+    (median of `repeats`)."""
+    payloads = _payloads(record)
+    others = {f.name: getattr(record, f.name) for f in fields(record) if f.name != "events"}
+    times = []
+    for _ in range(repeats):
+        log = EventLog()
+        t0 = time.perf_counter()
+        log.begin(record.step)
+        for cls, payload in payloads:
+            log.emit(cls, **payload)
+        StepRecord(**others, events=log.drain())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _start_decode_workload(llm: LLM, num_requests: int, prompt_len: int, max_tokens: int, seed: int) -> list[str]:
+    """Add the requests and step until every one of them is decoding."""
+    eng = llm.engine
+    requests = random_requests(num_requests, (prompt_len, prompt_len), (1, 1), token_id_range(llm.tokenizer), seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [eng.add_request(r.prompt_token_ids, params) for r in requests]
+    while True:
+        record = eng.step()
+        if len(record.phases) == num_requests and set(record.phases.values()) == {"decode"}:
+            return ids
+
+
+def _torch_ops(eng: LLMEngine, steps: int, top: int) -> list[tuple[str, float, int]]:
+    """The `top` aten ops by self CPU time: (name, ms per step, calls per step)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count // steps) for e in ops]
+
+
+def run_profile(model: str = "smollm2-135m", num_requests: int = 32, prompt_len: int = 256, steps: int = 5,
+                warmup: int = 2, top_ops: int = 10, seed: int = 0, max_num_batched_tokens: int = 2048,
+                engine_kwargs: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Profile `steps` decode steps of `num_requests` requests three ways (plain, cProfile, torch.profiler).
+    `engine_kwargs`: more EngineConfig fields. Returns the plain step time, the stage split, the events' cost
+    and the top ops."""
+    engine_kwargs = dict(engine_kwargs or {})
+    llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
+    eng = llm.engine
+    ids = _start_decode_workload(llm, num_requests, prompt_len, warmup + 3 * steps + 2, seed)
+    for _ in range(warmup):
+        eng.step()
+    plain = [eng.step() for _ in range(steps)]
+    step_ms = statistics.median((r.end_ns - r.start_ns) / 1e6 for r in plain)
+    log(f"plain decode step: {step_ms:.1f} ms")
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        profiler.enable()
+        eng.step()
+        profiler.disable()
+    ms = _cumulative_ms(profiler, steps)
+    ops = _torch_ops(eng, steps, top_ops) if top_ops else []
+    for rid in ids:
+        eng.abort(rid)
+        eng.pop_output(rid)
+    events_profiled = ms["emit"] + ms["begin"] + ms["drain"] + ms["step_record"]
+    stages = stage_split(ms)
+    overhead = [(name, v) for name, v in stages if name not in MODEL_ROWS]
+    return {
+        "model": model,
+        "settings": {"num_requests": num_requests, "prompt_len": prompt_len, "steps": steps, "warmup": warmup,
+                     "seed": seed, "max_num_batched_tokens": max_num_batched_tokens, "engine_kwargs": engine_kwargs},
+        "step_ms": step_ms,
+        "profiled_step_ms": ms["step"],
+        "stages": stages,
+        "largest_non_model": max(overhead, key=lambda kv: kv[1])[0],
+        "events_per_step": statistics.fmean(len(r.events) for r in plain),
+        "events_ms_profiled": events_profiled,
+        "events_share_profiled": events_profiled / ms["step"],
+        "events_ms_replayed": statistics.median(replay_events_ms(r) for r in plain),
+        "torch_ops": ops,
+    }
+
+
+def _stage_rows(result: dict[str, Any]) -> list[list[object]]:
+    total = result["profiled_step_ms"]
+    rows = [[name, ms, f"{ms / total:.1%}"] for name, ms in result["stages"]]
+    return rows + [["step (under cProfile)", total, "100.0%"]]
+
+
+def _op_rows(result: dict[str, Any]) -> list[list[object]]:
+    return [[name, ms, calls, f"{ms / result['step_ms']:.1%}"] for name, ms, calls in result["torch_ops"]]
+
+
+_STAGE_HEADERS = ("stage", "ms/step", "share")
+_OP_HEADERS = ("aten op (torch.profiler, self CPU)", "ms/step", "calls/step", "of plain step")
+
+
+def events_line(result: dict[str, Any]) -> str:
+    replayed = result["events_ms_replayed"]
+    return (f"events + StepRecord: {result['events_per_step']:.0f} events/step; {result['events_ms_profiled']:.2f} ms "
+            f"= {result['events_share_profiled']:.1%} of the step under cProfile; replayed without a profiler "
+            f"{replayed:.2f} ms = {replayed / result['step_ms']:.1%} of a plain {result['step_ms']:.1f} ms step")
+
+
+def _workload(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    return (f"{result['model']}: {s['num_requests']} requests mid-decode ({s['prompt_len']}-token prompts), "
+            f"{s['steps']} steps per method after {s['warmup']} warm-up steps")
+
+
+def format_text(result: dict[str, Any]) -> str:
+    parts = [_workload(result), text_table(_STAGE_HEADERS, _stage_rows(result)),
+             f"largest non-model cost: {result['largest_non_model']}", events_line(result)]
+    if result["torch_ops"]:
+        parts.append(text_table(_OP_HEADERS, _op_rows(result)))
+    return "\n".join(parts)
+
+
+def format_markdown(result: dict[str, Any], command: str) -> str:
+    parts = [
+        "## Step profile: where a decode step's time goes",
+        f"`{command}`",
+        (f"{_workload(result)}.{engine_settings_note(result['settings']['engine_kwargs'])} Plain step (no "
+         f"profiler): {result['step_ms']:.1f} ms. Split by cProfile cumulative times (each row exclusive; the "
+         "profiler adds its own overhead to Python-heavy rows):"),
+        markdown_table(_STAGE_HEADERS, _stage_rows(result)),
+        f"**Largest non-model cost: {result['largest_non_model']}.**",
+        events_line(result) + ".",
+    ]
+    if result["torch_ops"]:
+        parts += ["Heaviest aten ops:", markdown_table(_OP_HEADERS, _op_rows(result))]
+    parts.append(machine_markdown(machine_info()))
+    return "\n\n".join(parts)

@@ -1,0 +1,106 @@
+"""Benchmark reporting: the machine description, plain-text and Markdown tables, and docs sections that each
+benchmark rewrites on its own (delimited by HTML comment markers)."""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Sequence
+
+DEFAULT_DOCS_PATH = Path("docs") / "BENCHMARKS.md"
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo, or platform.processor() elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, str]:
+    """What a timing depends on: platform, CPU, cores and threads, library versions, and the date."""
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cores": str(os.cpu_count()),
+        "torch threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": importlib.metadata.version("transformers"),
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+    }
+
+
+def _cells(rows: Sequence[Sequence[object]]) -> list[list[str]]:
+    return [[f"{v:.2f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A fixed-width table for the terminal; floats with two decimals, numbers right-aligned."""
+    cells = [list(headers), *_cells(rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [all(_is_number(r[i]) for r in cells[1:]) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        lines.append("  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)))
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub-flavoured Markdown table; floats with two decimals."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in _cells(rows)]
+    return "\n".join(lines)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.rstrip("%x"))
+    except ValueError:
+        return False
+    return True
+
+
+def machine_markdown(info: dict[str, str]) -> str:
+    return "\n".join(f"- {k}: {v}" for k, v in info.items())
+
+
+def engine_settings_note(engine_kwargs: dict[str, object]) -> str:
+    """" Other engine settings: k=v, ..." for the EngineConfig fields a benchmark was given beyond its own."""
+    if not engine_kwargs:
+        return ""
+    return " Other engine settings: " + ", ".join(f"{k}={v}" for k, v in engine_kwargs.items()) + "."
+
+
+def write_section(path: str | os.PathLike, name: str, body: str) -> None:
+    """Replace the text between `<!-- bench:NAME:start -->` and `<!-- bench:NAME:end -->` in `path` by `body`,
+    leaving every other section alone; append the section (with its markers) if it is not there yet."""
+    path = Path(path)
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    block = f"{start}\n{body.strip()}\n{end}"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100] (numpy's default method)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

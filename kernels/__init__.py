@@ -1,9 +1,10 @@
-"""Kernels for the paged KV cache, dispatched by device.
+"""Kernels for the paged KV cache and rejection sampling, dispatched by device.
 
 CUDA tensors run ``kernels.triton.<name>`` where that module defines it; everything
 else (and CUDA until a Triton kernel exists) runs the torch reference in
-``kernels.reference``, which has the same signature. This package imports nothing
-from ``engine``.
+``kernels.reference``, which has the same signature. The rejection sampler's noise is
+drawn outside both (``generate_uniform_probs``, ``generate_recovery_noise``), so the two
+emit the same tokens. This package imports nothing from ``engine``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import reference
+from kernels.reference import PLACEHOLDER_TOKEN_ID, generate_recovery_noise, generate_uniform_probs
 
 
 @functools.cache
@@ -57,4 +59,29 @@ def paged_attention(
     )
 
 
-__all__ = ["paged_attention", "store_kvcache"]
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    is_greedy: torch.Tensor,
+    uniform_probs: torch.Tensor,
+    recovery_noise: torch.Tensor,
+    max_spec_len: int,
+) -> torch.Tensor:
+    """Speculative decoding's accept/recover/bonus step, ``[B, max_spec_len + 1]``; see ``kernels.reference``."""
+    return _impl("rejection_sample", target_probs.device.type)(
+        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids, is_greedy,
+        uniform_probs, recovery_noise, max_spec_len,
+    )
+
+
+__all__ = [
+    "PLACEHOLDER_TOKEN_ID",
+    "generate_recovery_noise",
+    "generate_uniform_probs",
+    "paged_attention",
+    "rejection_sample",
+    "store_kvcache",
+]

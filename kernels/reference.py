@@ -1,10 +1,13 @@
-"""Torch reference kernels for the paged KV cache (the CPU path, and the oracle for Triton).
+"""Torch reference kernels (the CPU path, and the oracle for Triton): the paged KV cache and
+rejection sampling.
 
 KV cache layout, one pair per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 A token's flat slot is ``block_id * block_size + offset``.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -133,3 +136,147 @@ def _prefill_one(
         enable_gqa=True,
     )
     return o[0].transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rejection sampling (speculative decoding), vLLM V1's layout and names.
+#
+# Drafts of all requests are flattened: request b owns draft rows
+# ``cu_num_draft_tokens[b-1]:cu_num_draft_tokens[b]`` (inclusive cumulative counts, as vLLM).
+# ``target_probs`` has one row per draft token (the target's distribution at that position);
+# the bonus token, drawn from the target's (k+1)-th distribution, is sampled outside and
+# passed in as ``bonus_token_ids``. For greedy requests only the argmax of their target rows
+# is used, so those rows may hold logits. All randomness is drawn outside (see
+# ``generate_uniform_probs`` / ``generate_recovery_noise``), so the torch and Triton versions
+# consume the same noise and emit the same tokens.
+# ---------------------------------------------------------------------------------------------
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+    is_greedy: torch.Tensor,
+    uniform_probs: torch.Tensor,
+    recovery_noise: torch.Tensor,
+    max_spec_len: int,
+) -> torch.Tensor:
+    """Accept a prefix of each request's drafts, then emit one recovered or bonus token.
+
+    Shapes: ``draft_token_ids`` ``[N]``; ``cu_num_draft_tokens`` ``[B]``; ``draft_probs``
+    ``[N, V]`` or None (n-gram: the draft is a point mass); ``target_probs`` ``[N, V]``;
+    ``bonus_token_ids`` ``[B]``; ``is_greedy`` ``[B]`` bool; ``uniform_probs`` ``[N]``;
+    ``recovery_noise`` ``[B, V]`` Exponential(1). Returns ``[B, max_spec_len + 1]`` int32,
+    ``PLACEHOLDER_TOKEN_ID`` after each request's last emitted token.
+
+    Greedy requests accept while the draft equals the target's argmax and then emit the
+    argmax. Random requests accept with probability ``min(1, p_target / p_draft)``; at the
+    first rejection they emit ``argmax(r / q)`` with ``r = max(p_target - p_draft, 0)`` and
+    ``q`` the request's noise: a draw from ``normalize(r)`` (the exponential race). A request
+    whose drafts are all accepted emits its bonus token.
+    """
+    batch_size, num_tokens = cu_num_draft_tokens.shape[0], draft_token_ids.shape[0]
+    device = target_probs.device
+    counts = torch.diff(cu_num_draft_tokens.long(), prepend=cu_num_draft_tokens.new_zeros(1).long())
+    req = torch.repeat_interleave(torch.arange(batch_size, device=device), counts, output_size=num_tokens)
+    pos = torch.arange(num_tokens, device=device) - (cu_num_draft_tokens.long() - counts)[req]
+    drafts = draft_token_ids.long()
+    target_argmax = target_probs.argmax(dim=-1)
+    p_target = target_probs.gather(1, drafts[:, None])[:, 0].float()
+    p_draft = torch.ones_like(p_target) if draft_probs is None else draft_probs.gather(1, drafts[:, None])[:, 0].float()
+    greedy = is_greedy[req]
+    accepted = torch.where(greedy, drafts == target_argmax, _accept(p_target, p_draft, uniform_probs))
+    recovered = (_recovered_probs(target_probs, draft_probs, drafts) / recovery_noise[req]).argmax(dim=-1)
+    stop_token = torch.where(greedy, target_argmax, recovered)
+    return _emit(batch_size, max_spec_len, req, pos, counts, drafts, accepted, stop_token, bonus_token_ids)
+
+
+def _accept(p_target: torch.Tensor, p_draft: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Accept with probability min(1, p_target / p_draft) for uniform in [0, 1); never a token the target rules out."""
+    return uniform * p_draft < p_target
+
+
+def _recovered_probs(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor | None, drafts: torch.Tensor
+) -> torch.Tensor:
+    """Unnormalised ``max(p_target - p_draft, 0)``; for a point-mass draft, p_target without the draft token."""
+    if draft_probs is None:
+        return target_probs.float().scatter(1, drafts[:, None], 0.0)
+    return (target_probs.float() - draft_probs.float()).clamp_(min=0.0)
+
+
+def _emit(
+    batch_size: int,
+    max_spec_len: int,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    counts: torch.Tensor,
+    drafts: torch.Tensor,
+    accepted: torch.Tensor,
+    stop_token: torch.Tensor,
+    bonus_token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Per-token decisions -> ``[B, max_spec_len + 1]``: accepted drafts, then the stop token, then -1."""
+    device = drafts.device
+    width = max_spec_len + 1
+    grid_accepted = torch.ones(batch_size, width, dtype=torch.int32, device=device)
+    grid_accepted[req, pos] = accepted.int()
+    grid_drafts = torch.zeros(batch_size, width, dtype=torch.int64, device=device)
+    grid_drafts[req, pos] = drafts
+    grid_stop = torch.zeros_like(grid_drafts)
+    grid_stop[req, pos] = stop_token
+    # Leading run of accepted drafts; padding past a request's drafts counts as accepted, so cap it.
+    num_accepted = torch.minimum(grid_accepted.cumprod(dim=1).sum(dim=1), counts)
+    last = torch.where(
+        num_accepted == counts,
+        bonus_token_ids.reshape(-1).long(),
+        grid_stop.gather(1, num_accepted[:, None])[:, 0],
+    )
+    cols = torch.arange(width, device=device)[None, :]
+    out = torch.where(cols < num_accepted[:, None], grid_drafts, PLACEHOLDER_TOKEN_ID)
+    out.scatter_(1, num_accepted[:, None], last[:, None])
+    return out.to(torch.int32)
+
+
+def generate_uniform_probs(
+    num_draft_tokens: list[int],
+    generators: dict[int, torch.Generator],
+    device: torch.device | str,
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``[N]`` float32 uniforms in [0, 1) for the acceptance tests.
+
+    A request with its own generator draws its slice from it alone, and one with no drafts
+    draws nothing, so a seeded request's tokens do not depend on the rest of the batch.
+    """
+    uniform = torch.empty(sum(num_draft_tokens), dtype=torch.float32, device=device)
+    uniform.uniform_(generator=default_generator)
+    starts = [0, *itertools.accumulate(num_draft_tokens)]
+    for b, generator in generators.items():
+        if num_draft_tokens[b] > 0:
+            uniform[starts[b] : starts[b + 1]].uniform_(generator=generator)
+    return uniform
+
+
+def generate_recovery_noise(
+    num_draft_tokens: list[int],
+    vocab_size: int,
+    generators: dict[int, torch.Generator],
+    device: torch.device | str,
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``[B, V]`` Exponential(1) noise, one row per request, for the recovered-token race.
+
+    One row serves all of a request's positions: only the first rejection emits a token.
+    Drawn as -log(U), U in [0, 1), as the engine's sampler draws its noise.
+    """
+    noise = torch.empty(len(num_draft_tokens), vocab_size, dtype=torch.float32, device=device)
+    noise.uniform_(generator=default_generator)
+    for b, generator in generators.items():
+        if num_draft_tokens[b] > 0:
+            noise[b].uniform_(generator=generator)
+    return noise.log_().neg_()

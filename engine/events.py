@@ -129,6 +129,26 @@ class PrefixLookup(Event):
 
 
 @dataclass(frozen=True)
+class GrammarCompiled(Event):
+    kind: ClassVar[str] = "grammar.compiled"
+    request_id: str
+    ms: float  # from submission to ready, queueing included
+    cache_hit: bool
+
+
+@dataclass(frozen=True)
+class GrammarStep(Event):
+    """The grammar's view of one sampled position: how many tokens it allowed, what was sampled."""
+
+    kind: ClassVar[str] = "grammar.step"
+    request_id: str
+    num_allowed_tokens: int
+    sampled_token: int
+    terminated: bool
+    jump_forward: str | None = None  # the text the grammar forces next, where it forces any
+
+
+@dataclass(frozen=True)
 class StepTiming(Event):
     kind: ClassVar[str] = "step.timing"
     schedule_ms: float

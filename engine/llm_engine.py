@@ -12,6 +12,7 @@ from engine.events import EventLog, RequestAdded, RequestTokens, StepRecord, Ste
 from engine.model.loader import resolve_model
 from engine.model.runner import ModelRunner
 from engine.output_processor import IncrementalDetokenizer, make_output
+from engine.structured.manager import StructuredOutputManager
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 
 
@@ -40,7 +41,8 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
             config.prefix_caching_hash_algo, self.events,
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.events)
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, self.events)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.events, self.structured)
         self.step_count = 0
         self._subscribers: list[Subscriber] = []
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -65,8 +67,6 @@ class LLMEngine:
             raise TypeError(f"priority: expected int, got {type(priority).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt: expected str or None, got {type(cache_salt).__name__}")
-        if params.structured_outputs is not None:
-            raise ValueError("structured_outputs: guided decoding is not built yet")
         token_ids = self._tokenize(prompt)
         self._validate_length(token_ids, params)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
@@ -152,8 +152,9 @@ class LLMEngine:
         start_ns = time.time_ns()
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        bitmask = self.structured.grammar_bitmask([s.request_id for s in sched_out.scheduled if s.samples])
         t1 = time.perf_counter()
-        runner_out = self.runner.execute_model(sched_out)
+        runner_out = self.runner.execute_model(sched_out, *bitmask)
         t2 = time.perf_counter()
         appended = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
         self._process_outputs(appended, runner_out.logprobs)

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
 from engine.core.request_queue import create_request_queue
 from engine.events import EventLog, RequestFinished, RequestPreempted, RequestScheduled
 from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.structured.manager import StructuredOutputManager
 
 
 @dataclass
@@ -57,8 +61,10 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue, the running list and every live request's status and computed-token count."""
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, events: EventLog) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, events: EventLog,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.config = config
+        self.structured = structured
         self.kv = kv_cache_manager
         self.events = events
         self.policy = config.scheduling_policy
@@ -69,6 +75,8 @@ class Scheduler:
 
     # ---- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            self.structured.add_request(request)  # compiles off the loop; WAITING_FOR_FSM until ready
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
 
@@ -154,8 +162,16 @@ class Scheduler:
         self.waiting.prepend_request(request)
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        skipped: list[Request] = []  # grammars still compiling: passed over, not blocking the others
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self.structured.check_ready(request):
+                error = self.structured.error(request.request_id)
+                if error is not None:
+                    self.finish_request(request, RequestStatus.FINISHED_ERROR, error)
+                else:
+                    skipped.append(self.waiting.pop_request())
+                continue
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
@@ -175,6 +191,8 @@ class Scheduler:
                 request.metrics.first_scheduled_time = time.monotonic()
             scheduled.append(self._scheduled(request, num_new, num_computed))
             budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.prepend_request(request)
 
     def _scheduled(self, request: Request, num_new: int, num_computed: int) -> ScheduledRequest:
         num_spec = max(0, num_computed + num_new - request.num_tokens)
@@ -215,13 +233,18 @@ class Scheduler:
             if not tokens or request.is_finished:
                 continue
             taken = appended[request.request_id] = []
+            status = None
             for token in tokens:
                 request.append_output_token_ids(token)
                 taken.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
-                    self.finish_request(request, status)
                     break
+            if self.structured is not None and self.structured.is_guided(request.request_id):
+                if self.structured.accept_tokens(request, taken) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+            if status is not None:
+                self.finish_request(request, status)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
@@ -253,6 +276,8 @@ class Scheduler:
         request.error = error
         request.metrics.finished_time = time.monotonic()
         self.kv.free(request)
+        if self.structured is not None:
+            self.structured.remove(request.request_id)
         self.requests.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
         self.events.emit(RequestFinished, request_id=request.request_id, reason=status.finish_reason,

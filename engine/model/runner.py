@@ -72,7 +72,9 @@ class ModelRunner:
         return self.hf_config.vocab_size
 
     @torch.inference_mode()
-    def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None,
+                      guided_rows: list[int] | None = None) -> ModelRunnerOutput:
+        """Run the step's batch; `grammar_bitmask` (one row per sampling row) masks the `guided_rows`."""
         if output.is_empty:
             return ModelRunnerOutput({}, {})
         t0 = time.perf_counter()
@@ -81,6 +83,10 @@ class ModelRunner:
         if not batch.sampling_rows:
             return ModelRunnerOutput({}, {}, forward_ms=(time.perf_counter() - t0) * 1e3)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if grammar_bitmask is not None:
+            from engine.structured.xgrammar_backend import apply_bitmask
+
+            apply_bitmask(logits, grammar_bitmask, guided_rows)
         t1 = time.perf_counter()
         sampler_out = self.sampler(logits, self._sampling_metadata(batch.sampling_rows))
         token_ids = sampler_out.sampled_token_ids.tolist()

@@ -1,0 +1,119 @@
+"""The StructuredOutputManager: compiles grammars off the step loop and keeps each guided request's matcher."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.events import EventLog, GrammarCompiled, GrammarStep
+from engine.request import Request, RequestStatus
+from engine.structured.xgrammar_backend import Grammar, XgrammarBackend, apply_bitmask, grammar_key
+
+
+@dataclass
+class StructuredOutputRequest:
+    """A guided request's grammar: the compile in flight, then the matcher."""
+
+    key: tuple[str, str]
+    future: Future | None = None
+    cache_hit: bool = False
+    grammar: Grammar | None = None
+    error: str | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class StructuredOutputManager:
+    """Owns the xgrammar backend (built on the first guided request), a compile thread pool, the compile
+    cache keyed by grammar, and the per-step bitmask. Requests wait in WAITING_FOR_FSM while they compile."""
+
+    def __init__(self, tokenizer, vocab_size: int, events: EventLog, max_workers: int = 1) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.events = events
+        self._backend: XgrammarBackend | None = None
+        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._cache: dict[tuple[str, str], Future] = {}
+        self.requests: dict[str, StructuredOutputRequest] = {}
+        self._allowed: dict[str, int] = {}  # this step's allowed-token count per guided request
+
+    @property
+    def backend(self) -> XgrammarBackend:
+        if self._backend is None:
+            self._backend = XgrammarBackend(self.tokenizer, self.vocab_size)
+        return self._backend
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling the request's grammar (or reuse the cached one); the request waits for it."""
+        key = grammar_key(request.sampling_params.structured_outputs)
+        cached = key in self._cache
+        if not cached:
+            backend = self.backend
+            self._cache[key] = self._executor.submit(backend.compile, key)
+        self.requests[request.request_id] = StructuredOutputRequest(key, self._cache[key], cached)
+        request.status = RequestStatus.WAITING_FOR_FSM
+
+    def check_ready(self, request: Request) -> bool:
+        """True once the grammar is compiled (the request may be scheduled); a failed compile sets `error`."""
+        so = self.requests[request.request_id]
+        if so.grammar is not None or so.error is not None:
+            return so.grammar is not None
+        if not so.future.done():
+            return False
+        try:
+            so.grammar = Grammar(so.future.result())
+        except Exception as exc:  # the compiler's message is the user's answer
+            so.error = f"grammar: {type(exc).__name__}: {exc}"
+            self._cache.pop(so.key, None)
+            return False
+        finally:
+            so.future = None
+        self.events.emit(GrammarCompiled, request_id=request.request_id,
+                         ms=(time.perf_counter() - so.submitted) * 1e3, cache_hit=so.cache_hit)
+        request.status = RequestStatus.WAITING
+        return True
+
+    def error(self, request_id: str) -> str | None:
+        so = self.requests.get(request_id)
+        return so.error if so else None
+
+    def remove(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def is_guided(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    # ---- per step -----------------------------------------------------------------------------
+    def grammar_bitmask(self, sampling_request_ids: list[str]) -> tuple[torch.Tensor | None, list[int]]:
+        """Fill one bitmask row per sampled position, in batch order. Returns the bitmask (its rows aligned
+        with the logits rows) and the guided rows."""
+        rows = [i for i, rid in enumerate(sampling_request_ids) if rid in self.requests]
+        self._allowed = {}
+        if not rows:
+            return None, []
+        bitmask = self.backend.allocate_bitmask(len(sampling_request_ids))
+        for i in rows:
+            rid = sampling_request_ids[i]
+            self._allowed[rid] = self.requests[rid].grammar.fill_bitmask(bitmask, i)
+        return bitmask, rows
+
+    @staticmethod
+    def apply(logits: torch.Tensor, bitmask: torch.Tensor | None, rows: list[int]) -> None:
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask, rows)
+
+    def accept_tokens(self, request: Request, tokens: list[int]) -> bool:
+        """Advance the matcher; returns True when the grammar has terminated (the request is complete)."""
+        grammar = self.requests[request.request_id].grammar
+        for token in tokens:
+            if not grammar.accept_token(token):
+                raise RuntimeError(f"grammar: token {token} rejected for request {request.request_id}")
+        terminated = grammar.is_terminated()
+        self.events.emit(GrammarStep, request_id=request.request_id, num_allowed_tokens=self._allowed.get(request.request_id, 0),
+                         sampled_token=tokens[-1], terminated=terminated,
+                         jump_forward=None if terminated else (grammar.jump_forward_string() or None))
+        return terminated
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,217 @@
+"""Guided decoding with xgrammar: outputs obey their grammar, greedy equals a masked transformers run,
+a broken grammar fails alone, and compiling never blocks other requests."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.model import resolve_model
+from engine.structured.xgrammar_backend import XgrammarBackend, grammar_key
+
+SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "email": {"type": "string", "maxLength": 24},
+        },
+        "required": ["name", "age"],
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "status": {"enum": ["pending", "shipped", "delivered"]},
+            "items": {"type": "array", "minItems": 1, "maxItems": 3,
+                      "items": {"type": "object",
+                                "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                                               "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+                                "required": ["sku", "qty"]}},
+            "total": {"type": "number", "minimum": 0, "maximum": 1000},
+        },
+        "required": ["status", "items", "total"],
+    },
+    "flags": {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "scores": {"type": "array", "items": {"type": "integer"},
+                                                             "maxItems": 4},
+                       "meta": {"type": "object", "properties": {"level": {"enum": [1, 2, 3]}},
+                                "required": ["level"]}},
+        "required": ["ok", "meta"],
+    },
+}
+EXPR_GRAMMAR = r'''
+root ::= term (op term)? (op term)?
+term ::= num | "(" num op num ")"
+op ::= "+" | "-"
+num ::= [1-9] [0-9]?
+'''
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(model="smollm2-135m", max_num_batched_tokens=256, long_prefill_token_threshold=64)
+
+
+def test_exactly_one_constraint_is_required() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a+", choice=["a"])
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
+
+
+@pytest.mark.slow
+def test_sampled_json_validates_against_its_schema(llm: LLM) -> None:
+    prompts, params, schemas = [], [], []
+    for name, schema in SCHEMAS.items():
+        for seed in range(4):
+            prompts.append(f"Return one {name} record as JSON: ")
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=160,
+                                         structured_outputs=StructuredOutputsParams(json=schema)))
+            schemas.append(schema)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, schema in zip(outs, schemas):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.slow
+def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
+    regex = r"[A-Z][a-z]{2,6}-\d{2,3}"
+    kinds = [("regex", StructuredOutputsParams(regex=regex)),
+             ("choice", StructuredOutputsParams(choice=["Positive", "Negative", "Neutral"])),
+             ("grammar", StructuredOutputsParams(grammar=EXPR_GRAMMAR)),
+             ("json_object", StructuredOutputsParams(json_object=True))]
+    prompts, params, names = [], [], []
+    for name, so in kinds:
+        for seed in range(3):
+            prompts.append("Answer: ")
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_outputs=so))
+            names.append(name)
+    for name, out in zip(names, llm.generate(prompts, params, use_tqdm=False)):
+        text = out.text
+        if name == "regex":
+            assert re.fullmatch(regex, text), text
+        elif name == "choice":
+            assert text in ("Positive", "Negative", "Neutral"), text
+        elif name == "grammar":
+            assert re.fullmatch(r"[0-9()+\-]+", text) and out.finish_reason == "stop", text
+            assert eval(text) == eval(text)  # parses as the arithmetic the grammar describes
+        elif out.finish_reason == "stop":  # json_object may run out of tokens; a finished one must parse
+            json.loads(text)
+
+
+class _GrammarLogitsProcessor:
+    """transformers-side reference: the same compiled grammar's mask, applied to generate()'s logits."""
+
+    def __init__(self, backend: XgrammarBackend, key) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(backend.compile(key))
+        self.bitmask = backend.allocate_bitmask(1)
+        self.prompt_len = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import xgrammar as xgr
+
+        if self.prompt_len is None:
+            self.prompt_len = input_ids.shape[1]
+        else:
+            assert self.matcher.accept_token(int(input_ids[0, -1]))
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        scores = scores.clone()
+        xgr.apply_token_bitmask_inplace(scores, self.bitmask)
+        return scores
+
+
+@pytest.mark.slow
+def test_greedy_guided_equals_masked_transformers(llm: LLM) -> None:
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    path = resolve_model("smollm2-135m")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    backend = XgrammarBackend(llm.tokenizer, llm.engine.runner.vocab_size)
+    cases = [("A person as JSON: ", StructuredOutputsParams(json=SCHEMAS["person"])),
+             ("Sum: ", StructuredOutputsParams(grammar=EXPR_GRAMMAR)),
+             ("Code: ", StructuredOutputsParams(regex=r"[a-z]{3}_[0-9]{4}"))]
+    outs = llm.generate([p for p, _ in cases],
+                        [SamplingParams(temperature=0, max_tokens=48, structured_outputs=so) for _, so in cases],
+                        use_tqdm=False)
+    for (prompt, so), out in zip(cases, outs):
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        proc = _GrammarLogitsProcessor(backend, grammar_key(so))
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,
+                          logits_processor=LogitsProcessorList([proc]), pad_token_id=2)[0, ids.shape[1]:].tolist()
+        assert out.token_ids == ref[:len(out.token_ids)], (out.text, llm.tokenizer.decode(ref))
+        assert len(out.token_ids) == len(ref) or out.finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_mixed_batch_and_broken_grammar_leave_others_untouched(llm: LLM) -> None:
+    shared = "You are a careful assistant. Always answer in the requested format. " * 6
+    healthy = [
+        (shared + "Name: ", SamplingParams(temperature=0, max_tokens=12)),
+        (shared + "JSON: ", SamplingParams(temperature=0, max_tokens=80,
+                                           structured_outputs=StructuredOutputsParams(json=SCHEMAS["person"]))),
+        (shared + "Pick: ", SamplingParams(temperature=0, max_tokens=8,
+                                           structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))),
+    ]
+    broken = [("Broken: ", SamplingParams(temperature=0, max_tokens=8,
+                                          structured_outputs=StructuredOutputsParams(grammar="root ::= ("))),
+              ("Bad schema: ", SamplingParams(temperature=0, max_tokens=8,
+                                              structured_outputs=StructuredOutputsParams(json="{not json")))]
+    first_run = []
+    llm.engine.subscribe(first_run.append)
+    alone = llm.generate([p for p, _ in healthy], [s for _, s in healthy], use_tqdm=False)
+    llm.engine.unsubscribe(first_run.append)
+    records = []
+    llm.engine.subscribe(records.append)
+    mixed = llm.generate([healthy[0][0], broken[0][0], healthy[1][0], broken[1][0], healthy[2][0]],
+                         [healthy[0][1], broken[0][1], healthy[1][1], broken[1][1], healthy[2][1]], use_tqdm=False)
+    llm.engine.unsubscribe(records.append)
+    assert [o.token_ids for o in (mixed[0], mixed[2], mixed[4])] == [o.token_ids for o in alone]
+    for bad in (mixed[1], mixed[3]):
+        assert bad.finish_reason == "error" and bad.error.startswith("grammar:") and bad.token_ids == []
+    assert any("chunk" in r.phases.values() for r in first_run)  # the shared prompts were chunked
+    assert sum(o.num_cached_tokens for o in mixed) > 0  # ...and hit the prefix cache
+    compiled = [e for r in records for e in r.of_kind("grammar.compiled")]
+    assert compiled and all(e.cache_hit for e in compiled)  # the first run compiled them: the second reuses
+    steps = [e for r in records for e in r.of_kind("grammar.step")]
+    assert steps and all(e.num_allowed_tokens >= 1 for e in steps)
+    assert llm.engine.kv_cache_manager.usage().used == 0
+
+
+def test_compiling_grammar_does_not_block_others(monkeypatch) -> None:
+    llm = LLM(model="tiny-llama", num_kv_blocks=32)
+    engine = llm.engine
+    gate = threading.Event()
+    real_compile = XgrammarBackend.compile
+
+    def slow_compile(self, key):
+        gate.wait(timeout=30)
+        return real_compile(self, key)
+
+    monkeypatch.setattr(XgrammarBackend, "compile", slow_compile)
+    guided = engine.add_request([5, 6, 7], SamplingParams(
+        temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")))
+    plain = engine.add_request([8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    for _ in range(3):
+        record = engine.step()
+        assert guided not in record.scheduled and plain in record.scheduled
+    assert engine.scheduler.requests[guided].status.name == "WAITING_FOR_FSM"
+    gate.set()
+    records = []
+    while engine.has_unfinished_requests():
+        records.append(engine.step())
+    assert any(r.of_kind("grammar.compiled") for r in records)
+    out = engine.pop_output(guided)
+    assert re.fullmatch("[ab]{4}", out.text) and out.finish_reason == "stop"
+    assert engine.pop_output(plain).finish_reason == "length"

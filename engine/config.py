@@ -9,6 +9,39 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's keys: method "ngram" (prompt_lookup_max/min) or "draft_model" (model)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    model: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        if not isinstance(d, dict):
+            raise TypeError(f"speculative_config: expected dict, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        method = d.get("method")
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method: must be 'ngram' or 'draft_model', got {method!r}")
+        k = d.get("num_speculative_tokens")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens: must be an int >= 1, got {k!r}")
+        cfg = cls(**d)
+        if method == "ngram" and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            raise ValueError("speculative_config.prompt_lookup_min: must be in [1, prompt_lookup_max="
+                             f"{cfg.prompt_lookup_max}], got {cfg.prompt_lookup_min}")
+        if method == "draft_model" and not cfg.model:
+            raise ValueError("speculative_config.model: a draft model name or path is required for draft_model")
+        return cfg
+
+
 @dataclass
 class EngineConfig:
     """All engine settings, vLLM's names. Invalid values raise ValueError/TypeError naming the field."""
@@ -58,8 +91,8 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.speculative_config is not None:
-            raise ValueError("speculative_config: speculative decoding is not built yet; leave it None")
+        self.speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(
+            self.speculative_config)
         if self.kv_transfer_config is not None:
             raise ValueError("kv_transfer_config: KV transfer is not built yet; leave it None")
 

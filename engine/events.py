@@ -29,7 +29,7 @@ class Event:
     def from_dict(d: dict[str, Any]) -> "Event":
         d = dict(d)
         cls = EVENT_TYPES[d.pop("kind")]
-        tuple_fields = {f.name for f in fields(cls) if f.type in ("tuple[int, ...]",)}
+        tuple_fields = {f.name for f in fields(cls) if f.type.startswith("tuple[")}
         return cls(**{k: tuple(v) if k in tuple_fields else v for k, v in d.items()})
 
 
@@ -146,6 +146,29 @@ class GrammarStep(Event):
     sampled_token: int
     terminated: bool
     jump_forward: str | None = None  # the text the grammar forces next, where it forces any
+
+
+@dataclass(frozen=True)
+class SpecProposed(Event):
+    kind: ClassVar[str] = "spec.proposed"
+    request_id: str
+    method: str
+    draft_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SpecVerified(Event):
+    """One verification: per draft position the draft token, accepted or not, p_target and p_draft
+    (p_draft 1.0 for n-gram's point mass); then the token emitted after the accepted prefix."""
+
+    kind: ClassVar[str] = "spec.verified"
+    request_id: str
+    draft_token_ids: tuple[int, ...]
+    accepted: tuple[bool, ...]
+    p_target: tuple[float, ...]
+    p_draft: tuple[float, ...]
+    emitted_token: int  # the recovered token after a rejection, or the bonus token when all were accepted
+    bonus: bool
 
 
 @dataclass(frozen=True)

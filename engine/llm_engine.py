@@ -27,7 +27,9 @@ class LLMEngine:
             raise TypeError("LLMEngine: pass either an EngineConfig or keyword arguments, not both")
         self.config = config
         self.model_path = resolve_model(config.model)
-        self.runner = ModelRunner(config, self.model_path)
+        self.events = EventLog()
+        self.events.begin(1)  # adds and aborts between steps belong to the step that follows them
+        self.runner = ModelRunner(config, self.model_path, self.events)
         shape = self.runner.model.shape
         # attention here has no sliding window: within the window, full attention is the same thing
         config.set_max_model_len(min(shape.max_position_embeddings or 2048, shape.sliding_window or 1 << 62))
@@ -35,8 +37,6 @@ class LLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_token_id = self._eos_token_id()
-        self.events = EventLog()
-        self.events.begin(1)  # adds and aborts between steps belong to the step that follows them
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
             config.prefix_caching_hash_algo, self.events,
@@ -142,6 +142,11 @@ class LLMEngine:
     def unsubscribe(self, callback: Subscriber) -> None:
         self._subscribers.remove(callback)
 
+    @property
+    def spec_stats(self):
+        """Speculative decoding statistics (SpecDecodingStats), or None without speculation."""
+        return None if self.runner.spec is None else self.runner.spec.stats
+
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
@@ -152,11 +157,13 @@ class LLMEngine:
         start_ns = time.time_ns()
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
-        bitmask = self.structured.grammar_bitmask([s.request_id for s in sched_out.scheduled if s.samples])
+        bitmask = self.structured.grammar_bitmask(
+            [(s.request_id, s.spec_token_ids) for s in sched_out.scheduled if s.samples])
         t1 = time.perf_counter()
         runner_out = self.runner.execute_model(sched_out, *bitmask)
         t2 = time.perf_counter()
-        appended = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        appended = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids,
+                                                     runner_out.spec_token_ids)
         self._process_outputs(appended, runner_out.logprobs)
         t3 = time.perf_counter()
         timing = {"schedule": (t1 - t0) * 1e3, "forward": runner_out.forward_ms, "sample": runner_out.sample_ms,

@@ -192,6 +192,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] for draft-model drafts
         self.block_hashes: list = []
         self.num_preemptions = 0
         self.num_prefill_chunks = 0  # chunks scheduled since the last (re)start of its prefill

@@ -145,9 +145,8 @@ class BlockPool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = block.parent_hash = None
-        self.cached_block_hash_to_block.clear()
+        for block in list(self.cached_block_hash_to_block.values()):
+            self.uncache(block)
         self.num_cached_free = 0
         return True
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
 from engine.core.request_queue import create_request_queue
-from engine.events import EventLog, RequestFinished, RequestPreempted, RequestScheduled
+from engine.events import EventLog, RequestFinished, RequestPreempted, RequestScheduled, SpecProposed
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -72,6 +72,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
+        spec = config.speculative
+        # room for the next drafts: the draft model writes their KV before they are scheduled
+        self.num_lookahead_tokens = spec.num_speculative_tokens if spec else 0
+        self.spec_method = spec.method if spec else None
 
     # ---- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -120,7 +124,7 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            while self.kv.allocate_slots(request, num_new) is None:
+            while self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
@@ -158,6 +162,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_prefill_chunks = 0
         request.spec_token_ids = []
+        request.spec_draft_probs = None
         request.num_preemptions += 1
         self.waiting.prepend_request(request)
 
@@ -179,7 +184,7 @@ class Scheduler:
             num_new = self._num_new_tokens(request, num_computed, budget)
             if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
                 break  # without chunking, a prompt waits until it fits whole
-            if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+            if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks, self.num_lookahead_tokens) is None:
                 break
             self.waiting.pop_request()
             self.running.append(request)
@@ -222,8 +227,10 @@ class Scheduler:
         return "chunk", index, index + cdiv(remaining - num_new, num_new)
 
     # ---- results ------------------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Append sampled tokens, apply token-level stop rules, free what finished.
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+                           drafts: dict[str, tuple[list[int], object]] | None = None) -> dict[str, list[int]]:
+        """Append sampled tokens (rolling back the slots of rejected drafts), apply token-level stop rules,
+        free what finished, and hand the next drafts to the requests that go on.
         Returns the tokens each request actually took (up to its stop), by request id."""
         appended: dict[str, list[int]] = {}
         now = time.monotonic()
@@ -232,23 +239,41 @@ class Scheduler:
             tokens = sampled.get(request.request_id)
             if not tokens or request.is_finished:
                 continue
-            taken = appended[request.request_id] = []
-            status = None
-            for token in tokens:
-                request.append_output_token_ids(token)
-                taken.append(token)
-                status = self._check_stop(request, token)
-                if status is not None:
-                    break
-            if self.structured is not None and self.structured.is_guided(request.request_id):
-                if self.structured.accept_tokens(request, taken) and status is None:
-                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-            if status is not None:
-                self.finish_request(request, status)
+            # verified k drafts, kept len(tokens) - 1 of them: the rest of the step's slots are reused later
+            request.num_computed_tokens -= len(s.spec_token_ids) + 1 - len(tokens)
+            request.spec_token_ids, request.spec_draft_probs = [], None
+            appended[request.request_id] = self._append(request, tokens)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
+            if not request.is_finished and drafts and request.request_id in drafts:
+                self._set_drafts(request, *drafts[request.request_id])
         return appended
+
+    def _append(self, request: Request, tokens: list[int]) -> list[int]:
+        taken, status = [], None
+        for token in tokens:
+            request.append_output_token_ids(token)
+            taken.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                break
+        if self.structured is not None and self.structured.is_guided(request.request_id):
+            if self.structured.accept_tokens(request, taken) and status is None:
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        if status is not None:
+            self.finish_request(request, status)
+        return taken
+
+    def _set_drafts(self, request: Request, tokens: list[int], probs) -> None:
+        if self.structured is not None and self.structured.is_guided(request.request_id):
+            tokens = tokens[:self.structured.validate_tokens(request, tokens)]  # drafts the grammar allows
+        if not tokens:
+            return
+        request.spec_token_ids = tokens
+        request.spec_draft_probs = None if probs is None else probs[:len(tokens)]
+        self.events.emit(SpecProposed, request_id=request.request_id, method=self.spec_method,
+                         draft_token_ids=tuple(tokens))
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         # vLLM's order: length first, then (past min_tokens) EOS, then stop token ids

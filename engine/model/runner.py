@@ -6,7 +6,7 @@ positions that sample (the last token of a request whose prefill completes, or i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +14,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.scheduler import SchedulerOutput
+from engine.events import EventLog
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import load_model
 from engine.model.sampler import Sampler, SamplingMetadata
+from engine.spec.decoder import SpecDecoder
 
 
 @dataclass
@@ -25,6 +27,7 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, float]]]
+    spec_token_ids: dict[str, tuple[list[int], torch.Tensor | None]] = field(default_factory=dict)  # drafts, probs
     forward_ms: float = 0.0
     sample_ms: float = 0.0
 
@@ -35,7 +38,8 @@ class _BatchInputs:
     positions: torch.Tensor
     attn: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling_rows: list  # ScheduledRequest per logits row
+    sampling_rows: list  # the ScheduledRequests that sample, in batch order
+    first_rows: list[int]  # each one's first logits row (a verify request has one per draft, plus one)
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -44,11 +48,19 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int
     return 2 * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size() * num_layers
 
 
+def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, each [num_blocks, block_size, kv heads, head dim]."""
+    shape = (num_blocks, block_size, model.shape.num_kv_heads, model.shape.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model.shape.num_layers)]
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors ([num_blocks, block_size, kv heads, head dim] per layer, K and V)
     and the sampler. Holds no request state of its own: each request carries its tokens and its generator."""
 
-    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path, events: EventLog) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
@@ -58,14 +70,11 @@ class ModelRunner:
         self.bytes_per_block = kv_cache_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
                                                         self.head_dim, config.torch_dtype)
         self.num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // self.bytes_per_block)
-        cache_shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [
-            (torch.zeros(cache_shape, dtype=config.torch_dtype, device=self.device),
-             torch.zeros(cache_shape, dtype=config.torch_dtype, device=self.device))
-            for _ in range(self.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, config.torch_dtype,
+                                            self.device)
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.spec = None if config.speculative is None else SpecDecoder(config, self, events)
 
     @property
     def vocab_size(self) -> int:
@@ -74,12 +83,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None,
                       guided_rows: list[int] | None = None) -> ModelRunnerOutput:
-        """Run the step's batch; `grammar_bitmask` (one row per sampling row) masks the `guided_rows`."""
+        """Run the step's batch; `grammar_bitmask` (one row per logits row) masks the `guided_rows`."""
         if output.is_empty:
             return ModelRunnerOutput({}, {})
         t0 = time.perf_counter()
         batch = self._prepare_inputs(output)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+        if self.spec is not None:
+            self.spec.mirror(batch.input_ids, batch.positions, batch.attn)
         if not batch.sampling_rows:
             return ModelRunnerOutput({}, {}, forward_ms=(time.perf_counter() - t0) * 1e3)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
@@ -88,16 +99,31 @@ class ModelRunner:
 
             apply_bitmask(logits, grammar_bitmask, guided_rows)
         t1 = time.perf_counter()
-        sampler_out = self.sampler(logits, self._sampling_metadata(batch.sampling_rows))
-        token_ids = sampler_out.sampled_token_ids.tolist()
-        sampled = {s.request_id: [t] for s, t in zip(batch.sampling_rows, token_ids)}
-        logprobs = self._logprobs(batch.sampling_rows, sampler_out.logprobs)
+        sampled, logprobs = self._sample(logits, batch)
+        drafts = self.spec.propose(batch.sampling_rows, sampled) if self.spec is not None else {}
         t2 = time.perf_counter()
-        return ModelRunnerOutput(sampled, logprobs, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3)
+        return ModelRunnerOutput(sampled, logprobs, drafts, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3)
+
+    def _sample(self, logits: torch.Tensor, batch: _BatchInputs) -> tuple[dict, dict]:
+        """Plain rows through the sampler; rows with drafts through the rejection sampler."""
+        plain = [(s, r) for s, r in zip(batch.sampling_rows, batch.first_rows) if not s.spec_token_ids]
+        verify = [(s, r) for s, r in zip(batch.sampling_rows, batch.first_rows) if s.spec_token_ids]
+        sampled, logprobs = {}, {}
+        if plain:
+            rows = [s for s, _ in plain]
+            plain_logits = logits if not verify else logits[[r for _, r in plain]]
+            out = self.sampler(plain_logits, self._sampling_metadata(rows))
+            sampled = {s.request_id: [t] for s, t in zip(rows, out.sampled_token_ids.tolist())}
+            logprobs = self._logprobs(rows, out.logprobs)
+        if verify:
+            sampled.update(self.spec.rejection_sampler(logits, [s for s, _ in verify], [r for _, r in verify],
+                                                       self._sampling_metadata))
+        return sampled, logprobs
 
     def _prepare_inputs(self, output: SchedulerOutput) -> _BatchInputs:
         bs = self.block_size
         ids, positions, slots, seq_lens, query_lens, logits_indices, rows = [], [], [], [], [], [], []
+        first_rows = []
         max_blocks = max(len(s.block_ids) for s in output.scheduled)
         block_tables = np.zeros((len(output.scheduled), max_blocks), dtype=np.int32)
         offset = 0
@@ -114,8 +140,9 @@ class ModelRunner:
             seq_lens.append(start + n)
             query_lens.append(n)
             offset += n
-            if s.samples:
-                logits_indices.append(offset - 1)
+            if s.samples:  # a verify request samples at its last token and at each draft
+                first_rows.append(len(logits_indices))
+                logits_indices.extend(range(offset - 1 - len(s.spec_token_ids), offset))
                 rows.append(s)
         dev = self.device
         positions_np = np.concatenate(positions)
@@ -131,6 +158,7 @@ class ModelRunner:
             attn=attn,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sampling_rows=rows,
+            first_rows=first_rows,
         )
 
     def _sampling_metadata(self, rows: list) -> SamplingMetadata:

@@ -82,14 +82,19 @@ class Sampler:
 
     def random_sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Temperature, min-p, top-k, top-p, then the exponential race (every row, as vLLM)."""
+        probs = self.probs(logits, metadata)
+        noise = exponential_noise(probs, metadata.generators, metadata.default_generator)
+        return greedy_sample(probs.div_(noise))
+
+    def probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows sample from: temperature, min-p, top-k, top-p, softmax.
+        (Speculative decoding verifies drafts against exactly this distribution.)"""
         logits = apply_temperature(logits, metadata.temperature)  # a new tensor from here on
         min_p = _active(metadata.min_p, lambda v: v > 0)
         if min_p is not None:
             apply_min_p(logits, min_p)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, self.top_p_candidates)
-        probs = logits.softmax(dim=-1)
-        noise = exponential_noise(probs, metadata.generators, metadata.default_generator)
-        return greedy_sample(probs.div_(noise))
+        return logits.softmax(dim=-1)
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:

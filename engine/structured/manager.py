@@ -85,23 +85,39 @@ class StructuredOutputManager:
         return request_id in self.requests
 
     # ---- per step -----------------------------------------------------------------------------
-    def grammar_bitmask(self, sampling_request_ids: list[str]) -> tuple[torch.Tensor | None, list[int]]:
-        """Fill one bitmask row per sampled position, in batch order. Returns the bitmask (its rows aligned
-        with the logits rows) and the guided rows."""
-        rows = [i for i, rid in enumerate(sampling_request_ids) if rid in self.requests]
+    def grammar_bitmask(self, sampling: list[tuple[str, list[int]]]) -> tuple[torch.Tensor | None, list[int]]:
+        """Fill one bitmask row per sampled position, in batch order: for each sampling request, its
+        (request id, drafts); a request with k drafts samples at k+1 positions. The matcher walks through
+        the drafts to fill their rows, then rolls back. Returns the bitmask (rows aligned with the logits
+        rows) and the guided rows."""
         self._allowed = {}
-        if not rows:
+        if not any(rid in self.requests for rid, _ in sampling):
             return None, []
-        bitmask = self.backend.allocate_bitmask(len(sampling_request_ids))
-        for i in rows:
-            rid = sampling_request_ids[i]
-            self._allowed[rid] = self.requests[rid].grammar.fill_bitmask(bitmask, i)
+        bitmask = self.backend.allocate_bitmask(sum(1 + len(d) for _, d in sampling))
+        rows, row = [], 0
+        for rid, drafts in sampling:
+            if rid in self.requests:
+                grammar = self.requests[rid].grammar
+                for j in range(len(drafts) + 1):
+                    allowed = grammar.fill_bitmask(bitmask, row + j)
+                    self._allowed.setdefault(rid, allowed)
+                    if j < len(drafts):
+                        grammar.accept_token(drafts[j])  # validated when proposed
+                    rows.append(row + j)
+                grammar.rollback(len(drafts))
+            row += 1 + len(drafts)
         return bitmask, rows
 
-    @staticmethod
-    def apply(logits: torch.Tensor, bitmask: torch.Tensor | None, rows: list[int]) -> None:
-        if bitmask is not None:
-            apply_bitmask(logits, bitmask, rows)
+    def validate_tokens(self, request: Request, tokens: list[int]) -> int:
+        """How many of these drafts, in order, the grammar accepts (its state is left unchanged)."""
+        grammar = self.requests[request.request_id].grammar
+        count = 0
+        for token in tokens:
+            if grammar.is_terminated() or not grammar.accept_token(token):
+                break
+            count += 1
+        grammar.rollback(count)
+        return count
 
     def accept_tokens(self, request: Request, tokens: list[int]) -> bool:
         """Advance the matcher; returns True when the grammar has terminated (the request is complete)."""

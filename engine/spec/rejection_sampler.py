@@ -1,0 +1,95 @@
+"""Verification: the target's distributions at k+1 positions decide which drafts stand (rejection sampling)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+import kernels
+from engine.events import EventLog, SpecVerified
+
+
+@dataclass
+class SpecDecodingStats:
+    """Drafts verified, draft tokens, accepted tokens, and acceptance by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification: accepted drafts plus the recovered or bonus token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        for per, n in ((self.drafted_per_position, num_drafted), (self.accepted_per_position, num_accepted)):
+            per.extend([0] * (n - len(per)))
+            for i in range(n):
+                per[i] += 1
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+
+
+class RejectionSampler:
+    """Owns the verification of one step's drafts and the acceptance statistics.
+
+    Greedy requests keep drafts while they equal the target's argmax; random ones accept with probability
+    min(1, p_target / p_draft) and, at the first rejection, draw from normalize(max(p_target - p_draft, 0));
+    when every draft stands, a bonus token comes from the (k+1)-th distribution. N-gram drafts have no
+    probabilities: a point mass."""
+
+    def __init__(self, sampler, events: EventLog, method: str) -> None:
+        self.sampler = sampler
+        self.events = events
+        self.method = method
+        self.stats = SpecDecodingStats()
+
+    def __call__(self, logits: torch.Tensor, rows: list, first_rows: list[int],
+                 metadata_for: Callable) -> dict[str, list[int]]:
+        """`rows`: the ScheduledRequests with drafts; `first_rows[i]`: where request i's k+1 logits rows start;
+        `metadata_for(requests)` builds SamplingMetadata for a list of ScheduledRequests."""
+        counts = [len(s.spec_token_ids) for s in rows]
+        target_idx = [r + j for r, n in zip(first_rows, counts) for j in range(n)]
+        bonus_idx = [r + n for r, n in zip(first_rows, counts)]
+        expanded = [s for s, n in zip(rows, counts) for _ in range(n)]
+        target_probs = self.sampler.probs(logits[target_idx], metadata_for(expanded))
+        bonus_meta = metadata_for(rows)
+        bonus = self.sampler(logits[bonus_idx], bonus_meta).sampled_token_ids
+        # greedy rows are judged by the argmax, which temperature 1 and the filters leave where it was
+        is_greedy = torch.tensor([s.request.sampling_params.greedy for s in rows], device=logits.device)
+        drafts = torch.tensor([t for s in rows for t in s.spec_token_ids], device=logits.device)
+        draft_probs = None
+        if self.method == "draft_model":
+            draft_probs = torch.cat([s.request.spec_draft_probs[:n] for s, n in zip(rows, counts)])
+        dev, gens, default = logits.device, bonus_meta.generators, bonus_meta.default_generator
+        out = kernels.rejection_sample(
+            drafts, torch.tensor(counts, device=dev).cumsum(0), draft_probs, target_probs, bonus, is_greedy,
+            kernels.generate_uniform_probs(counts, gens, dev, default),
+            kernels.generate_recovery_noise(counts, logits.shape[-1], gens, dev, default), max(counts))
+        return self._emit(rows, counts, out.tolist(), drafts, target_probs, draft_probs)
+
+    def _emit(self, rows: list, counts: list[int], out: list[list[int]], drafts: torch.Tensor,
+              target: torch.Tensor, draft_probs: torch.Tensor | None) -> dict[str, list[int]]:
+        p_target = target.gather(1, drafts[:, None])[:, 0].tolist()
+        p_draft = [1.0] * len(p_target) if draft_probs is None else draft_probs.gather(1, drafts[:, None])[:, 0].tolist()
+        result, start = {}, 0
+        for s, n, emitted in zip(rows, counts, out):
+            tokens = [t for t in emitted if t != kernels.PLACEHOLDER_TOKEN_ID]
+            accepted = len(tokens) - 1
+            self.stats.record(n, accepted)
+            self.events.emit(SpecVerified, request_id=s.request_id, draft_token_ids=tuple(s.spec_token_ids),
+                             accepted=tuple(i < accepted for i in range(n)),
+                             p_target=tuple(p_target[start:start + n]), p_draft=tuple(p_draft[start:start + n]),
+                             emitted_token=tokens[-1], bonus=accepted == n)
+            result[s.request_id] = tokens
+            start += n
+        return result

@@ -1,0 +1,162 @@
+"""Speculative decoding: greedy outputs are identical with and without drafts, under every scheduler setting."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
+from engine.spec.ngram import NgramProposer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+DRAFT = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 4}
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, field", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+     "prompt_lookup_min"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+])
+def test_invalid_speculative_config_names_the_field(spec, field) -> None:
+    with pytest.raises(ValueError, match=f"speculative_config.{field}"):
+        EngineConfig(speculative_config=spec)
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tmp_path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(model="tiny-llama", num_kv_blocks=16,
+            speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+
+
+# ---- the n-gram proposer ------------------------------------------------------------------------------
+def test_ngram_takes_the_earliest_match_of_the_longest_window() -> None:
+    p = NgramProposer(3, prompt_lookup_max=3, prompt_lookup_min=1)
+    # suffix [1, 2, 3] occurs at 0 and 5: the earliest wins; the 3 tokens that followed it are proposed
+    assert p.propose([1, 2, 3, 7, 8, 1, 2, 3, 9, 1, 2, 3]) == [7, 8, 1]
+
+
+def test_ngram_window_shrinks_until_a_match() -> None:
+    p = NgramProposer(2, prompt_lookup_max=4, prompt_lookup_min=2)
+    # no earlier [5, 6, 7, 8] nor [6, 7, 8]; [7, 8] occurs at 1
+    assert p.propose([4, 7, 8, 9, 10, 5, 6, 7, 8]) == [9, 10]
+    assert p.propose([4, 7, 9, 8]) == []  # nothing of length >= 2 repeats
+    assert NgramProposer(2, 4, 1).propose([4, 7, 9, 8, 1, 7]) == [9, 8]  # down to a window of one
+
+
+def test_ngram_cuts_k_at_the_end() -> None:
+    p = NgramProposer(5, prompt_lookup_max=2, prompt_lookup_min=2)
+    assert p.propose([1, 2, 3, 1, 2]) == [3, 1, 2]  # only 3 tokens follow the match
+    assert p.propose([1, 2, 3, 1, 2], k=2) == [3, 1]
+
+
+# ---- exactness ----------------------------------------------------------------------------------------
+def _prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    motif = [rng.randrange(3, 49152) for _ in range(7)]
+    return [motif * 4 + [11], [rng.randrange(3, 49152) for _ in range(45)], motif * 2, [17] * 9,
+            [rng.randrange(3, 49152) for _ in range(130)]]
+
+
+SETTINGS = {
+    "defaults": {},
+    "block4_drafts_cross_blocks": {"block_size": 4},
+    "chunked": {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 16},
+    "preemption": {"block_size": 4, "num_kv_blocks": 80, "enable_prefix_caching": False},
+    "prefix_cache_and_preemption": {"block_size": 8, "num_kv_blocks": 22},
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    return {name: [o.token_ids for o in LLM(model="tiny-llama", **kw).generate(_prompts(), params, use_tqdm=False)]
+            for name, kw in SETTINGS.items()}
+
+
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_greedy_is_identical_with_speculation(reference, spec, setting) -> None:
+    llm = LLM(model="tiny-llama", speculative_config=spec, **SETTINGS[setting])
+    records = []
+    llm.engine.subscribe(records.append)
+    outs = llm.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference[setting]
+    phases = [p for r in records for p in r.phases.values()]
+    assert "verify" in phases
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
+    if spec is DRAFT:  # the draft is the target itself: under greedy it is always right
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    if "preemption" in setting:
+        assert any(r.of_kind("request.preempted") for r in records)
+    assert llm.engine.kv_cache_manager.usage().used == 0
+
+
+def test_prefix_hits_on_blocks_filled_while_speculating() -> None:
+    """Round two's prompts extend round one's outputs: they hit blocks filled during verification, which
+    must hold the real tokens' KV only."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model="tiny-llama", block_size=4)
+    spec = LLM(model="tiny-llama", block_size=4, speculative_config=NGRAM)
+    first = [o.token_ids for o in spec.generate(_prompts(), params, use_tqdm=False)]
+    second = [p + out[:20] for p, out in zip(_prompts(), first)]
+    got = spec.generate(second, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(second, params, use_tqdm=False)]
+    assert all(o.num_cached_tokens >= len(p) - 4 for o, p in zip(got, _prompts()))
+
+
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+def test_guided_requests_with_drafts(spec) -> None:
+    """Drafts are validated by the matcher and masked per position: the same tokens as without drafts."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy"]}},
+              "required": ["a", "b"]}
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(
+                  regex="(ab|abc){2,6}"))]
+    base = LLM(model="tiny-llama")
+    # prompts that hold the grammar's own text, so n-gram lookup finds drafts the grammar accepts
+    prompts = [base.tokenizer.encode('{"a": 12, "b": "yy"} {"a": 7, "b": "x"} ') * 2,
+               base.tokenizer.encode("ababcabab abcab ab")]
+    ref = base.generate(prompts, params, use_tqdm=False)
+    llm = LLM(model="tiny-llama", speculative_config=spec)
+    records = []
+    llm.engine.subscribe(records.append)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
+    if spec is NGRAM:
+        assert any(r.of_kind("spec.verified") for r in records)
+
+
+def test_spec_events_describe_each_verification() -> None:
+    llm = LLM(model="tiny-llama", speculative_config=NGRAM)
+    records = []
+    llm.engine.subscribe(records.append)
+    llm.generate(_prompts()[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    proposed = [e for r in records for e in r.of_kind("spec.proposed")]
+    verified = [e for r in records for e in r.of_kind("spec.verified")]
+    assert proposed and verified and proposed[0].method == "ngram"
+    assert [e.draft_token_ids for e in verified] == [e.draft_token_ids for e in proposed][:len(verified)]
+    for e in verified:
+        n = sum(e.accepted)
+        assert list(e.accepted) == [True] * n + [False] * (len(e.draft_token_ids) - n)  # a prefix stands
+        assert e.bonus == (n == len(e.draft_token_ids)) and all(p == 1.0 for p in e.p_draft)
+
+
+def test_random_sampling_with_drafts_is_seeded_and_valid() -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=20, ignore_eos=True)
+    a = LLM(model="tiny-llama", speculative_config=DRAFT).generate(_prompts()[:2], params, use_tqdm=False)
+    b = LLM(model="tiny-llama", speculative_config=DRAFT).generate(_prompts()[:2], params, use_tqdm=False)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 20 for o in a)

@@ -115,7 +115,10 @@ class _ChromeTraceBuilder:
 
     # ---- one process ----------------------------------------------------------------------------
     def add_trace(self, pid: int, trace: Trace, name: str) -> None:
-        self.metadata(pid, name, {ENGINE_TID: "engine", TRANSFER_TID: "kv transfer"})
+        threads = {ENGINE_TID: "engine"}
+        if any(e.kind.startswith("kv_transfer.") for r in trace.records for e in r.events):
+            threads[TRANSFER_TID] = "kv transfer"
+        self.metadata(pid, name, threads)
         spans = _RequestSpans(pid, self.emit)
         for record in trace.records:
             self.step(pid, record)
@@ -177,7 +180,7 @@ class _ChromeTraceBuilder:
         offset_ms = timing.get("schedule", 0.0) + (timing.get("forward", 0.0) if event.kind.endswith("save") else 0)
         key = (pid, TRANSFER_TID)
         start = max(record.start_ns + int(offset_ms * 1e6), self._cursor.get(key, 0))
-        end = start + max(int(float(getattr(event, "ms", 0.0) or 0.0) * 1e6), _MIN_SLICE_NS)
+        end = start + max(int((getattr(event, "ms", None) or 0.0) * 1e6), _MIN_SLICE_NS)
         self._cursor[key] = end
         self.slice(pid, TRANSFER_TID, event.kind, FLOW_CAT, start, end, _payload(event))
         step_anchor = _Anchor(pid, ENGINE_TID, (record.start_ns + record.end_ns) // 2)

@@ -1,0 +1,105 @@
+"""The served dashboard in a real Chromium: `workbench serve` on the tiny model with two requests queued;
+clicking `Step` three times reads `step 3` and changes the KV block map; `Play` runs them to the end off the
+page's thread; a screenshot goes to docs/img."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOT = ROOT / "docs" / "img" / "dashboard.png"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: `apt-get install -y chromium` "
+                       "(CI installs it) to run the real-browser test"),
+]
+
+BLOCK_KINDS = "() => Array.from(Bokeh.documents[0].get_model_by_name('kv_block_map').data.kind)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_http(url: str, server: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"workbench serve exited with {server.returncode}: {server.stderr.read()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    pytest.fail(f"workbench serve did not answer at {url} within {timeout} s")
+
+
+@pytest.fixture
+def server_url():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--port", str(port), "--model", "tiny-llama",
+           "--num-kv-blocks", "64", "--max-num-batched-tokens", "16", "--max-tokens", "8",
+           "--prompt", "The capital of France is",
+           "--prompt", "A paged KV cache stores keys and values in fixed-size blocks"]
+    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        _wait_for_http(url, server, timeout=60)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_step_three_times_in_chromium(server_url):
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    requested: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.on("request", lambda request: requested.append(request.url))
+            page.goto(server_url)
+            page.get_by_text("step 0", exact=True).wait_for(timeout=30_000)
+            before = page.evaluate(BLOCK_KINDS)
+            assert before and set(before) == {"free"}, "no step yet: every block is free"
+            step = page.get_by_role("button", name="Step", exact=True)
+            for n in (1, 2, 3):
+                step.click()
+                page.get_by_text(f"step {n}", exact=True).wait_for(timeout=15_000)
+            assert page.get_by_text("step 3", exact=True).is_visible()
+            page.wait_for_function(f"() => ({BLOCK_KINDS})().includes('used')", timeout=10_000)
+            after = page.evaluate(BLOCK_KINDS)
+            assert after != before and "used" in after, "the two requests hold KV blocks after 3 steps"
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT))
+            # Play steps on the server's worker thread until both requests finish, and then says so
+            page.get_by_role("button", name="Play", exact=True).click()
+            page.get_by_text("Nothing to run").wait_for(timeout=30_000)
+            assert page.get_by_text(re.compile(r"^step ([4-9]|\d\d)$")).is_visible()
+            assert "used" not in page.evaluate(BLOCK_KINDS), "finished requests hold no block"
+        finally:
+            browser.close()
+    offsite = [url for url in requested if not url.startswith(server_url.rstrip("/"))
+               and not url.startswith(("data:", "blob:", "ws://127.0.0.1"))]
+    assert not offsite, f"the page must work offline (resources inline), but it asked for {offsite[:5]}"
+    assert SCREENSHOT.stat().st_size < 300_000

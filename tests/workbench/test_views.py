@@ -1,0 +1,283 @@
+"""Each dashboard view in pure Python: build its Bokeh model, push the StepRecords of a real tiny-llama run
+(shared prefixes, chunked prefill, a preemption, evictions), and check the data it would draw."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import panel as pn
+import pytest
+from bokeh.document import Document
+
+from engine import LLMEngine, SamplingParams, StepRecord
+from engine.events import GrammarCompiled, GrammarStep, KVUsage, SpecProposed, SpecVerified
+from workbench.state import EngineState
+from workbench.trace import write_trace
+from workbench.views import (Dashboard, GrammarView, KVBlockMap, MetricsView, PrefixCacheView, RequestsView,
+                             SchedulerTimeline, SpecDecodeView)
+from workbench.views.base import SourceBuffer
+from workbench.views.colors import CACHED_FREE_COLOR, FREE_COLOR, request_color
+from workbench.views.metrics import latency_bin
+
+BUDGET = 48
+
+
+@dataclass
+class Run:
+    records: list[StepRecord]
+    texts: dict[str, str]  # request id -> engine.get_output(rid).text at the end
+    tables: list[dict[str, list[int]]]  # after each step: the engine's own block table per request
+    ids: list[str] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def run() -> Run:
+    """Two requests share a 40-token prefix, a third does not, a fourth arrives at step 3; 11 usable blocks
+    force a preemption and, late in the run, evictions of cached-free blocks."""
+    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=12, max_num_batched_tokens=BUDGET,
+                       max_model_len=512)
+    prefix = list(range(100, 140))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ids = [engine.add_request(prefix + [200 + i] * 6, params) for i in range(2)]
+    ids.append(engine.add_request(list(range(300, 340)), params))
+    records, tables = [], []
+    while engine.has_unfinished_requests():
+        records.append(engine.step())
+        tables.append({rid: engine.kv_cache_manager.get_block_ids(rid) for rid in ids
+                       if engine.kv_cache_manager.get_block_ids(rid)})
+        if len(records) == 3:
+            ids.append(engine.add_request(list(range(400, 436)), params))
+    kinds = Counter(e.kind for r in records for e in r.events)
+    assert kinds["request.preempted"] and kinds["kv.evicted"] and kinds["kv.cached"], kinds
+    return Run(records, {rid: engine.get_output(rid).text for rid in ids}, tables, ids)
+
+
+def rendered(view):
+    """The view with its Bokeh model built in a document, as a page or a notebook would."""
+    view.panel.get_root(Document())
+    return view
+
+
+# ---- the event-derived state -----------------------------------------------------------------------------
+def test_state_follows_the_engine_step_by_step(run):
+    state = EngineState()
+    for record, tables in zip(run.records, run.tables):
+        state.apply(record)
+        counts = state.counts()
+        assert counts == {"used": record.kv.used, "cached_free": record.kv.cached_free, "free": record.kv.free}
+        assert {rid: list(t) for rid, t in state.block_tables.items()} == tables
+        for block_id, block in state.blocks.items():
+            assert block.ref_cnt == sum(block_id in t for t in tables.values())
+    assert {rid: r.text for rid, r in state.requests.items()} == run.texts
+    assert all(r.status == "finished" and r.finish_reason == "length" for r in state.requests.values())
+    assert sum(r.num_preemptions for r in state.requests.values()) == 1
+
+
+# ---- KV block map ---------------------------------------------------------------------------------------------
+def test_block_map_colours_cells_by_holder_then_frees_them(run):
+    view = rendered(KVBlockMap(num_blocks=11))
+    data = view.cells.source.data
+    assert data["block_id"] == list(range(1, 12)) and set(data["kind"]) == {"free"}
+    view.update(run.records[0])
+    first = run.tables[0]
+    shared = set(first[run.ids[0]]) & set(first[run.ids[1]])
+    assert shared, "the two requests share their prefix blocks"
+    for rid, block_ids in first.items():
+        for block_id in block_ids:
+            i = block_id - 1
+            assert data["kind"][i] == "used" and rid in data["holders"][i].split(", ")
+            assert data["ref_cnt"][i] == (2 if block_id in shared else 1)
+            assert data["color"][i] == request_color(data["holders"][i].split(", ")[0])
+    view.extend(run.records[1:])
+    assert set(data["kind"]) <= {"free", "cached"} and "cached" in data["kind"]
+    for kind, color, digest in zip(data["kind"], data["color"], data["hash"]):
+        assert color == (CACHED_FREE_COLOR if kind == "cached" else FREE_COLOR)
+        assert bool(digest) == (kind == "cached")
+
+
+def test_block_map_draws_the_selected_request_block_table_in_order(run):
+    view = rendered(KVBlockMap(num_blocks=11))
+    view.update(run.records[0])
+    rid = run.ids[0]
+    view.select.value = rid
+    table = view.table.source.data
+    assert table["block_id"] == run.tables[0][rid]
+    assert table["order"] == [str(i) for i in range(len(run.tables[0][rid]))]
+    cells = view.cells.source.data
+    assert [(x, y) for x, y in zip(table["x"], table["y"])] == [
+        (cells["x"][b - 1], cells["y"][b - 1]) for b in run.tables[0][rid]]
+    view.extend(run.records[1:])
+    assert view.table.source.data["block_id"] == [], "a finished request holds no block"
+
+
+def test_block_map_shows_the_first_blocks_of_a_large_cache():
+    view = rendered(KVBlockMap(num_blocks=10_000, max_blocks=256))
+    assert len(view.cells.source.data["block_id"]) == 256
+    assert "256 of 10000" in view.note.object
+
+
+# ---- scheduler timeline -----------------------------------------------------------------------------------
+def test_timeline_stacks_what_each_step_scheduled(run):
+    view = rendered(SchedulerTimeline(budget=BUDGET))
+    view.extend(run.records)
+    seg, steps = view.segments.source.data, view.steps.source.data
+    for record in run.records:
+        rows = [i for i, s in enumerate(seg["step"]) if s == record.step]
+        assert sum(seg["num_tokens"][i] for i in rows) == sum(record.scheduled.values())
+        assert {seg["request_id"][i]: seg["phase"][i] for i in rows} == record.phases
+        assert [seg["bottom"][i] for i in rows[1:]] == [seg["top"][i] for i in rows[:-1]]  # stacked
+    assert steps["step"] == [r.step for r in run.records]
+    assert set(steps["budget"]) == {BUDGET} and max(steps["total"]) <= BUDGET
+    assert steps["num_waiting"] == [r.num_waiting for r in run.records]
+    assert {"prefill", "chunk", "decode"} <= set(seg["phase"])
+
+
+# ---- requests -----------------------------------------------------------------------------------------------
+def test_requests_table_text_grows_into_the_engine_output(run):
+    view = rendered(RequestsView())
+    view.update(run.records[0])
+    first = view.table.value
+    assert list(first["request_id"]) == run.ids[:3]
+    assert dict(zip(first["request_id"], first["status"])) == {
+        rid: "running" if rid in run.records[0].scheduled else "waiting" for rid in run.ids[:3]}
+    view.extend(run.records[1:])
+    table = view.table.value
+    assert list(table["request_id"]) == run.ids
+    assert dict(zip(table["request_id"], table["text"])) == run.texts
+    assert set(table["finish_reason"]) == {"length"} and set(table["num_output_tokens"]) == {12}
+    assert (table["ttft_ms"] > 0).all() and (table["itl_ms"] > 0).all()
+    assert table.loc[table["request_id"] == run.ids[1], "num_cached_tokens"].item() == 32
+
+
+# ---- prefix cache -------------------------------------------------------------------------------------------
+def test_prefix_view_counts_hits_and_links_cached_chains(run):
+    view = rendered(PrefixCacheView())
+    view.extend(run.records)
+    lookups = {e.request_id: e for r in run.records for e in r.of_kind("prefix.lookup")}  # the last per request
+    hits = view.hits.source.data
+    assert dict(zip(hits["request_id"], hits["hit_tokens"])) == {rid: e.num_hit_tokens for rid, e in lookups.items()}
+    assert hits["hit_tokens"][1] == 32, "the second request hits the first one's two full prefix blocks"
+    cached = [e for r in run.records for e in r.of_kind("kv.cached")]
+    nodes, edges = view.nodes.source.data, view.edges.source.data
+    assert len(nodes["hash"]) == len({e.block_hash for e in cached})
+    assert len(edges["x0"]) == len({e.block_hash for e in cached if e.parent_hash is not None})
+    evicted = {e.block_hash[:12] for r in run.records for e in r.of_kind("kv.evicted")}
+    assert {h for h, s in zip(nodes["hash"], nodes["status"]) if s == "evicted"} <= evicted
+    rate = view.rate.source.data["hit_rate"]
+    assert 0 < rate[-1] < 1
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------------
+def test_metrics_histograms_and_kv_usage(run):
+    view = rendered(MetricsView())
+    view.extend(run.records)
+    assert view.throughput.source.data["step"] == [r.step for r in run.records]
+    assert view.kv.source.data["used"] == [r.kv.used for r in run.records]
+    num_token_steps = sum(len(r.of_kind("request.tokens")) for r in run.records)
+    assert sum(view.ttft.source.data["count"]) == len(run.ids)
+    assert sum(view.itl.source.data["count"]) == num_token_steps - len(run.ids)
+    assert f"{len(run.ids)}/{len(run.ids)} requests finished" in view.summary.object
+    assert [latency_bin(ms) for ms in (0.0, 0.1, 1.0, 1e9)] == [0, 0, 10, 69]
+
+
+# ---- views of features not built yet --------------------------------------------------------------------------
+def _record(step: int, events: list) -> StepRecord:
+    return StepRecord(step=step, start_ns=0, end_ns=1_000_000, scheduled={}, phases={}, num_waiting=0,
+                      num_running=0, kv=KVUsage(8, 0, 0, 8), timing={}, events=events)
+
+
+def test_grammar_view_is_empty_until_grammar_events(run):
+    view = rendered(GrammarView())
+    view.extend(run.records)
+    assert view.empty.is_empty and view.empty.message.visible
+    step = len(run.records) + 1
+    view.update(_record(step, [
+        GrammarCompiled(step, request_id="g", ms=9.0, cache_hit=False),
+        GrammarStep(step, request_id="g", num_allowed_tokens=12, sampled_token=90, terminated=False),
+        GrammarStep(step, request_id="g", num_allowed_tokens=1, sampled_token=91, terminated=True,
+                    jump_forward='"}')]))
+    assert not view.empty.is_empty and view.empty.content.visible
+    assert view.cells.source.data["x"] == [0, 1]
+    assert view.cells.source.data["num_allowed_tokens"] == [12, 1]
+    assert view.compiled.source.data["ms"] == [9.0]
+    view.reset()
+    assert view.empty.is_empty
+
+
+def test_spec_view_is_empty_until_spec_events(run):
+    view = rendered(SpecDecodeView())
+    view.extend(run.records)
+    assert view.empty.is_empty
+    view.update(_record(1, [
+        SpecProposed(1, request_id="s", method="ngram", draft_token_ids=(5, 6, 7)),
+        SpecVerified(1, request_id="s", draft_token_ids=(5, 6, 7), accepted=(True, True, False),
+                     p_target=(0.9, 0.8, 0.1), p_draft=(1.0, 1.0, 1.0), emitted_token=3, bonus=False),
+        SpecVerified(1, request_id="s", draft_token_ids=(8, 9), accepted=(True, True), p_target=(0.7, 0.6),
+                     p_draft=(1.0, 1.0), emitted_token=4, bonus=True)]))
+    assert not view.empty.is_empty and "ngram" in view.methods.object
+    cells = view.cells.source.data
+    assert cells["outcome"] == ["accepted", "accepted", "rejected", "recovered", "accepted", "accepted", "bonus"]
+    assert cells["token_id"] == [5, 6, 7, 3, 8, 9, 4] and cells["y"] == [0, 0, 0, 0, -1, -1, -1]
+    acceptance = view.by_position.source.data
+    assert acceptance["proposed"] == [2, 2, 1] and acceptance["rate"] == [1.0, 1.0, 0.0]
+
+
+# ---- the dashboard and the buffers under it -------------------------------------------------------------------
+def _snapshot(dashboard: Dashboard) -> dict:
+    return {(type(v).__name__, b.source.name): dict(b.source.data) for v in dashboard.views for b in v._buffers}
+
+
+def test_dashboard_in_one_batch_equals_step_by_step(run):
+    batch, steps = Dashboard(BUDGET, 11), Dashboard(BUDGET, 11)
+    batch.tabs().get_root(Document())
+    batch.extend(run.records)
+    for record in run.records:
+        steps.update(record)
+    assert _snapshot(batch) == _snapshot(steps)
+    assert batch.requests.table.value.equals(steps.requests.table.value)
+
+
+def test_source_buffer_sends_rows_and_patches_once():
+    buf = SourceBuffer(["a", "b"])
+    buf.append(a=1, b="x")
+    buf.set(0, b="y")  # a row not yet sent is changed in place
+    buf.flush()
+    assert buf.source.data == {"a": [1], "b": ["y"]}
+    buf.append(a=2, b="z")
+    buf.set(0, a=10)
+    assert buf.get(0, "a") == 10 and buf.get(1, "b") == "z" and len(buf) == 2
+    buf.flush()
+    assert buf.source.data == {"a": [10, 2], "b": ["y", "z"]}
+
+
+def test_shared_state_views_are_fed_by_their_dashboard(run):
+    dashboard = Dashboard()
+    with pytest.raises(RuntimeError, match="Dashboard"):
+        dashboard.timeline.update(run.records[0])
+
+
+def test_views_render_alone_in_panel(run):
+    for view in (SchedulerTimeline(), KVBlockMap(), PrefixCacheView(), RequestsView(), MetricsView(),
+                 GrammarView(), SpecDecodeView()):
+        assert pn.panel(view).get_root(Document()) is not None
+
+
+# ---- replay ---------------------------------------------------------------------------------------------------
+def test_replay_moves_through_a_trace_with_the_slider(run, tmp_path):
+    from workbench.app import Workbench
+
+    path = tmp_path / "run.jsonl"
+    write_trace(path, {"schema_version": 1, "config": {"max_num_batched_tokens": BUDGET},
+                       "model": {"name": "tiny-llama"}, "created": "now"}, run.records)
+    replay = Workbench.from_trace(path)
+    replay.layout.get_root(Document())
+    n = len(run.records)
+    assert replay.step_text.object == f"step {n}" and replay.slider.end == n
+    replay.slider.value = 2
+    assert replay.step_text.object == "step 2"
+    fresh = Dashboard(BUDGET, 11)
+    fresh.extend(run.records[:2])
+    assert _snapshot(replay.dashboard) == _snapshot(fresh)
+    replay.step_button.clicks += 1
+    assert replay.step_text.object == "step 3"
+    assert replay.dashboard.timeline.steps.source.data["step"] == [1, 2, 3]

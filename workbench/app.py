@@ -1,0 +1,304 @@
+"""The Workbench: the dashboards over a live engine with the controls that drive it; the Replay of a recorded
+trace; and the Panel servers behind `workbench serve` and `workbench replay`.
+
+Threads: engine steps run on a worker (Stepper) under `Workbench.lock`; every engine call takes that lock.
+Under a Panel server the records are handed to the session's document with `add_next_tick_callback` (the
+only thread-safe Document call), so Bokeh models change on the server's own thread and the page never
+waits on a step; elsewhere (a notebook, a test) they are drawn at once and pushed."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import panel as pn
+
+from engine.config import EngineConfig
+from engine.events import StepRecord
+from workbench.views import Dashboard, ensure_extension, push
+from workbench.views.controls import EngineForm, RequestForm, Stepper
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from workbench.trace import Trace
+
+
+def _step_label(step: int) -> str:
+    return f"step {step}"
+
+
+class Workbench:
+    """Owns a live engine (rebuilt by Reset and by the config knobs), the Dashboard drawn from its steps,
+    the controls (Step, Run N, Play, Pause, Reset, the add-request form, the engine knobs), the `step N`
+    text, the message line for errors, and the layout (`layout`, `__panel__`, `servable()`)."""
+
+    def __init__(self, engine: "LLMEngine", play_delay_s: float = 0.1) -> None:
+        ensure_extension()
+        self.engine = engine
+        self.lock = threading.RLock()  # held around every engine call
+        self.dashboard = Dashboard(engine.config.max_num_batched_tokens, engine.kv_cache_manager.num_usable_blocks)
+        self.stepper = Stepper(self._step_once, play_delay_s)
+        self._doc = pn.state.curdoc
+        self._inbox: list[StepRecord] = []
+        self._inbox_lock = threading.Lock()
+        self._drain_scheduled = False
+        self._build_widgets()
+        self.layout = self._build_layout()
+        engine.subscribe(self._on_record)
+
+    # ---- layout -----------------------------------------------------------------------------------------
+    def _build_widgets(self) -> None:
+        self.step_button = pn.widgets.Button(label="Step", button_type="primary", width=80)
+        self.run_button = pn.widgets.Button(label="Run", width=70)
+        self.run_steps = pn.widgets.IntInput(label="", value=10, width=80)
+        self.play_button = pn.widgets.Button(label="Play", button_type="success", width=70)
+        self.pause_button = pn.widgets.Button(label="Pause", width=70)
+        self.reset_button = pn.widgets.Button(label="Reset", button_type="danger", width=70)
+        self.step_text = pn.pane.Markdown(_step_label(0), name="step_text", styles={"font-size": "1.3em"},
+                                          margin=(0, 15))
+        self.message = pn.pane.Alert("", alert_type="danger", visible=False, sizing_mode="stretch_width")
+        self.request_form = RequestForm()
+        self.engine_form = EngineForm(self.engine.config)
+        for button, handler in ((self.step_button, lambda e: self.step(1)),
+                                (self.run_button, lambda e: self.step(self.run_steps.value or 0)),
+                                (self.play_button, lambda e: self.play()), (self.pause_button, lambda e: self.pause()),
+                                (self.reset_button, lambda e: self.reset()),
+                                (self.request_form.button, lambda e: self.add_request_from_form()),
+                                (self.engine_form.button, lambda e: self.rebuild_from_form())):
+            button.on_click(handler)
+
+    def _build_layout(self) -> pn.Row:
+        controls = pn.Row(self.step_button, self.run_button, self.run_steps, self.play_button, self.pause_button,
+                          self.reset_button, self.step_text, align="center")
+        self.title = pn.pane.Markdown(self._title(), margin=(0, 10))
+        sidebar = pn.Column("### Add a request", self.request_form.panel, "### Engine", self.engine_form.panel,
+                            width=290)
+        main = pn.Column(self.title, controls, self.message, self.dashboard.tabs(), sizing_mode="stretch_width")
+        return pn.Row(sidebar, main, sizing_mode="stretch_width")
+
+    def _title(self) -> str:
+        c = self.engine.config
+        return (f"## Inference Workbench · `{c.model}` · block size {c.block_size} · budget "
+                f"{c.max_num_batched_tokens} tokens · prefix caching {'on' if c.enable_prefix_caching else 'off'}")
+
+    def __panel__(self) -> pn.Row:
+        return self.layout
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
+        return self.layout._repr_mimebundle_(include, exclude)  # a notebook cell that ends with it shows it
+
+    def servable(self, title: str = "Inference Workbench") -> pn.Row:
+        return self.layout.servable(title=title)
+
+    # ---- messages -----------------------------------------------------------------------------------------
+    def _say(self, text: str, kind: str = "danger") -> None:
+        self.message.param.update(object=text, alert_type=kind, visible=bool(text))
+
+    @property
+    def _served(self) -> bool:
+        return self._doc is not None and self._doc.session_context is not None
+
+    def _in_ui(self, callback: Callable[[], None]) -> None:
+        """Run `callback` where Bokeh models may change: the session's thread under a server, else here."""
+        if self._served:
+            self._doc.add_next_tick_callback(callback)
+        else:
+            callback()
+
+    # ---- stepping -----------------------------------------------------------------------------------------
+    def _step_once(self) -> bool:
+        with self.lock:
+            if not self.engine.has_unfinished_requests():
+                self._in_ui(lambda: self._say("Nothing to run: add a request.", "info"))
+                return False
+            try:
+                self.engine.step()
+            except Exception as exc:  # shown, not raised: a worker thread has no one to raise to
+                text = f"engine error: {type(exc).__name__}: {exc}"
+                self._in_ui(lambda: self._say(text))
+                return False
+        return True
+
+    def step(self, num_steps: int = 1) -> None:
+        """Run `num_steps` engine steps: on the worker under a server, here otherwise."""
+        self._doc = pn.state.curdoc or self._doc
+        self._say("")
+        if self._served:
+            self.stepper.run(num_steps)
+            return
+        for _ in range(num_steps):
+            if not self._step_once():
+                break
+
+    def play(self) -> None:
+        """Step on the worker until Pause (or until nothing is left to run)."""
+        self._doc = pn.state.curdoc or self._doc
+        self._say("")
+        self.stepper.play()
+
+    def pause(self) -> None:
+        self.stepper.pause()
+
+    def _on_record(self, record: StepRecord) -> None:
+        # an engine subscriber: runs on whichever thread stepped (the worker, or a notebook cell)
+        with self._inbox_lock:
+            self._inbox.append(record)
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        self._in_ui(self._drain)
+
+    def _drain(self) -> None:
+        """Draw every record that arrived since the last draw, in one batch (Play outpacing the page coalesces)."""
+        with self._inbox_lock:
+            records, self._inbox, self._drain_scheduled = self._inbox, [], False
+        if records:
+            self.dashboard.extend(records)
+            self.step_text.object = _step_label(records[-1].step)
+            push(self.layout)
+
+    # ---- requests and engines ------------------------------------------------------------------------------
+    def add_request_from_form(self) -> str | None:
+        """Queue the form's request; its errors (the engine's ValueError/TypeError) are shown, not raised."""
+        try:
+            kwargs = self.request_form.add_request_args()
+            with self.lock:
+                rid = self.engine.add_request(**kwargs)
+        except (ValueError, TypeError) as exc:
+            self._say(str(exc))
+            return None
+        self._say(f"request {rid} queued: it shows from the next step on.", "success")
+        return rid
+
+    def rebuild_from_form(self) -> None:
+        """A new engine from the knobs; a config the engine refuses is shown and the running engine kept."""
+        try:
+            config = self.engine_form.config(self.engine.config)
+        except (ValueError, TypeError) as exc:
+            self._say(str(exc))
+            return
+        self._replace_engine(config, "engine rebuilt")
+
+    def reset(self) -> None:
+        """A fresh engine with the same config: no requests, step 0, empty views."""
+        self._replace_engine(EngineConfig(**self.engine.config.to_dict()), "engine reset")
+
+    def _replace_engine(self, config: EngineConfig, done: str) -> None:
+        from engine.llm_engine import LLMEngine
+
+        self.stepper.pause()
+        self.stepper.join(timeout=60)
+        try:
+            engine = LLMEngine(config)
+        except (ValueError, TypeError) as exc:
+            self._say(str(exc))
+            return
+        with self.lock:
+            self.engine.unsubscribe(self._on_record)
+            self.engine = engine
+            engine.subscribe(self._on_record)
+        with self._inbox_lock:
+            self._inbox = []
+        self.dashboard.reset(config.max_num_batched_tokens, engine.kv_cache_manager.num_usable_blocks)
+        self.step_text.object = _step_label(0)
+        self.engine_form.show(engine.config)
+        self.title.object = self._title()
+        self._say(f"{done}: {config.model}, {engine.kv_cache_manager.num_usable_blocks} KV blocks of "
+                  f"{config.block_size} tokens.", "success")
+        push(self.layout)
+
+    # ---- replay ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_trace(cls, path: str | os.PathLike) -> "Replay":
+        """The same dashboards over a recorded trace, with a step slider; no model needed."""
+        from workbench.trace import read_trace
+
+        return Replay(read_trace(path))
+
+
+class Replay:
+    """Owns the dashboards over a recorded trace and the controls that move through it: a step slider and a
+    `Step` button (one step on). Going back redraws from the first record; going on draws only the new ones."""
+
+    def __init__(self, trace: "Trace") -> None:
+        ensure_extension()
+        self.trace = trace
+        self.records: list[StepRecord] = trace.records
+        self.budget = (trace.header.get("config") or {}).get("max_num_batched_tokens")
+        self.num_blocks = trace.records[0].kv.total if trace.records else None
+        self.dashboard = Dashboard(self.budget, self.num_blocks)
+        self._shown = 0
+        n = len(self.records)
+        self.slider = pn.widgets.IntSlider(label="records shown", start=0, end=max(n, 1), value=0, disabled=not n,
+                                           sizing_mode="stretch_width")
+        self.step_button = pn.widgets.Button(label="Step", button_type="primary", width=80)
+        self.step_text = pn.pane.Markdown(_step_label(0), name="step_text", styles={"font-size": "1.3em"},
+                                          margin=(0, 15))
+        self.slider.param.watch(lambda e: self.show(e.new), "value")
+        self.step_button.on_click(lambda e: self._step_on())
+        model = trace.header.get("model") or {}
+        title = (f"## Replay · `{model.get('name', '?')}` · {n} steps · recorded {trace.header.get('created', '?')}")
+        self.layout = pn.Column(title, pn.Row(self.step_button, self.step_text, self.slider, align="center"),
+                                self.dashboard.tabs(), sizing_mode="stretch_width")
+        self.slider.value = n
+
+    def __panel__(self) -> pn.Column:
+        return self.layout
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
+        return self.layout._repr_mimebundle_(include, exclude)
+
+    def servable(self, title: str = "Inference Workbench replay") -> pn.Column:
+        return self.layout.servable(title=title)
+
+    def _step_on(self) -> None:
+        if self.slider.value < len(self.records):
+            self.slider.value += 1
+
+    def show(self, num_records: int) -> None:
+        """Show the state after the first `num_records` records."""
+        num_records = max(0, min(num_records, len(self.records)))
+        if num_records < self._shown:
+            self.dashboard.reset(self.budget, self.num_blocks)
+            self._shown = 0
+        self.dashboard.extend(self.records[self._shown:num_records])
+        self._shown = num_records
+        self.step_text.object = _step_label(self.records[num_records - 1].step if num_records else 0)
+        push(self.layout)
+
+
+# ---- servers -----------------------------------------------------------------------------------------------
+def _server(app: Callable[[], Any], port: int, title: str, start: bool) -> Any:
+    """A Panel server on 127.0.0.1 only, its JavaScript inline (offline), no browser opened."""
+    ensure_extension()
+    origins = [f"127.0.0.1:{port}", f"localhost:{port}"]
+    return pn.serve({"/": app}, port=port, address="127.0.0.1", websocket_origin=origins, show=False,
+                    start=start, title=title, verbose=False)
+
+
+def serve_workbench(config: EngineConfig, port: int, prompts: Sequence[str] = (), params: Any = None,
+                    start: bool = True) -> Any:
+    """Serve a Workbench per browser session, each over its own engine with `prompts` queued. The first
+    engine is built here, so a bad model or config fails before the server starts."""
+    from engine.llm_engine import LLMEngine
+
+    def new_engine() -> Any:
+        engine = LLMEngine(EngineConfig(**config.to_dict()))
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        return engine
+
+    ready = [new_engine()]
+
+    def app() -> pn.Row:
+        return Workbench(ready.pop() if ready else new_engine()).layout
+
+    return _server(app, port, "Inference Workbench", start)
+
+
+def serve_replay(path: str | os.PathLike, port: int, start: bool = True) -> Any:
+    """Serve the Replay of a trace; the trace is read here, so a bad file fails before the server starts."""
+    from workbench.trace import read_trace
+
+    trace = read_trace(path)
+    return _server(lambda: Replay(trace).layout, port, "Inference Workbench replay", start)

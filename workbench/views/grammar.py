@@ -1,0 +1,78 @@
+"""Guided decoding: for each guided request, its output so far with the number of tokens the grammar allowed
+at each position, and what compiling each grammar cost. Empty until the first grammar.* event."""
+from __future__ import annotations
+
+import panel as pn
+from bokeh.models import DataTable, HoverTool, NumberFormatter, TableColumn
+from bokeh.transform import log_cmap
+
+from engine.events import StepRecord
+from workbench.state import EngineState, StepDelta
+from workbench.views.base import View, new_figure
+from workbench.views.empty import EmptyState
+
+_VOCAB = 49152  # the colour scale's top: SmolLM2's vocabulary (a position that allows every token)
+
+
+class GrammarView(View):
+    """Owns the grammar view: one lane per guided request, one cell per output position coloured by how many
+    tokens the grammar allowed there (log scale) and labelled with the token sampled; and a table of grammar
+    compile times. Shows an empty state until the first grammar.* event."""
+
+    title = "Grammar"
+
+    def __init__(self, state: EngineState | None = None) -> None:
+        super().__init__(state)
+        self.cells = self.buffer(["x", "y", "request_id", "num_allowed_tokens", "sampled_token", "text",
+                                  "terminated", "jump_forward"], name="grammar_steps")
+        self.compiled = self.buffer(["request_id", "ms", "cache_hit"], name="grammar_compiled")
+        self._lane: dict[str, int] = {}
+        self._position: dict[str, int] = {}
+        table = DataTable(source=self.compiled.source, height=120, width=360, index_position=None, columns=[
+            TableColumn(field="request_id", title="request"),
+            TableColumn(field="ms", title="compile ms", formatter=NumberFormatter(format="0.0")),
+            TableColumn(field="cache_hit", title="cache hit")])
+        content = pn.Column(pn.pane.Bokeh(self._figure()), pn.pane.Bokeh(table), sizing_mode="stretch_width")
+        self.empty = EmptyState("No guided request yet: this view fills in when grammar events arrive "
+                                "(requests with a JSON schema, regex, choice or grammar).", content)
+
+    def _figure(self):
+        fig = new_figure("Allowed tokens per output position (guided requests)", height=280,
+                         x_axis_label="output position", y_axis_label="request")
+        cells = fig.rect(x="x", y="y", width=0.95, height=0.9, source=self.cells.source, line_color=None,
+                         fill_color=log_cmap("num_allowed_tokens", "Viridis256", 1, _VOCAB))
+        fig.text(x="x", y="y", text="text", source=self.cells.source, text_align="center", text_baseline="middle",
+                 text_font_size="9px", text_color="white")
+        fig.add_tools(HoverTool(renderers=[cells], tooltips=[
+            ("request", "@request_id"), ("position", "@x"), ("allowed tokens", "@num_allowed_tokens"),
+            ("token", "@sampled_token @text"), ("terminated", "@terminated"), ("forced next", "@jump_forward")]))
+        fig.yaxis.visible = False
+        return fig
+
+    @property
+    def panel(self) -> pn.Column:
+        return self.empty.panel
+
+    def render(self, record: StepRecord, delta: StepDelta) -> None:
+        texts = {e.request_id: e.text for e in record.of_kind("request.tokens") if len(e.token_ids) == 1}
+        for e in record.events:
+            if e.kind == "grammar.compiled":
+                self.compiled.append(request_id=e.request_id, ms=e.ms, cache_hit=e.cache_hit)
+            elif e.kind == "grammar.step":
+                self._step(e, texts.get(e.request_id, ""))
+            else:
+                continue
+            self.empty.fill()
+
+    def _step(self, e, text: str) -> None:
+        lane = self._lane.setdefault(e.request_id, len(self._lane))
+        position = self._position.get(e.request_id, 0)
+        self._position[e.request_id] = position + 1
+        self.cells.append(x=position, y=-lane, request_id=e.request_id, num_allowed_tokens=e.num_allowed_tokens,
+                          sampled_token=e.sampled_token, text=text, terminated=e.terminated,
+                          jump_forward=e.jump_forward or "")
+
+    def reset(self) -> None:
+        super().reset()
+        self._lane, self._position = {}, {}
+        self.empty.clear()

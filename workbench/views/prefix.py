@@ -1,0 +1,121 @@
+"""The prefix cache: how many tokens each request found cached, the hit rate over time, and the cached chains."""
+from __future__ import annotations
+
+import panel as pn
+from bokeh.models import HoverTool
+
+from engine.events import StepRecord
+from workbench.state import EngineState, StepDelta
+from workbench.views.base import View, legend_above, new_figure
+
+CACHED_NODE, EVICTED_NODE = "#31a354", "#bdbdbd"
+
+
+class PrefixCacheView(View):
+    """Owns the prefix-cache view: per request, the tokens its lookup hit against the tokens it asked for;
+    the hit rate (cumulative, as the engine's PrefixCacheStats counts it: hit tokens over looked-up tokens)
+    per step; and the cached chains, each block hash drawn at its depth and linked to its parent's hash."""
+
+    title = "Prefix cache"
+
+    def __init__(self, state: EngineState | None = None) -> None:
+        super().__init__(state)
+        self.hits = self.buffer(["x", "request_id", "hit_tokens", "queried_tokens", "hit_blocks", "queried_blocks"],
+                                name="prefix_hits")
+        self.rate = self.buffer(["step", "hit_rate", "step_hit_rate"], name="prefix_hit_rate")
+        self.nodes = self.buffer(["x", "y", "hash", "parent", "block_id", "status", "color"], name="prefix_chains")
+        self.edges = self.buffer(["x0", "y0", "x1", "y1"], name="prefix_chain_links")
+        self._hit_row: dict[str, int] = {}
+        self._node: dict[str, int] = {}  # block hash -> row in nodes
+        self._has_child: set[str] = set()
+        self._lanes = 0
+        self._hit_tokens = self._queried_tokens = 0
+        self._panel = pn.Column(pn.Row(pn.pane.Bokeh(self._hits_figure()), pn.pane.Bokeh(self._rate_figure()),
+                                       sizing_mode="stretch_width"),
+                                pn.pane.Bokeh(self._chains_figure()), sizing_mode="stretch_width")
+
+    def _hits_figure(self):
+        fig = new_figure("Prefix-cache hit per request (tokens)", x_axis_label="request (in lookup order)",
+                         y_axis_label="tokens")
+        fig.vbar(x="x", top="queried_tokens", width=0.8, source=self.hits.source, fill_color="#d9d9d9",
+                 line_color=None, legend_label="looked up")
+        bars = fig.vbar(x="x", top="hit_tokens", width=0.8, source=self.hits.source, fill_color="#31a354",
+                        line_color=None, legend_label="hit")
+        fig.add_tools(HoverTool(renderers=[bars], tooltips=[
+            ("request", "@request_id"), ("hit tokens", "@hit_tokens"), ("looked up", "@queried_tokens"),
+            ("hit blocks", "@hit_blocks / @queried_blocks")]))
+        legend_above(fig)
+        return fig
+
+    def _rate_figure(self):
+        fig = new_figure("Prefix-cache hit rate", x_axis_label="step", y_axis_label="hit rate")
+        fig.line(x="step", y="hit_rate", source=self.rate.source, line_width=2, legend_label="cumulative")
+        fig.scatter(x="step", y="step_hit_rate", source=self.rate.source, color="#ff7f0e", size=5,
+                    legend_label="this step")
+        legend_above(fig)
+        return fig
+
+    def _chains_figure(self):
+        fig = new_figure("Cached chains (block hash -> child hash; grey: evicted)", height=300,
+                         x_axis_label="block position in the chain", y_axis_label="chain")
+        fig.segment(x0="x0", y0="y0", x1="x1", y1="y1", source=self.edges.source, color="#969696")
+        nodes = fig.scatter(x="x", y="y", source=self.nodes.source, size=10, fill_color="color", line_color=None)
+        fig.add_tools(HoverTool(renderers=[nodes], tooltips=[
+            ("hash", "@hash"), ("parent", "@parent"), ("block", "@block_id"), ("status", "@status")]))
+        fig.yaxis.visible = False
+        return fig
+
+    @property
+    def panel(self) -> pn.Column:
+        return self._panel
+
+    def render(self, record: StepRecord, delta: StepDelta) -> None:
+        step_hits = step_queried = 0
+        for e in record.events:
+            if e.kind == "prefix.lookup":
+                queried = self._lookup(e)
+                step_hits, step_queried = step_hits + e.num_hit_tokens, step_queried + queried
+            elif e.kind == "kv.cached":
+                self._cached(e)
+            elif e.kind == "kv.evicted" and e.block_hash in self._node:
+                self.nodes.set(self._node[e.block_hash], status="evicted", color=EVICTED_NODE)
+        self._hit_tokens += step_hits
+        self._queried_tokens += step_queried
+        if self._queried_tokens:
+            self.rate.append(step=record.step, hit_rate=self._hit_tokens / self._queried_tokens,
+                             step_hit_rate=step_hits / step_queried if step_queried else None)
+
+    def _lookup(self, e) -> int:
+        req = self.state.requests.get(e.request_id)
+        queried = req.num_queried_tokens if req is not None else 0
+        row = dict(request_id=e.request_id, hit_tokens=e.num_hit_tokens, queried_tokens=queried,
+                   hit_blocks=e.num_hit_blocks, queried_blocks=e.num_queried_blocks)
+        if e.request_id in self._hit_row:
+            self.hits.set(self._hit_row[e.request_id], **row)
+        else:
+            self._hit_row[e.request_id] = self.hits.append(x=len(self.hits), **row)
+        return queried
+
+    def _cached(self, e) -> None:
+        if e.block_hash in self._node:  # cached again after an eviction: same place in its chain
+            self.nodes.set(self._node[e.block_hash], block_id=e.block_id, status="cached", color=CACHED_NODE)
+            return
+        parent = self._node.get(e.parent_hash) if e.parent_hash else None
+        if parent is not None:
+            px, py = self.nodes.get(parent, "x"), self.nodes.get(parent, "y")
+        if parent is not None and e.parent_hash not in self._has_child:
+            x, y = px + 1, py  # the chain goes on in its parent's lane
+        else:  # a new root, or a branch off a parent that has a child already: a new lane, drawn downwards
+            x, y = (px + 1 if parent is not None else 0), -self._lanes
+            self._lanes += 1
+        if parent is not None:
+            self._has_child.add(e.parent_hash)
+            self.edges.append(x0=px, y0=py, x1=x, y1=y)
+        self._node[e.block_hash] = self.nodes.append(x=x, y=y, hash=e.block_hash[:12],
+                                                     parent=(e.parent_hash or "")[:12], block_id=e.block_id,
+                                                     status="cached", color=CACHED_NODE)
+
+    def reset(self) -> None:
+        super().reset()
+        self._hit_row, self._node, self._has_child = {}, {}, set()
+        self._lanes = self._hit_tokens = self._queried_tokens = 0

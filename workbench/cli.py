@@ -2,7 +2,8 @@
 measure the engine; each prints a table and, with --write-docs, rewrites its own section of docs/BENCHMARKS.md;
 `workbench bench all` runs every CPU benchmark. `workbench run` runs prompts
 headless and records a step trace; `workbench export` turns step traces into a Chrome trace for Perfetto.
-`workbench serve` serves the live dashboard; `workbench replay` serves the dashboards over a trace."""
+`workbench serve` serves the live dashboard; `workbench replay` serves the dashboards over a trace;
+`workbench pd` runs prompts through prefill and decode engine processes that move KV through a connector."""
 from __future__ import annotations
 
 import argparse
@@ -188,10 +189,21 @@ def _add_roofline(sub: Any) -> None:
         bandwidth_bytes=a.bandwidth_mib << 20, matmul_n=a.matmul_n))
 
 
+def _add_spec(sub: Any) -> None:
+    p = sub.add_parser("spec", help="speculative decoding: tokens/s with and without drafts, batch 1 and 8")
+    _common(p)
+    p.add_argument("--k", type=_positive_int, default=4, help="draft tokens per step (default: %(default)s)")
+    p.add_argument("--draft-model", default=None, help="the draft model (default: the target itself)")
+    p.add_argument("--num-requests", type=_positive_int, default=8)
+    p.add_argument("--output-len", type=_positive_int, default=96)
+    p.set_defaults(bench="spec", kwargs=lambda a: dict(k=a.k, draft_model=a.draft_model, runs=a.runs,
+                                                       num_requests=a.num_requests, output_len=a.output_len))
+
+
 # `bench all`: every CPU benchmark (kernels needs CUDA), each with its defaults plus these flags.
 ALL_BENCHES = {"throughput": [], "prefix": [], "profile": [],
                "serve": ["--request-rate", "1", "--baseline", "--goodput", "ttft:1000", "tpot:100"],
-               "sweep": [], "guided": [], "roofline": []}
+               "sweep": [], "guided": [], "roofline": [], "spec": ["--runs", "2"]}
 
 
 def _add_all(sub: Any) -> None:
@@ -224,12 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks of the engine")
     benches = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK")
     for add in (_add_throughput, _add_prefix, _add_profile, _add_bench_serve, _add_sweep, _add_guided, _add_roofline,
-                _add_kernels, _add_all):
+                _add_spec, _add_kernels, _add_all):
         add(benches)
     _add_run(commands)
     _add_export(commands)
     _add_serve(commands)
     _add_replay(commands)
+    _add_pd(commands)
     return parser
 
 
@@ -384,6 +397,19 @@ def replay(args: argparse.Namespace) -> None:
     serve_replay(args.trace, args.port)
 
 
+def _add_pd(commands: Any) -> None:
+    p = commands.add_parser("pd", help="disaggregated prefill/decode: N prefill + M decode engine processes")
+    p.add_argument("--prefill", type=_positive_int, default=1, help="prefill instances (default: %(default)s)")
+    p.add_argument("--decode", type=_positive_int, default=1, help="decode instances (default: %(default)s)")
+    p.add_argument("--connector", choices=("shared_storage", "redis"), default="shared_storage")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
+    p.add_argument("--prompts", help="a file with one prompt per line (default: a few samples)")
+    p.add_argument("--max-tokens", type=_positive_int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--num-kv-blocks", type=_positive_int)
+    p.add_argument("--trace-dir", help="write one step trace per instance here")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `workbench` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -402,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
             serve(args)
         elif args.command == "replay":
             replay(args)
+        elif args.command == "pd":
+            from workbench.bench.pd import run_pd_command
+
+            run_pd_command(args)
     except (ValueError, OSError) as exc:  # bad settings, named by the engine or the workload generator; bad paths
         print(f"workbench: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,64 @@
+"""The roofline: the model's per-step cost from its shapes, the machine measurements, and a reduced run on
+tiny-llama through the CLI. No timed assertions."""
+import pytest
+import torch
+from torch import nn
+
+from workbench.bench import roofline
+from workbench.cli import main
+
+
+class _Toy(nn.Module):
+    """Two linear layers, an embedding and a norm, with the LM head tied or not."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(100, 8)
+        self.model.norm = nn.LayerNorm(8, bias=False)
+        self.model.up = nn.Linear(8, 16, bias=False)
+        self.model.down = nn.Linear(16, 8, bias=False)
+        self.lm_head = nn.Linear(8, 100, bias=False)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_cost_counts_each_weight_read_once(tied):
+    cost = roofline.model_cost(_Toy(tied), num_layers=2, num_heads=4, num_kv_heads=2, head_dim=2)
+    # read per step: norm + up + down + the LM head (the embedding lookup only reads B rows)
+    assert cost.weight_bytes == 4 * (8 + 128 + 128 + 800)
+    assert cost.num_params == (8 + 128 + 128 + 800) + (0 if tied else 800)
+    assert cost.linear_flops_per_token == 2 * (128 + 128 + 800)
+    assert cost.kv_bytes_per_context_token == 2 * 2 * 2 * 2 * 4
+    assert cost.attn_flops_per_context_token == 2 * 2 * 2 * 4 * 2
+    assert cost.linear_shapes == {(16, 8): 1, (8, 16): 1, (100, 8): 1}
+    nbytes, flops = cost.step(batch=3, context=10)
+    assert nbytes == cost.weight_bytes + 3 * 10 * 64 and flops == 3 * (2112 + 10 * 64)
+
+
+def test_machine_measurements_are_positive_rates():
+    bandwidth = roofline.measure_bandwidth(1 << 22, runs=1)
+    assert bandwidth["read"] > 1e6 and bandwidth["copy"] > 1e6
+    assert roofline.measure_matmul(64, runs=1) > 1e6
+
+
+def test_reduced_roofline_through_the_cli(tmp_path, capsys):
+    doc = tmp_path / "BENCHMARKS.md"
+    argv = ["bench", "roofline", "--model", "tiny-llama", "--num-kv-blocks", "256", "--batch-sizes", "1", "3",
+            "--prompt-len", "8", "--steps", "2", "--runs", "1", "--bandwidth-mib", "4", "--matmul-n", "64",
+            "--write-docs", "--docs-path", str(doc)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "MB of weights read per decode step" in out and "forward / floor" in out
+    assert "<!-- bench:roofline:start -->" in doc.read_text()
+
+
+def test_roofline_floor_is_the_larger_bound():
+    result = roofline.run_roofline(model="tiny-llama", batch_sizes=(2,), prompt_len=8, steps=2, runs=1,
+                                   bandwidth_bytes=1 << 22, matmul_n=64, engine_kwargs={"num_kv_blocks": 256},
+                                   log=lambda _: None)
+    (row,) = result["rows"]
+    assert row["floor_ms"] == max(row["memory_floor_ms"], row["compute_floor_ms"]) > 0
+    assert row["context"] == 8 + 1 + 2 + 1 and row["forward_ms"] > 0 and row["total_ms"] >= row["forward_ms"]
+    assert result["weight_bytes"] == result["num_params"] * torch.float32.itemsize  # tiny-llama ties its head

@@ -1,0 +1,119 @@
+"""What guided decoding costs per step: filling the grammar bitmask (xgrammar, one row per guided request) and
+applying it to the logits, against the step's forward, at several batch sizes of JSON-schema requests.
+
+Before each step in which every request of the batch decodes, the bitmask fill the step is about to do is timed
+by calling the engine's own `StructuredOutputManager.grammar_bitmask` for the running requests (filling reads
+the matchers' state and changes nothing), and the apply by masking a logits tensor of the step's shape with it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from engine import LLM
+from engine.structured.xgrammar_backend import apply_bitmask
+from workbench.bench.datasets import BenchRequest, json_schema_requests
+from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table, text_table
+from workbench.bench.serve import request_params
+
+
+def _time_guidance(llm: LLM, request_ids: list[str]) -> tuple[float, float]:
+    """(fill ms, apply ms) of one step's guidance for these requests, decoding (no drafts)."""
+    structured = llm.engine.structured
+    t0 = time.perf_counter()
+    bitmask, rows = structured.grammar_bitmask([(rid, []) for rid in request_ids])
+    t1 = time.perf_counter()
+    logits = torch.randn(len(request_ids), structured.vocab_size)
+    t2 = time.perf_counter()
+    apply_bitmask(logits, bitmask, rows)
+    return (t1 - t0) * 1e3, (time.perf_counter() - t2) * 1e3
+
+
+def guided_step_costs(llm: LLM, prompts: Sequence[BenchRequest], steps: int, warmup: int = 1) -> dict[str, float]:
+    """Run the guided requests (datasets.BenchRequest) together until `steps` steps (after `warmup`) have had every
+    one of them decoding; medians of fill, apply, forward and step ms over those steps. Unfinished requests are
+    aborted after."""
+    eng = llm.engine
+    ids = [eng.add_request(r.prompt_token_ids, request_params(r)) for r in prompts]
+    batch = len(ids)
+    samples: list[tuple[float, float, float, float]] = []
+    seen = 0
+    while eng.has_unfinished_requests() and len(samples) < steps:
+        running = [r.request_id for r in eng.scheduler.running]
+        guidance = _time_guidance(llm, running) if len(running) == batch else None
+        record = eng.step()
+        if guidance is None or len(record.scheduled) != batch or set(record.phases.values()) != {"decode"}:
+            continue
+        seen += 1
+        if seen > warmup:
+            samples.append((*guidance, record.timing["forward"], record.timing["total"]))
+    for rid in ids:
+        eng.abort(rid)
+        eng.pop_output(rid)
+    if not samples:
+        raise RuntimeError(f"guided: no step had all {batch} requests decoding (outputs too short? raise output_len)")
+    fill, apply, forward, total = (statistics.median(column) for column in zip(*samples))
+    return {"batch": batch, "steps": len(samples), "fill_ms": fill, "apply_ms": apply, "forward_ms": forward,
+            "step_ms": total}
+
+
+def run_guided(model: str = "smollm2-135m", batch_sizes: Sequence[int] = (1, 8, 32), steps: int = 8,
+               output_len: int = 256, seed: int = 0, max_num_batched_tokens: int = 2048,
+               engine_kwargs: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Guidance cost per step at each batch size, on one engine, with seeded JSON-schema requests (greedy;
+    `output_len` caps each JSON). Fewer than `steps` samples where requests finish early."""
+    engine_kwargs = dict(engine_kwargs or {})
+    llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
+    rows = []
+    for batch in batch_sizes:
+        prompts = json_schema_requests(batch, llm.tokenizer, output_len, seed=seed)
+        rows.append(guided_step_costs(llm, prompts, steps))
+        log(f"batch {batch}: fill {rows[-1]['fill_ms']:.2f} ms, apply {rows[-1]['apply_ms']:.2f} ms, "
+            f"forward {rows[-1]['forward_ms']:.1f} ms")
+    return {
+        "model": model,
+        "settings": {"batch_sizes": list(batch_sizes), "steps": steps, "output_len": output_len, "seed": seed,
+                     "max_num_batched_tokens": max_num_batched_tokens, "engine_kwargs": engine_kwargs},
+        "rows": rows,
+    }
+
+
+_HEADERS = ("batch", "steps", "fill ms", "fill us / request", "apply ms", "guidance ms", "forward ms", "step ms",
+            "guidance / forward")
+
+
+def _rows(result: dict[str, Any]) -> list[list[object]]:
+    rows = []
+    for r in result["rows"]:
+        guidance = r["fill_ms"] + r["apply_ms"]
+        rows.append([r["batch"], r["steps"], r["fill_ms"], r["fill_ms"] * 1e3 / r["batch"], r["apply_ms"], guidance,
+                     r["forward_ms"], r["step_ms"], f"{guidance / r['forward_ms']:.1%}"])
+    return rows
+
+
+def _workload(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    return (f"{result['model']}: B JSON-schema requests (seed {s['seed']}, greedy, at most {s['output_len']} tokens) "
+            f"decoding together; medians over up to {s['steps']} steps in which all B decode")
+
+
+def format_text(result: dict[str, Any]) -> str:
+    return "\n".join([_workload(result), text_table(_HEADERS, _rows(result))])
+
+
+def format_markdown(result: dict[str, Any], command: str) -> str:
+    s = result["settings"]
+    return "\n\n".join([
+        "## Guided decoding: what the grammar costs per step",
+        f"`{command}`",
+        (f"{_workload(result)}. Fill: `StructuredOutputManager.grammar_bitmask` for the B requests (xgrammar "
+         "`fill_next_token_bitmask` per row, plus counting the allowed tokens for the grammar.step event); apply: "
+         "`apply_token_bitmask_inplace` on [B, vocab] fp32 logits. Forward: the step's model + LM head time, which "
+         "includes the apply; step: the whole engine step, which includes the fill. max_num_batched_tokens="
+         f"{s['max_num_batched_tokens']}.") + engine_settings_note(s["engine_kwargs"]),
+        markdown_table(_HEADERS, _rows(result)),
+        machine_markdown(machine_info()),
+    ])

@@ -1,0 +1,202 @@
+"""The machine's limit for a decode step, and where the engine stands against it.
+
+A decode step must read every weight once (the tied LM head counted once; the embedding lookup reads only B rows,
+ignored) and each sequence's K/V, and must compute 2 FLOPs per weight per token plus attention's QK^T and PV.
+Over this machine's measured memory bandwidth and matmul throughput, that gives the floor of a step:
+max(bytes / bandwidth, FLOPs / throughput). Batch 1 is memory-bound (weights dominate); as the batch grows the
+same weights serve more tokens, until compute binds.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from engine import LLM, SamplingParams
+from workbench.bench.datasets import random_requests, token_id_range
+from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table, text_table
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What a decode step of one model reads and computes, from its shapes and dtype."""
+
+    num_params: int
+    weight_bytes: int  # read once per step, whatever the batch
+    linear_flops_per_token: int  # 2 x the weights of every linear layer, the LM head included
+    kv_bytes_per_context_token: int  # K and V of one context token, all layers
+    attn_flops_per_context_token: int  # QK^T and PV: 2 x 2 x query heads x head dim, all layers
+    linear_shapes: dict[tuple[int, int], int]  # (out, in) -> how many linear layers have it
+
+    def step(self, batch: int, context: int) -> tuple[int, int]:
+        """(bytes read, FLOPs) of one decode step of `batch` sequences of `context` tokens each."""
+        nbytes = self.weight_bytes + batch * context * self.kv_bytes_per_context_token
+        flops = batch * (self.linear_flops_per_token + context * self.attn_flops_per_context_token)
+        return nbytes, flops
+
+
+def model_cost(model: nn.Module, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> ModelCost:
+    """The decode cost of `model` (an engine LlamaForCausalLM: parameters shared by tying are counted once)."""
+    params = {p.data_ptr(): p for p in model.parameters()}.values()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    embed = model.get_submodule("model.embed_tokens").weight
+    tied = any(m.weight.data_ptr() == embed.data_ptr() for m in linears)
+    elt = embed.element_size()
+    weight_bytes = sum(p.numel() for p in params) * elt - (0 if tied else embed.numel() * elt)
+    return ModelCost(
+        num_params=sum(p.numel() for p in params),
+        weight_bytes=weight_bytes,
+        linear_flops_per_token=2 * sum(m.weight.numel() for m in linears),
+        kv_bytes_per_context_token=2 * num_layers * num_kv_heads * head_dim * elt,
+        attn_flops_per_context_token=2 * 2 * num_layers * num_heads * head_dim,
+        linear_shapes=dict(Counter(tuple(m.weight.shape) for m in linears)),
+    )
+
+
+def _best_s(fn: Callable[[], object], runs: int, inner: int = 1) -> float:
+    fn()  # first touch: page faults and allocator warm-up stay out of the timing
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, runs: int = 5) -> dict[str, float]:
+    """Memory bandwidth (bytes/s), best of `runs`: a sum over an fp32 array of `nbytes` (read) and a copy into
+    another (read + write, 2 x nbytes moved)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    read = nbytes / _best_s(src.sum, runs)
+    copy = 2 * nbytes / _best_s(lambda: dst.copy_(src), runs)
+    return {"read": read, "copy": copy}
+
+
+def measure_matmul(n: int = 2048, runs: int = 5) -> float:
+    """fp32 matmul throughput (FLOP/s) of an n x n by n x n product, best of `runs`: the machine's compute peak."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n ** 3 / _best_s(lambda: a @ b, runs)
+
+
+@torch.inference_mode()
+def time_linears(cost: ModelCost, batch: int, runs: int = 5) -> float:
+    """Seconds the model's linear layers alone take at `batch` tokens: each distinct shape timed (best of
+    `runs`), times how many layers have it. What the matmuls cost without anything around them."""
+    total = 0.0
+    for (out_f, in_f), count in cost.linear_shapes.items():
+        x, w = torch.randn(batch, in_f), torch.randn(out_f, in_f)
+        total += count * _best_s(lambda: torch.nn.functional.linear(x, w), runs, inner=5)
+    return total
+
+
+def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int = 2,
+                   seed: int = 0) -> dict[str, float]:
+    """Steady decode of `batch` requests with `prompt_len`-token prompts: after their prefills and `warmup`
+    decode steps, the median forward and total ms of `steps` steps in which all of them decode."""
+    eng = llm.engine
+    reqs = random_requests(batch, (prompt_len, prompt_len), (1, 1), token_id_range(llm.tokenizer), seed)
+    # requests whose prefill ends early decode while the others prefill: room for those steps too
+    prefill_steps = -(-batch * prompt_len // eng.config.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + warmup + steps + 2, ignore_eos=True)
+    ids = [eng.add_request(r.prompt_token_ids, params) for r in reqs]
+    forward, total, seen = [], [], 0
+    while len(forward) < steps and eng.has_unfinished_requests():
+        record = eng.step()
+        if len(record.scheduled) != batch or any(p != "decode" for p in record.phases.values()):
+            continue
+        seen += 1
+        if seen > warmup:
+            forward.append(record.timing["forward"])
+            total.append(record.timing["total"])
+    for rid in ids:
+        eng.abort(rid)
+        eng.pop_output(rid)
+    if len(forward) < steps:
+        raise RuntimeError(f"roofline: only {len(forward)} of {steps} steps decoded all {batch} requests "
+                           "(max_num_seqs or the KV cache too small for the batch?)")
+    return {"forward_ms": statistics.median(forward), "total_ms": statistics.median(total),
+            "context": prompt_len + 1 + warmup + steps // 2}
+
+
+def run_roofline(model: str = "smollm2-135m", batch_sizes: Sequence[int] = (1, 8, 64), prompt_len: int = 128,
+                 steps: int = 10, runs: int = 5, bandwidth_bytes: int = 1 << 30, matmul_n: int = 2048, seed: int = 0,
+                 max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
+                 log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure the machine (bandwidth, matmul peak), compute the model's per-step cost, and time the engine's
+    decode step at each batch size; returns the floors and where the engine stands."""
+    engine_kwargs = dict(engine_kwargs or {})
+    llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
+    runner = llm.engine.runner
+    shape = runner.model.shape
+    cost = model_cost(runner.model, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    bandwidth = measure_bandwidth(bandwidth_bytes, runs)
+    peak = measure_matmul(matmul_n, runs)
+    log(f"bandwidth {bandwidth['read'] / 1e9:.1f} GB/s read, matmul {peak / 1e9:.0f} GFLOP/s")
+    decode_step_ms(llm, 1, prompt_len, 1, warmup=0, seed=seed)  # first steps pay for allocation: untimed
+    rows = []
+    for batch in batch_sizes:
+        measured = decode_step_ms(llm, batch, prompt_len, steps, seed=seed)
+        nbytes, flops = cost.step(batch, measured["context"])
+        memory_ms, compute_ms = nbytes / bandwidth["read"] * 1e3, flops / peak * 1e3
+        rows.append({"batch": batch, **measured, "bytes": nbytes, "flops": flops, "memory_floor_ms": memory_ms,
+                     "compute_floor_ms": compute_ms, "floor_ms": max(memory_ms, compute_ms),
+                     "linears_ms": time_linears(cost, batch, runs) * 1e3})
+        log(f"batch {batch}: forward {measured['forward_ms']:.1f} ms, floor {rows[-1]['floor_ms']:.1f} ms")
+    return {
+        "model": model,
+        "settings": {"batch_sizes": list(batch_sizes), "prompt_len": prompt_len, "steps": steps, "runs": runs,
+                     "bandwidth_bytes": bandwidth_bytes, "matmul_n": matmul_n, "seed": seed,
+                     "max_num_batched_tokens": max_num_batched_tokens, "engine_kwargs": engine_kwargs,
+                     "dtype": llm.engine.config.dtype},
+        "num_params": cost.num_params, "weight_bytes": cost.weight_bytes,
+        "flops_per_token": cost.linear_flops_per_token,
+        "bandwidth": bandwidth, "matmul_flops": peak,
+        "rows": rows,
+    }
+
+
+_HEADERS = ("batch", "context", "MB read", "GFLOP", "memory floor ms", "compute floor ms", "floor ms",
+            "linears alone ms", "forward ms", "step ms", "forward / floor")
+
+
+def _rows(result: dict[str, Any]) -> list[list[object]]:
+    return [[r["batch"], r["context"], r["bytes"] / 1e6, r["flops"] / 1e9, r["memory_floor_ms"], r["compute_floor_ms"],
+             r["floor_ms"], r["linears_ms"], r["forward_ms"], r["total_ms"], f"{r['forward_ms'] / r['floor_ms']:.2f}x"]
+            for r in result["rows"]]
+
+
+def _machine_line(result: dict[str, Any]) -> str:
+    bw, s = result["bandwidth"], result["settings"]
+    return (f"{result['model']} ({s['dtype']}): {result['num_params'] / 1e6:.1f} M parameters, "
+            f"{result['weight_bytes'] / 1e6:.0f} MB of weights read per decode step, "
+            f"{result['flops_per_token'] / 1e6:.0f} MFLOP per token in linear layers. Machine: "
+            f"{bw['read'] / 1e9:.1f} GB/s read ({bw['copy'] / 1e9:.1f} GB/s copy), fp32 matmul "
+            f"{result['matmul_flops'] / 1e9:.0f} GFLOP/s ({s['matmul_n']}^3)")
+
+
+def format_text(result: dict[str, Any]) -> str:
+    return "\n".join([_machine_line(result), text_table(_HEADERS, _rows(result))])
+
+
+def format_markdown(result: dict[str, Any], command: str) -> str:
+    s = result["settings"]
+    return "\n\n".join([
+        "## The limit: a decode step against the machine's floor",
+        f"`{command}`",
+        (f"{_machine_line(result)}. Bandwidth: best of {s['runs']} sums over (and copies of) a "
+         f"{s['bandwidth_bytes'] >> 20} MiB array. A step of B sequences reads every weight once plus their K/V "
+         "(MB read) and computes 2 FLOPs per linear weight per token plus attention (GFLOP); floor = max(bytes / "
+         "read bandwidth, FLOPs / matmul peak). Linears alone: the model's linear shapes timed at B rows without "
+         f"the model around them. Engine: B requests of {s['prompt_len']}-token prompts in steady decode, median "
+         f"of {s['steps']} steps (forward = model + LM head; step = the whole engine step).")
+        + engine_settings_note(s["engine_kwargs"]),
+        markdown_table(_HEADERS, _rows(result)),
+        machine_markdown(machine_info()),
+    ])

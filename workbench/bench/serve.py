@@ -1,0 +1,385 @@
+"""Online serving, measured as vLLM's `benchmark_serving` measures a server, but in-process: requests arrive on a
+seeded Poisson (or Gamma, with burstiness) schedule while the engine steps, each added with its scheduled arrival
+time; TTFT, TPOT, ITL and end-to-end latency (mean, median, std, p90, p99), request and token throughput, and
+goodput under SLOs, with vLLM's key names. ITL comes from per-token times: a subscriber records, per request, the
+end of every step that gave it tokens.
+
+`--baseline` replays the same schedule through transformers `generate` in static batches, arrival order (a batch
+starts when its last request has arrived and the previous batch is done); a streamer times each of its steps, so
+its TTFT, ITL and latencies are defined the same way.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from engine import LLM, RequestOutput, SamplingParams, StepRecord, StructuredOutputsParams
+from engine.model import resolve_model
+from workbench.bench.datasets import DATASET_DEFAULTS, BenchRequest, sample_dataset
+from workbench.bench.report import (engine_settings_note, machine_info, machine_markdown, markdown_table,
+                                    percentile, text_table)
+from workbench.bench.throughput import HFBaseline, cold_start
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+PERCENTILES = (90, 99)  # the median is reported as median_*_ms, as vLLM does
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+def request_arrivals(num_requests: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Arrival offsets (s) as vLLM's benchmark draws them: the first at 0, then Gamma(shape=burstiness,
+    scale=1/(rate*burstiness)) gaps (burstiness 1: Poisson; below 1 burstier, above 1 more regular).
+    An infinite rate sends every request at 0."""
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request_rate and burstiness: must be > 0, got {request_rate}, {burstiness}")
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), size=num_requests)
+    return [0.0, *np.cumsum(gaps[:-1]).tolist()][:num_requests]
+
+
+def parse_goodput(items: Sequence[str]) -> dict[str, float]:
+    """vLLM's `--goodput ttft:MS tpot:MS e2el:MS` -> {metric: ms}."""
+    slos = {}
+    for item in items:
+        name, sep, value = item.partition(":")
+        if not sep or name not in SLO_METRICS:
+            raise ValueError(f"goodput: expected METRIC:MS with METRIC one of {', '.join(SLO_METRICS)}, got {item!r}")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"goodput: {item!r}: {value!r} is not a number of milliseconds") from None
+        if slos[name] < 0:
+            raise ValueError(f"goodput: {item!r}: the SLO must be >= 0 ms")
+    return slos
+
+
+@dataclass
+class RequestResult:
+    """One request as a client sees it: its lengths, whether it succeeded, TTFT, latency and its inter-token
+    gaps (seconds)."""
+
+    prompt_len: int
+    output_len: int
+    ttft: float
+    e2el: float
+    itl: list[float]
+    success: bool = True
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first; 0 for a single token (vLLM's convention)."""
+        return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+
+class TokenTimes:
+    """A step subscriber that owns, per request id, the end time (s) of every step that gave the request tokens."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = defaultdict(list)
+
+    def __call__(self, record: StepRecord) -> None:
+        for event in record.of_kind("request.tokens"):
+            self.times[event.request_id].append(record.end_ns / 1e9)
+
+
+def request_params(request: BenchRequest, temperature: float = 0.0) -> SamplingParams:
+    """A benchmark request's sampling: `output_len` tokens (exactly, or at most), guided by its schema if any."""
+    guided = StructuredOutputsParams(json=request.json_schema) if request.json_schema is not None else None
+    return SamplingParams(temperature=temperature, max_tokens=request.output_len, ignore_eos=request.ignore_eos,
+                          structured_outputs=guided)
+
+
+@dataclass
+class _Admission:
+    """The serve loop's client side: the requests not sent yet, the in-flight count and the concurrency cap."""
+
+    pending: deque
+    max_concurrency: int | None
+    in_flight: int = 0
+    slot_freed: float = 0.0  # when a request last finished while every slot was taken
+
+    @property
+    def full(self) -> bool:
+        return self.max_concurrency is not None and self.in_flight >= self.max_concurrency
+
+
+def run_serve_once(llm: LLM, requests: Sequence[BenchRequest], arrivals: Sequence[float],
+                   max_concurrency: int | None = None, progress: bool = True,
+                   temperature: float = 0.0) -> tuple[list[RequestResult], float]:
+    """Serve `requests` arriving at `arrivals` (s after the start): before each step, add every request whose time
+    has come (with that time as its arrival, or the moment a slot freed if `max_concurrency` held it back), then
+    step. Returns one result per request, in order, and the duration (start to last finish, s)."""
+    from tqdm.auto import tqdm
+
+    if len(arrivals) != len(requests) or any(b < a for a, b in zip(arrivals, arrivals[1:])):
+        raise ValueError("arrivals: expected one non-decreasing time per request")
+    cold_start(llm)
+    eng = llm.engine
+    params = [request_params(r, temperature) for r in requests]
+    recorder = eng.subscribe(TokenTimes())
+    start = time.monotonic()
+    adm = _Admission(deque(range(len(requests))), max_concurrency, slot_freed=start)
+    ids: dict[int, str] = {}
+    try:
+        with tqdm(total=len(requests), desc="serve", unit="req", disable=not progress) as bar:
+            while adm.pending or adm.in_flight:
+                now = time.monotonic()
+                while adm.pending and start + arrivals[adm.pending[0]] <= now and not adm.full:
+                    i = adm.pending.popleft()
+                    arrival = max(start + arrivals[i], adm.slot_freed)
+                    ids[i] = eng.add_request(requests[i].prompt_token_ids, params[i], arrival_time=arrival)
+                    adm.in_flight += 1
+                if not adm.in_flight:  # idle until the next arrival
+                    time.sleep(max(0.0, start + arrivals[adm.pending[0]] - time.monotonic()))
+                    continue
+                was_full = adm.full
+                done = len(eng.step().of_kind("request.finished"))
+                adm.in_flight -= done
+                bar.update(done)
+                if was_full and done:
+                    adm.slot_freed = time.monotonic()
+    finally:
+        eng.unsubscribe(recorder)
+    duration = time.monotonic() - start
+    return [_engine_result(eng.pop_output(ids[i]), recorder.times[ids[i]]) for i in range(len(requests))], duration
+
+
+def _engine_result(out: RequestOutput, token_times: list[float]) -> RequestResult:
+    m = out.metrics
+    ok = out.finish_reason in ("length", "stop") and m.first_token_time is not None
+    if not ok:
+        return RequestResult(len(out.prompt_token_ids), len(out.token_ids), 0.0, 0.0, [], success=False)
+    return RequestResult(len(out.prompt_token_ids), len(out.token_ids), m.first_token_time - m.arrival_time,
+                         m.last_token_time - m.arrival_time, np.diff(token_times).tolist())
+
+
+class _StepTimes:
+    """A transformers streamer that owns the time and the tokens of every generate step (the prompt skipped)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[list[int]] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() first streams the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.monotonic())
+        self.tokens.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf_serve_once(hf: HFBaseline, requests: Sequence[BenchRequest], arrivals: Sequence[float],
+                      eos_token_id: int | None) -> tuple[list[RequestResult], float]:
+    """The same schedule through transformers `generate` in static batches of `hf.batch_size`, arrival order.
+    A fixed-length request counts its first `output_len` tokens; one that may stop counts up to its first EOS."""
+    if any(r.json_schema is not None for r in requests):
+        raise ValueError("baseline: transformers generate has no guided decoding; use a dataset without schemas")
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    results: dict[int, RequestResult] = {}
+    start = time.monotonic()
+    for k in range(0, len(order), hf.batch_size):
+        batch = order[k:k + hf.batch_size]
+        time.sleep(max(0.0, start + arrivals[batch[-1]] - time.monotonic()))
+        steps = _hf_generate(hf, [requests[i] for i in batch])
+        for row, i in enumerate(batch):
+            n = _hf_output_len(requests[i], [s[row] for s in steps.tokens], eos_token_id)
+            times = [t - (start + arrivals[i]) for t in steps.times[:n]]
+            results[i] = RequestResult(len(requests[i].prompt_token_ids), n, times[0], times[-1],
+                                       np.diff(times).tolist())
+    return [results[i] for i in range(len(requests))], time.monotonic() - start
+
+
+@torch.inference_mode()
+def _hf_generate(hf: HFBaseline, batch: Sequence[BenchRequest]) -> _StepTimes:
+    width = max(len(r.prompt_token_ids) for r in batch)
+    pads = [width - len(r.prompt_token_ids) for r in batch]
+    input_ids = torch.tensor([[hf.pad_token_id] * p + r.prompt_token_ids for p, r in zip(pads, batch)])
+    mask = torch.tensor([[0] * p + [1] * len(r.prompt_token_ids) for p, r in zip(pads, batch)])
+    n = max(r.output_len for r in batch)
+    fixed = all(r.ignore_eos for r in batch)
+    streamer = _StepTimes()
+    hf.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n if fixed else 0,
+                      do_sample=False, pad_token_id=hf.pad_token_id, streamer=streamer)
+    return streamer
+
+
+def _hf_output_len(request: BenchRequest, tokens: list[int], eos_token_id: int | None) -> int:
+    n = min(request.output_len, len(tokens))
+    if not request.ignore_eos and eos_token_id in tokens[:n]:
+        n = tokens.index(eos_token_id) + 1
+    return n
+
+
+def _stats(name: str, seconds: Sequence[float]) -> dict[str, float]:
+    ms = [s * 1e3 for s in seconds] or [0.0]  # vLLM reports 0 for a metric with no samples
+    stats = {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
+             f"std_{name}_ms": statistics.pstdev(ms)}
+    stats.update({f"p{p}_{name}_ms": percentile(ms, p) for p in PERCENTILES})
+    return stats
+
+
+def is_good(result: RequestResult, slos: dict[str, float]) -> bool:
+    """Whether a successful request meets every SLO given (ms; a bound equal to the value counts as met)."""
+    values = {"ttft": result.ttft, "tpot": result.tpot, "e2el": result.e2el}
+    return result.success and all(values[k] * 1e3 <= ms for k, ms in slos.items())
+
+
+def compute_metrics(results: Sequence[RequestResult], duration: float,
+                    slos: dict[str, float] | None = None) -> dict[str, Any]:
+    """vLLM's serving metrics over the successful requests: counts, throughputs (per second of `duration`),
+    goodput (requests meeting every SLO, per second) when SLOs are given, and the latency statistics."""
+    ok = [r for r in results if r.success]
+    num_in, num_out = sum(r.prompt_len for r in ok), sum(r.output_len for r in ok)
+    metrics: dict[str, Any] = {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": num_in, "total_output_tokens": num_out,
+        "request_throughput": len(ok) / duration, "output_throughput": num_out / duration,
+        "total_token_throughput": (num_in + num_out) / duration,
+    }
+    if slos:
+        metrics["request_goodput"] = sum(is_good(r, slos) for r in ok) / duration
+    metrics.update(_stats("ttft", [r.ttft for r in ok]))
+    metrics.update(_stats("tpot", [r.tpot for r in ok if r.output_len > 1]))
+    metrics.update(_stats("itl", [gap for r in ok for gap in r.itl]))
+    metrics.update(_stats("e2el", [r.e2el for r in ok]))
+    return metrics
+
+
+def per_request(results: Sequence[RequestResult]) -> dict[str, list]:
+    """The per-request lists vLLM's result file carries."""
+    return {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_len for r in results],
+            "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
+            "errors": ["" if r.success else "failed" for r in results]}
+
+
+def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests: int = 64,
+              dataset_args: dict[str, Any] | None = None, request_rate: float = math.inf, burstiness: float = 1.0,
+              max_concurrency: int | None = None, goodput: dict[str, float] | None = None, baseline: bool = False,
+              hf_batch_size: int = 8, result_file: str | None = None, seed: int = 0,
+              max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
+              log: Callable[[str], None] = print, progress: bool = True) -> dict[str, Any]:
+    """Serve one seeded workload on the engine (and on transformers if `baseline`); returns the settings and
+    vLLM-style metrics per side (plus the engine/transformers ratios); writes them as JSON to `result_file`."""
+    engine_kwargs = dict(engine_kwargs or {})
+    arrivals = request_arrivals(num_requests, request_rate, burstiness, seed)
+    llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
+    requests = sample_dataset(dataset, llm.tokenizer, num_requests, seed, **(dataset_args or {}))
+    dataset_args = {**DATASET_DEFAULTS[dataset], **(dataset_args or {})}
+    run_serve_once(llm, requests[:2], [0.0, 0.0], progress=False)  # warm-up: first calls pay for allocation
+    results, duration = run_serve_once(llm, requests, arrivals, max_concurrency, progress)
+    log(f"engine: {duration:.2f} s")
+    result = {
+        "model": model, "date": machine_info()["date"],
+        "settings": {"dataset": dataset, "num_requests": num_requests, "dataset_args": dataset_args,
+                     "request_rate": request_rate, "burstiness": burstiness, "max_concurrency": max_concurrency,
+                     "goodput": goodput or {}, "seed": seed, "max_num_batched_tokens": max_num_batched_tokens,
+                     "hf_batch_size": hf_batch_size if baseline else None, "engine_kwargs": engine_kwargs},
+        "engine": compute_metrics(results, duration, goodput),
+        "baseline": None,
+    }
+    files = {"engine": per_request(results)}
+    if baseline:
+        hf = HFBaseline(resolve_model(model), hf_batch_size)
+        run_hf_serve_once(hf, requests[:2], [0.0, 0.0], llm.engine.eos_token_id)
+        hf_results, hf_duration = run_hf_serve_once(hf, requests, arrivals, llm.engine.eos_token_id)
+        log(f"transformers: {hf_duration:.2f} s")
+        result["baseline"] = compute_metrics(hf_results, hf_duration, goodput)
+        files["baseline"] = per_request(hf_results)
+    result["ratio"] = _ratios(result["engine"], result["baseline"])
+    if result_file:
+        write_result_file(result_file, result, files)
+    return result
+
+
+def _ratios(ours: dict[str, Any], theirs: dict[str, Any] | None) -> dict[str, float] | None:
+    if theirs is None:
+        return None
+    return {"output_throughput": ours["output_throughput"] / theirs["output_throughput"],
+            "mean_ttft_ms": theirs["mean_ttft_ms"] / max(ours["mean_ttft_ms"], 1e-9),
+            "mean_e2el_ms": theirs["mean_e2el_ms"] / max(ours["mean_e2el_ms"], 1e-9)}
+
+
+def write_result_file(path: str | Path, result: dict[str, Any], per_side: dict[str, dict[str, list]]) -> None:
+    """vLLM's flat layout for the engine (settings, metrics, per-request lists at the top level); the baseline's
+    metrics and lists under "baseline"."""
+    s = result["settings"]
+    flat = {"date": result["date"], "backend": "workbench", "model_id": result["model"],
+            "num_prompts": s["num_requests"], **s, **result["engine"], **per_side["engine"]}
+    if result["baseline"] is not None:
+        flat["baseline"] = {**result["baseline"], **per_side["baseline"]}
+        flat["ratio"] = result["ratio"]
+    Path(path).write_text(json.dumps(flat, indent=2) + "\n", encoding="utf-8")
+
+
+_ROWS = (("completed", "completed"), ("duration s", "duration"), ("request throughput (req/s)", "request_throughput"),
+         ("request goodput (req/s)", "request_goodput"), ("output throughput (tok/s)", "output_throughput"),
+         ("total token throughput (tok/s)", "total_token_throughput"))
+
+
+def _rows(result: dict[str, Any]) -> list[list[object]]:
+    sides = [result["engine"]] + ([result["baseline"]] if result["baseline"] else [])
+    rows = [[label, *(s[key] for s in sides)] for label, key in _ROWS if key in result["engine"]]
+    for m in METRICS:
+        for stat in ("mean", "median", *(f"p{p}" for p in PERCENTILES)):
+            rows.append([f"{m.upper()} {stat} ms", *(s[f"{stat}_{m}_ms"] for s in sides)])
+    return rows
+
+
+def _headers(result: dict[str, Any]) -> list[str]:
+    if result["baseline"] is None:
+        return ["metric", "engine"]
+    return ["metric", "engine", f"transformers (static batches of {result['settings']['hf_batch_size']})"]
+
+
+def _workload(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    rate = "all at once" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g} req/s"
+    shape = "Poisson" if s["burstiness"] == 1 else f"Gamma, burstiness {s['burstiness']:g}"
+    extra = ", ".join(f"{k}={v}" for k, v in s["dataset_args"].items())
+    cap = f", max concurrency {s['max_concurrency']}" if s["max_concurrency"] else ""
+    slo = (", goodput SLOs " + ", ".join(f"{k} <= {v:g} ms" for k, v in s["goodput"].items())) if s["goodput"] else ""
+    return (f"{result['model']}: {s['num_requests']} requests of the {s['dataset']} dataset"
+            f"{f' ({extra})' if extra else ''}, arriving at {rate} ({shape}, seed {s['seed']}){cap}{slo}; greedy")
+
+
+def ratio_line(result: dict[str, Any]) -> str:
+    r = result["ratio"]
+    if r is None:
+        return "no baseline run (--baseline runs transformers on the same schedule)"
+    return (f"engine / transformers: output throughput {r['output_throughput']:.2f}x, mean TTFT "
+            f"{r['mean_ttft_ms']:.2f}x lower, mean E2E latency {r['mean_e2el_ms']:.2f}x lower")
+
+
+def format_text(result: dict[str, Any]) -> str:
+    return "\n".join([_workload(result), text_table(_headers(result), _rows(result)), ratio_line(result)])
+
+
+def format_markdown(result: dict[str, Any], command: str) -> str:
+    s = result["settings"]
+    return "\n\n".join([
+        "## Serving: latency and throughput under a request rate",
+        f"`{command}`",
+        (f"{_workload(result)}. Requests arrive in-process while the engine steps "
+         f"(max_num_batched_tokens={s['max_num_batched_tokens']}); TTFT and E2E latency from each request's "
+         "arrival, TPOT = (E2E - TTFT) / (output tokens - 1), ITL = gaps between the steps that gave a request "
+         "tokens. Keys and definitions as vLLM's `benchmark_serving`.")
+        + (" transformers: the same arrivals through `generate` in static batches, arrival order (a batch starts when "
+           "its last request has arrived and the previous one is done), each step timed by a streamer."
+           if result["baseline"] else "") + engine_settings_note(s["engine_kwargs"]),
+        markdown_table(_headers(result), _rows(result)),
+        f"**{ratio_line(result)}**",
+        machine_markdown(machine_info()),
+    ])

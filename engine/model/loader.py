@@ -45,21 +45,32 @@ def resolve_model(name: str | os.PathLike) -> Path:
     )
 
 
+# Bump a model's version when its builder's output changes: a cached folder of another version is rebuilt.
+BUILD_VERSIONS = {"smollm2-135m": "1", "tiny-llama": "2"}
+_STAMP = ".workbench-build"
+
+
+def _is_current(folder: Path, name: str) -> bool:
+    stamp = folder / _STAMP
+    return (folder / "config.json").is_file() and stamp.is_file() and stamp.read_text() == BUILD_VERSIONS[name]
+
+
 def _ensure_built(name: str) -> Path:
     target = cache_dir() / "models" / name
-    if (target / "config.json").is_file():
+    if _is_current(target, name):
         return target
     from filelock import FileLock
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
-        if (target / "config.json").is_file():  # another process built it while we waited
+        if _is_current(target, name):  # another process built it while we waited
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         try:
             MODEL_REGISTRY[name](tmp)
+            (tmp / _STAMP).write_text(BUILD_VERSIONS[name])
             _make_readable(tmp)
-            if target.exists():  # a folder left incomplete by hand; ours appear whole or not at all
+            if target.exists():  # an older build, or a folder left incomplete by hand
                 shutil.rmtree(target)
             os.replace(tmp, target)
         except BaseException:

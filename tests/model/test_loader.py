@@ -70,12 +70,30 @@ def test_finished_folder_is_reused_without_building(monkeypatch, tmp_path):
     target = tmp_path / "models" / "tiny-llama"
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")
+    (target / ".workbench-build").write_text(loader.BUILD_VERSIONS["tiny-llama"])
 
     def fail(out):
         raise AssertionError("rebuilt a finished model")
 
     monkeypatch.setitem(loader.MODEL_REGISTRY, "tiny-llama", fail)
     assert resolve_model("tiny-llama") == target
+
+
+def test_a_folder_built_by_another_version_is_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    target = tmp_path / "models" / "tiny-llama"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # no stamp: an older builder made it
+    built = []
+
+    def build(out):
+        built.append(out)
+        (out / "config.json").write_text('{"rebuilt": true}')
+
+    monkeypatch.setitem(loader.MODEL_REGISTRY, "tiny-llama", build)
+    assert resolve_model("tiny-llama") == target and len(built) == 1
+    assert json.loads((target / "config.json").read_text()) == {"rebuilt": True}
+    assert (target / ".workbench-build").read_text() == loader.BUILD_VERSIONS["tiny-llama"]
 
 
 def test_failed_build_leaves_nothing_behind(monkeypatch, tmp_path):

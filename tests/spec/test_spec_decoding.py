@@ -1,12 +1,14 @@
 """Speculative decoding: greedy outputs are identical with and without drafts, under every scheduler setting."""
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
+from engine.model import resolve_model
 from engine.spec.ngram import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
@@ -60,38 +62,72 @@ def test_ngram_cuts_k_at_the_end() -> None:
 
 
 # ---- exactness ----------------------------------------------------------------------------------------
-def _prompts() -> list[list[int]]:
+_TEXTS = ["Count: one two three four five six seven eight nine ten eleven twelve. Again: one two three",
+          "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return",
+          "The quick brown fox jumps over the lazy dog. " * 3 + "The quick",
+          "Repeat after me: I like green apples and red cherries. I like green",
+          "Paged attention stores keys and values in blocks. " * 6 + "Paged"]
+
+
+def _tiny_prompts() -> list[list[int]]:
     rng = random.Random(3)
     motif = [rng.randrange(3, 49152) for _ in range(7)]
     return [motif * 4 + [11], [rng.randrange(3, 49152) for _ in range(45)], motif * 2, [17] * 9,
             [rng.randrange(3, 49152) for _ in range(130)]]
 
 
-SETTINGS = {
-    "defaults": {},
-    "block4_drafts_cross_blocks": {"block_size": 4},
-    "chunked": {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 16},
-    "preemption": {"block_size": 4, "num_kv_blocks": 80, "enable_prefix_caching": False},
-    "prefix_cache_and_preemption": {"block_size": 8, "num_kv_blocks": 22},
-}
+@functools.lru_cache(maxsize=None)
+def _prompts(model: str) -> tuple[tuple[int, ...], ...]:
+    """N-gram lookup needs text that repeats itself, which a real model continues: smollm2 for n-gram; the
+    draft model is checked on tiny-llama drafting for itself."""
+    if model == "tiny-llama":
+        return tuple(map(tuple, _tiny_prompts()))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(model))
+    return tuple(tuple(tok.encode(t)) for t in _TEXTS)
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[str, list[list[int]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    return {name: [o.token_ids for o in LLM(model="tiny-llama", **kw).generate(_prompts(), params, use_tqdm=False)]
-            for name, kw in SETTINGS.items()}
+def _blocks_for_preemption(model: str, block_size: int, k: int) -> int:
+    # every prompt (with its lookahead) fits when admitted; 24 more tokens each do not: running requests are
+    # preempted. Each request alone still fits.
+    prompts = _prompts(model)
+    at_admission = sum(-(-(len(p) + k + 1) // block_size) for p in prompts)
+    return at_admission + 8 + 1
 
 
-@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+def _settings(model: str, k: int) -> dict[str, dict]:
+    return {
+        "defaults": {},
+        "block4_drafts_cross_blocks": {"block_size": 4},
+        "chunked": {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 16},
+        "preemption": {"block_size": 4, "num_kv_blocks": _blocks_for_preemption(model, 4, k),
+                       "enable_prefix_caching": False},
+        "prefix_cache_and_preemption": {"block_size": 4, "num_kv_blocks": _blocks_for_preemption(model, 4, k)},
+    }
+
+
+SETTINGS = list(_settings("tiny-llama", 1))
+CASES = {"ngram": ("smollm2-135m", NGRAM), "draft_model": ("tiny-llama", DRAFT)}
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model: str, setting: str, k: int) -> list[list[int]]:
+    llm = LLM(model=model, **_settings(model, k)[setting])
+    return [o.token_ids for o in llm.generate([list(p) for p in _prompts(model)], PARAMS, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("case", [pytest.param("ngram", marks=pytest.mark.slow), "draft_model"])
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_greedy_is_identical_with_speculation(reference, spec, setting) -> None:
-    llm = LLM(model="tiny-llama", speculative_config=spec, **SETTINGS[setting])
+def test_greedy_is_identical_with_speculation(case, setting) -> None:
+    model, spec = CASES[case]
+    k = spec["num_speculative_tokens"]
+    llm = LLM(model=model, speculative_config=spec, **_settings(model, k)[setting])
     records = []
     llm.engine.subscribe(records.append)
-    outs = llm.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-                        use_tqdm=False)
-    assert [o.token_ids for o in outs] == reference[setting]
+    outs = llm.generate([list(p) for p in _prompts(model)], PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in outs] == _reference(model, setting, k)
     phases = [p for r in records for p in r.phases.values()]
     assert "verify" in phases
     stats = llm.engine.spec_stats
@@ -103,17 +139,19 @@ def test_greedy_is_identical_with_speculation(reference, spec, setting) -> None:
     assert llm.engine.kv_cache_manager.usage().used == 0
 
 
+@pytest.mark.slow
 def test_prefix_hits_on_blocks_filled_while_speculating() -> None:
     """Round two's prompts extend round one's outputs: they hit blocks filled during verification, which
     must hold the real tokens' KV only."""
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    plain = LLM(model="tiny-llama", block_size=4)
-    spec = LLM(model="tiny-llama", block_size=4, speculative_config=NGRAM)
-    first = [o.token_ids for o in spec.generate(_prompts(), params, use_tqdm=False)]
-    second = [p + out[:20] for p, out in zip(_prompts(), first)]
-    got = spec.generate(second, params, use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(second, params, use_tqdm=False)]
-    assert all(o.num_cached_tokens >= len(p) - 4 for o, p in zip(got, _prompts()))
+    prompts = [list(p) for p in _prompts("smollm2-135m")]
+    plain = LLM(model="smollm2-135m", block_size=4)
+    spec = LLM(model="smollm2-135m", block_size=4, speculative_config=NGRAM)
+    first = [o.token_ids for o in spec.generate(prompts, PARAMS, use_tqdm=False)]
+    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    second = [p + out[:20] for p, out in zip(prompts, first)]
+    got = spec.generate(second, PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(second, PARAMS, use_tqdm=False)]
+    assert all(o.num_cached_tokens >= len(p) - 4 for o, p in zip(got, prompts))
 
 
 @pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
@@ -139,11 +177,13 @@ def test_guided_requests_with_drafts(spec) -> None:
         assert any(r.of_kind("spec.verified") for r in records)
 
 
+@pytest.mark.slow
 def test_spec_events_describe_each_verification() -> None:
-    llm = LLM(model="tiny-llama", speculative_config=NGRAM)
+    llm = LLM(model="smollm2-135m", speculative_config=NGRAM)
     records = []
     llm.engine.subscribe(records.append)
-    llm.generate(_prompts()[:1], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    llm.generate([list(_prompts("smollm2-135m")[0])], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                 use_tqdm=False)
     proposed = [e for r in records for e in r.of_kind("spec.proposed")]
     verified = [e for r in records for e in r.of_kind("spec.verified")]
     assert proposed and verified and proposed[0].method == "ngram"
@@ -156,7 +196,8 @@ def test_spec_events_describe_each_verification() -> None:
 
 def test_random_sampling_with_drafts_is_seeded_and_valid() -> None:
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=20, ignore_eos=True)
-    a = LLM(model="tiny-llama", speculative_config=DRAFT).generate(_prompts()[:2], params, use_tqdm=False)
-    b = LLM(model="tiny-llama", speculative_config=DRAFT).generate(_prompts()[:2], params, use_tqdm=False)
+    prompts = [list(p) for p in _prompts("tiny-llama")[:2]]
+    a = LLM(model="tiny-llama", speculative_config=DRAFT).generate(prompts, params, use_tqdm=False)
+    b = LLM(model="tiny-llama", speculative_config=DRAFT).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 20 for o in a)

@@ -201,7 +201,7 @@ def test_compiling_grammar_does_not_block_others(monkeypatch) -> None:
 
     monkeypatch.setattr(XgrammarBackend, "compile", slow_compile)
     guided = engine.add_request([5, 6, 7], SamplingParams(
-        temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")))
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")))
     plain = engine.add_request([8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     for _ in range(3):
         record = engine.step()

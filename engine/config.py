@@ -1,7 +1,7 @@
-"""EngineConfig: one validated aggregate of every knob the engine has (cache, scheduler, model)."""
+"""EngineConfig: one validated aggregate of every knob the engine has (cache, scheduler, model, kv transfer)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -40,6 +40,52 @@ class SpeculativeConfig:
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.model: a draft model name or path is required for draft_model")
         return cfg
+
+
+# vLLM's connector names, and the short names the CLI uses
+KV_CONNECTORS = {"SharedStorageConnector": "SharedStorageConnector", "shared_storage": "SharedStorageConnector",
+                 "RedisConnector": "RedisConnector", "redis": "RedisConnector"}
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """KV transfer between instances, vLLM's keys: which connector, this instance's role, its settings,
+    and what a failed load does ("recompute" locally, or "fail" the request)."""
+
+    kv_connector: str
+    kv_role: str
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
+    engine_id: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVTransferConfig":
+        if not isinstance(d, dict):
+            raise TypeError(f"kv_transfer_config: expected dict, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        name = d.get("kv_connector")
+        if name not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config.kv_connector: must be one of {sorted(KV_CONNECTORS)}, got {name!r}")
+        if d.get("kv_role") not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError("kv_transfer_config.kv_role: must be 'kv_producer', 'kv_consumer' or 'kv_both', "
+                             f"got {d.get('kv_role')!r}")
+        if not isinstance(d.get("kv_connector_extra_config", {}), dict):
+            raise TypeError("kv_transfer_config.kv_connector_extra_config: expected dict")
+        if d.get("kv_load_failure_policy", "recompute") not in ("recompute", "fail"):
+            raise ValueError("kv_transfer_config.kv_load_failure_policy: must be 'recompute' or 'fail', "
+                             f"got {d.get('kv_load_failure_policy')!r}")
+        return cls(**{**d, "kv_connector": KV_CONNECTORS[name]})
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
 
 
 @dataclass
@@ -93,8 +139,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self.speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(
             self.speculative_config)
-        if self.kv_transfer_config is not None:
-            raise ValueError("kv_transfer_config: KV transfer is not built yet; leave it None")
+        self.kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_dict(
+            self.kv_transfer_config)
 
     def _check_ranges(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

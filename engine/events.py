@@ -180,6 +180,54 @@ class StepTiming(Event):
     total_ms: float
 
 
+@dataclass(frozen=True)
+class KVTransferSave(Event):
+    """A prefill instance stored a request's prompt KV (`key`: the sha256 prompt-prefix key)."""
+
+    kind: ClassVar[str] = "kv_transfer.save"
+    request_id: str
+    instance: str
+    connector: str
+    key: str
+    num_blocks: int
+    num_tokens: int
+    num_bytes: int
+    ms: float
+    mb_per_s: float
+
+
+@dataclass(frozen=True)
+class KVTransferLoad(Event):
+    """A decode instance loaded a request's KV into its blocks; `remote_request_id` is the producer's id."""
+
+    kind: ClassVar[str] = "kv_transfer.load"
+    request_id: str
+    instance: str
+    connector: str
+    key: str
+    num_blocks: int
+    num_tokens: int
+    num_bytes: int
+    ms: float
+    mb_per_s: float
+    remote_request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class KVTransferFail(Event):
+    """A transfer that did not happen: `failure` (missing, corrupt, mismatch, timeout, save_error) and what
+    the policy did about it (`policy_action`: recompute, fail, none) with the tokens recomputed."""
+
+    kind: ClassVar[str] = "kv_transfer.fail"
+    request_id: str
+    instance: str
+    connector: str
+    failure: str
+    policy_action: str
+    num_recomputed_tokens: int
+    detail: str = ""
+
+
 class EventLog:
     """The events of the step in progress. The engine opens it per step; every subsystem appends to it."""
 

@@ -42,7 +42,13 @@ class LLMEngine:
             config.prefix_caching_hash_algo, self.events,
         )
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, self.events)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.events, self.structured)
+        self.connector = None
+        if config.kv_transfer is not None:
+            from engine.kv_transfer import create_connector
+
+            self.connector = create_connector(config, shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                              self.events)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.events, self.structured, self.connector)
         self.step_count = 0
         self._subscribers: list[Subscriber] = []
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -58,8 +64,10 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Validate and queue a request; returns its id. Bad input raises ValueError/TypeError naming the field."""
+                    arrival_time: float | None = None, kv_transfer_params: dict | None = None) -> str:
+        """Validate and queue a request; returns its id. Bad input raises ValueError/TypeError naming the field.
+        `kv_transfer_params` (vLLM's names): do_remote_decode on a prefill instance, or what a prefill
+        instance returned (do_remote_prefill, remote_request_id, ...) on a decode instance."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -67,12 +75,15 @@ class LLMEngine:
             raise TypeError(f"priority: expected int, got {type(priority).__name__}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt: expected str or None, got {type(cache_salt).__name__}")
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise TypeError(f"kv_transfer_params: expected dict or None, got {type(kv_transfer_params).__name__}")
         token_ids = self._tokenize(prompt)
         self._validate_length(token_ids, params)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
-        request = Request(rid, token_ids, params, self.eos_token_id, priority, cache_salt, arrival_time)
+        request = Request(rid, token_ids, params, self.eos_token_id, priority, cache_salt, arrival_time,
+                          kv_transfer_params)
         self._requests[rid] = request
         self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, request)
         self.scheduler.add_request(request)
@@ -124,7 +135,10 @@ class LLMEngine:
 
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (finished or not)."""
-        return make_output(self._requests[request_id], self._detokenizers[request_id].text)
+        request = self._requests[request_id]
+        out = make_output(request, self._detokenizers[request_id].text)
+        out.kv_transfer_params = request.kv_transfer_params_out
+        return out
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """The output of a finished request; the engine forgets it."""
@@ -156,11 +170,18 @@ class LLMEngine:
         self.step_count += 1
         start_ns = time.time_ns()
         t0 = time.perf_counter()
+        compiling = self.scheduler.only_compiling()
+        if compiling:  # nothing else could run: wait for a grammar rather than spin through empty steps
+            self.structured.wait_for_any(compiling, timeout=5.0)
         sched_out = self.scheduler.schedule()
+        if self.connector is not None:
+            self._start_load_kv(sched_out)
         bitmask = self.structured.grammar_bitmask(
             [(s.request_id, s.spec_token_ids) for s in sched_out.scheduled if s.samples])
         t1 = time.perf_counter()
         runner_out = self.runner.execute_model(sched_out, *bitmask)
+        if self.connector is not None:
+            self._save_kv()
         t2 = time.perf_counter()
         appended = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids,
                                                      runner_out.spec_token_ids)
@@ -180,6 +201,20 @@ class LLMEngine:
         for callback in list(self._subscribers):
             callback(record)
         return record
+
+    def _start_load_kv(self, sched_out) -> None:
+        """The decode side of P/D: fill the blocks of external hits before the forward reads them."""
+        self.connector.bind_connector_metadata(sched_out.kv_connector_metadata)
+        self.connector.start_load_kv(self.runner.kv_caches)
+        failed = self.connector.get_block_ids_with_load_errors()
+        if failed:
+            self.scheduler.handle_kv_load_errors(sched_out, failed)
+
+    def _save_kv(self) -> None:
+        """The prefill side of P/D: store the KV of prompts completed this step, layer by layer."""
+        for layer_index, kv_layer in enumerate(self.runner.kv_caches):
+            self.connector.save_kv_layer(layer_index, kv_layer)
+        self.connector.wait_for_save()
 
     def _process_outputs(self, appended: dict[str, list[int]], logprobs: dict[str, list[dict[int, float]]]) -> None:
         for rid, tokens in appended.items():

@@ -156,6 +156,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
     metrics: RequestMetrics | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # for the next instance (P/D: what the decode side loads)
 
     @property
     def finished(self) -> bool:
@@ -178,6 +179,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -201,6 +203,8 @@ class Request:
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.generator: torch.Generator | None = None
+        self.kv_transfer_params = kv_transfer_params  # vLLM's names: do_remote_prefill, remote_request_id, ...
+        self.kv_transfer_params_out: dict[str, Any] | None = None  # set by the connector when it finishes
 
     @property
     def arrival_time(self) -> float:

@@ -14,9 +14,11 @@ from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
 from engine.core.request_queue import create_request_queue
 from engine.events import EventLog, RequestFinished, RequestPreempted, RequestScheduled, SpecProposed
+from engine.kv_transfer.base import KVLoadError
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from engine.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
     from engine.structured.manager import StructuredOutputManager
 
 
@@ -44,6 +46,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_req_ids: list[str]
     finished_req_ids: set[str]
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -62,8 +65,10 @@ class Scheduler:
     """Owns the waiting queue, the running list and every live request's status and computed-token count."""
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, events: EventLog,
-                 structured: StructuredOutputManager | None = None) -> None:
+                 structured: StructuredOutputManager | None = None,
+                 connector: KVConnectorBase | None = None) -> None:
         self.config = config
+        self.connector = connector
         self.structured = structured
         self.kv = kv_cache_manager
         self.events = events
@@ -87,6 +92,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def only_compiling(self) -> list[str]:
+        """The waiting requests' ids when nothing runs and every one of them waits for its grammar; else []."""
+        if self.running or not all(r.status == RequestStatus.WAITING_FOR_FSM for r in self.waiting):
+            return []
+        return [r.request_id for r in self.waiting]
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -107,6 +118,8 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_new_tokens
         out = SchedulerOutput(scheduled, [r.request_id for r in preempted], self.finished_req_ids)
         self.finished_req_ids = set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -180,18 +193,30 @@ class Scheduler:
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_computed = request.num_computed_tokens + num_hit
+            num_external = 0
+            if self.connector is not None and request.num_computed_tokens == 0:
+                try:
+                    num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit)
+                except KVLoadError as exc:
+                    self.finish_request(request, RequestStatus.FINISHED_ERROR, str(exc))
+                    continue
+            num_computed = request.num_computed_tokens + num_hit + num_external
             num_new = self._num_new_tokens(request, num_computed, budget)
             if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
                 break  # without chunking, a prompt waits until it fits whole
-            if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks, self.num_lookahead_tokens) is None:
+            # external tokens need fresh blocks (the load fills them) but no share of the token budget
+            if self.kv.allocate_slots(request, num_external + num_new, num_hit, hit_blocks,
+                                      self.num_lookahead_tokens) is None:
                 break
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id),
+                                                        num_external)
             self.waiting.pop_request()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
+                request.num_cached_tokens = num_hit + num_external
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()
             scheduled.append(self._scheduled(request, num_new, num_computed))
@@ -225,6 +250,22 @@ class Scheduler:
         if index == 1 and num_new == remaining:
             return "prefill", 1, 1
         return "chunk", index, index + cdiv(remaining - num_new, num_new)
+
+    def handle_kv_load_errors(self, output: SchedulerOutput, failed_block_ids: set[int]) -> None:
+        """Requests whose loaded KV is bad in some block leave this step: by the policy, they resume computing
+        from their first bad block, or finish with an error."""
+        fail = self.config.kv_transfer.kv_load_failure_policy == "fail"
+        for s in list(output.scheduled):
+            block_ids = s.block_ids
+            bad = [i for i, b in enumerate(block_ids) if b in failed_block_ids]
+            if not bad:
+                continue
+            output.scheduled.remove(s)
+            request = s.request
+            request.num_computed_tokens = min(bad) * self.kv.block_size  # blocks from here on are recomputed
+            if fail:
+                self.finish_request(request, RequestStatus.FINISHED_ERROR,
+                                    f"kv_transfer: the KV loaded for request {request.request_id} is bad")
 
     # ---- results ------------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]],
@@ -300,6 +341,10 @@ class Scheduler:
         request.status = status
         request.error = error
         request.metrics.finished_time = time.monotonic()
+        if self.connector is not None:
+            # blocks of an asynchronous save would stay held here; this engine's connectors copy synchronously
+            _, request.kv_transfer_params_out = self.connector.request_finished(
+                request, self.kv.get_block_ids(request.request_id))
         self.kv.free(request)
         if self.structured is not None:
             self.structured.remove(request.request_id)

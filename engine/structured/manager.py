@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +73,12 @@ class StructuredOutputManager:
                          ms=(time.perf_counter() - so.submitted) * 1e3, cache_hit=so.cache_hit)
         request.status = RequestStatus.WAITING
         return True
+
+    def wait_for_any(self, request_ids: list[str], timeout: float) -> None:
+        """Block until one of these requests' grammars is compiled (or `timeout` seconds pass)."""
+        futures = [so.future for rid in request_ids if (so := self.requests.get(rid)) and so.future is not None]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def error(self, request_id: str) -> str | None:
         so = self.requests.get(request_id)

@@ -215,3 +215,18 @@ def test_compiling_grammar_does_not_block_others(monkeypatch) -> None:
     out = engine.pop_output(guided)
     assert re.fullmatch("[ab]{4}", out.text) and out.finish_reason == "stop"
     assert engine.pop_output(plain).finish_reason == "length"
+
+
+def test_a_lone_compiling_request_waits_instead_of_spinning(monkeypatch) -> None:
+    llm = LLM(model="tiny-llama", num_kv_blocks=32)
+    real_compile = XgrammarBackend.compile
+
+    def slow_compile(self, key):
+        threading.Event().wait(0.3)
+        return real_compile(self, key)
+
+    monkeypatch.setattr(XgrammarBackend, "compile", slow_compile)
+    rid = llm.engine.add_request([5, 6, 7], SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")))
+    first = llm.engine.step()
+    assert first.scheduled == {rid: 3} and first.of_kind("grammar.compiled")

@@ -9,7 +9,7 @@ import time
 import pytest
 from bokeh.document import Document
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams, StructuredOutputsParams
 from workbench.app import Workbench
 from workbench.cli import build_parser, main
 
@@ -137,8 +137,9 @@ def test_an_ngram_engine_fills_the_speculative_view(bench):
     knobs = bench.engine_form
     knobs.spec_method.value, knobs.spec_k.value = "ngram", 3
     knobs.button.clicks += 1
-    bench.engine.add_request("a b c d a b c d a b c d a b c", SamplingParams(temperature=0.0, max_tokens=12,
-                                                                            ignore_eos=True))
+    # a grammar makes even the random tiny model repeat its prompt, which is what n-gram lookup feeds on
+    bench.engine.add_request("a b c d a b c d a b c d a b c", SamplingParams(
+        temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="( a b c d){3}")))
     bench.run_steps.value = 50
     bench.run_button.clicks += 1
     spec = bench.dashboard.spec

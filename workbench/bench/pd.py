@@ -66,3 +66,42 @@ def run_pd_command(args: argparse.Namespace, out: Callable[[str], None] = print)
         for path in write_traces(args.trace_dir, args.model, records):
             out(f"wrote {path}")
     return 0
+
+
+def connector_throughput(model: str, connector: str, prompt_len: int = 512, runs: int = 3) -> dict[str, Any]:
+    """Median save and load rates of one connector for a prompt's KV, in one process: a kv_both engine with
+    prefix caching off saves each prompt's KV, then loads it back (a private store: a temp folder or redis)."""
+    import contextlib
+    import random
+    import statistics
+    import tempfile
+
+    from engine import LLMEngine
+    from engine.kv_transfer.redis_server import RedisServer
+
+    with tempfile.TemporaryDirectory() as tmp, \
+            (RedisServer() if connector == "redis" else contextlib.nullcontext()) as server:
+        extra = {"url": server.url} if connector == "redis" else {"shared_storage_path": tmp}
+        engine = LLMEngine(model=model, enable_prefix_caching=False, kv_transfer_config={
+            "kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra})
+        rng = random.Random(0)
+        events = []
+        for _ in range(runs):
+            prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
+            saved = _complete(engine, prompt, {"do_remote_decode": True}, events)
+            _complete(engine, prompt, saved, events)
+    saves = [e for e in events if e.kind == "kv_transfer.save"]
+    loads = [e for e in events if e.kind == "kv_transfer.load"]
+    return {"model": model, "connector": connector, "tokens": prompt_len, "MB": saves[-1].num_bytes / 1e6,
+            "save ms": statistics.median(e.ms for e in saves), "load ms": statistics.median(e.ms for e in loads),
+            "save MB/s": statistics.median(e.mb_per_s for e in saves),
+            "load MB/s": statistics.median(e.mb_per_s for e in loads)}
+
+
+def _complete(engine, prompt: list[int], kv_params: dict | None, events: list) -> dict | None:
+    from engine import SamplingParams
+
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), kv_transfer_params=kv_params)
+    while engine.has_unfinished_requests():
+        events.extend(e for e in engine.step().events if e.kind.startswith("kv_transfer."))
+    return engine.pop_output(rid).kv_transfer_params

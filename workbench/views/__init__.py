@@ -11,6 +11,7 @@ from workbench.state import EngineState
 from workbench.views.base import View, ensure_extension, push
 from workbench.views.grammar import GrammarView
 from workbench.views.kv_blocks import KVBlockMap
+from workbench.views.kv_transfer import KVTransferView
 from workbench.views.metrics import MetricsView
 from workbench.views.prefix import PrefixCacheView
 from workbench.views.requests import RequestsView
@@ -30,8 +31,9 @@ class Dashboard:
         self.metrics = MetricsView(self.state)
         self.grammar = GrammarView(self.state)
         self.spec = SpecDecodeView(self.state)
+        self.kv_transfer = KVTransferView(self.state)
         self.views: list[View] = [self.timeline, self.kv_blocks, self.prefix, self.requests, self.metrics,
-                                  self.grammar, self.spec]
+                                  self.grammar, self.spec, self.kv_transfer]
         self.requests.table.param.watch(self._select_request, "selection")
 
     def _select_request(self, event) -> None:
@@ -67,8 +69,9 @@ class Dashboard:
                    pn.Column(self.kv_blocks, sizing_mode="stretch_width"), sizing_mode="stretch_width"),
             self.requests, sizing_mode="stretch_width")
         return pn.Tabs(("Overview", overview), (self.prefix.title, self.prefix), (self.metrics.title, self.metrics),
-                       (self.grammar.title, self.grammar), (self.spec.title, self.spec), sizing_mode="stretch_width")
+                       (self.grammar.title, self.grammar), (self.spec.title, self.spec),
+                       (self.kv_transfer.title, self.kv_transfer), sizing_mode="stretch_width")
 
 
 __all__ = ["Dashboard", "View", "SchedulerTimeline", "KVBlockMap", "PrefixCacheView", "RequestsView", "MetricsView",
-           "GrammarView", "SpecDecodeView", "EngineState", "ensure_extension", "push"]
+           "GrammarView", "SpecDecodeView", "KVTransferView", "EngineState", "ensure_extension", "push"]

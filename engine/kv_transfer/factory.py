@@ -1,0 +1,21 @@
+"""KVConnectorFactory: the connector named by `kv_transfer_config["kv_connector"]`."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.events import EventLog
+from engine.kv_transfer.base import KVConnectorBase
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+
+def create_connector(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                     events: EventLog) -> KVConnectorBase:
+    """Build the configured connector (imported on demand: redis is needed only by the Redis one)."""
+    name = config.kv_transfer.kv_connector
+    if name == "SharedStorageConnector":
+        from engine.kv_transfer.shared_storage import SharedStorageConnector as cls
+    else:
+        from engine.kv_transfer.redis_connector import RedisConnector as cls
+    return cls(config, num_layers, num_kv_heads, head_dim, events)

@@ -16,7 +16,8 @@ class Event:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        EVENT_TYPES[cls.kind] = cls
+        if "kind" in cls.__dict__:  # a shared base without its own kind is not an event type
+            EVENT_TYPES[cls.kind] = cls
 
     def to_dict(self) -> dict[str, Any]:
         d = {"kind": self.kind}
@@ -181,10 +182,9 @@ class StepTiming(Event):
 
 
 @dataclass(frozen=True)
-class KVTransferSave(Event):
-    """A prefill instance stored a request's prompt KV (`key`: the sha256 prompt-prefix key)."""
+class KVTransferDone(Event):
+    """What a completed save or load moved: a request's KV blocks under `key` (the sha256 prompt-prefix key)."""
 
-    kind: ClassVar[str] = "kv_transfer.save"
     request_id: str
     instance: str
     connector: str
@@ -197,19 +197,17 @@ class KVTransferSave(Event):
 
 
 @dataclass(frozen=True)
-class KVTransferLoad(Event):
+class KVTransferSave(KVTransferDone):
+    """A prefill instance stored a request's prompt KV."""
+
+    kind: ClassVar[str] = "kv_transfer.save"
+
+
+@dataclass(frozen=True)
+class KVTransferLoad(KVTransferDone):
     """A decode instance loaded a request's KV into its blocks; `remote_request_id` is the producer's id."""
 
     kind: ClassVar[str] = "kv_transfer.load"
-    request_id: str
-    instance: str
-    connector: str
-    key: str
-    num_blocks: int
-    num_tokens: int
-    num_bytes: int
-    ms: float
-    mb_per_s: float
     remote_request_id: str | None = None
 
 

@@ -8,14 +8,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.net import free_port, wait_for_http
 
 CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,25 +35,6 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_http(url: str, server: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"jupyter lab exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    pytest.fail(f"jupyter lab did not answer at {url} within {timeout} s")
-
-
 @pytest.fixture
 def lab_url(tmp_path):
     """JupyterLab over a temp folder holding a copy of the tour; its settings and workspaces live there too."""
@@ -68,7 +48,7 @@ def lab_url(tmp_path):
         path = home / "settings" / "@jupyterlab" / extension / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PANEL_INLINE": "true", "JUPYTER_CONFIG_DIR": str(home / "config"),
            "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
            # the "python3" kernel is this interpreter's (jupyter_client maps a `python` argv to sys.executable)
@@ -79,7 +59,7 @@ def lab_url(tmp_path):
     server = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_for_http(f"{url}/api/status", server, timeout=60)
+        wait_for_http(f"{url}/api/status", server, timeout=60, name="jupyter lab")
         yield url
     finally:
         server.terminate()

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.net import free_port, wait_for_http
 
 CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,28 +28,9 @@ pytestmark = [
 BLOCK_KINDS = "() => Array.from(Bokeh.documents[0].get_model_by_name('kv_block_map').data.kind)"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_http(url: str, server: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"workbench serve exited with {server.returncode}: {server.stderr.read()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.3)
-    pytest.fail(f"workbench serve did not answer at {url} within {timeout} s")
-
-
 @pytest.fixture
 def server_url():
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "workbench.cli", "serve", "--port", str(port), "--model", "tiny-llama",
            "--num-kv-blocks", "64", "--max-num-batched-tokens", "16", "--max-tokens", "8",
            "--prompt", "The capital of France is",
@@ -59,7 +39,7 @@ def server_url():
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}/"
-        _wait_for_http(url, server, timeout=60)
+        wait_for_http(url, server, timeout=60, name="workbench serve")
         yield url
     finally:
         server.terminate()

@@ -1,0 +1,30 @@
+"""Helpers for tests that start a local server: a free loopback port, and waiting for it to answer."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_http(url: str, server: subprocess.Popen, timeout: float, name: str) -> None:
+    """Poll `url` until it answers; fail early (with its stderr, if piped) when `server` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            err = server.stderr.read() if server.stderr else ""
+            pytest.fail(f"{name} exited with {server.returncode}: {err}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    pytest.fail(f"{name} did not answer at {url} within {timeout} s")

@@ -9,6 +9,16 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _check_keys(cls: type, d: Any, name: str) -> None:
+    """A dict config: every key must be one of the dataclass's fields."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{name}: expected dict, got {type(d).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{name}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, vLLM's keys: method "ngram" (prompt_lookup_max/min) or "draft_model" (model)."""
@@ -21,12 +31,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
-        if not isinstance(d, dict):
-            raise TypeError(f"speculative_config: expected dict, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        _check_keys(cls, d, "speculative_config")
         method = d.get("method")
         if method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config.method: must be 'ngram' or 'draft_model', got {method!r}")
@@ -60,12 +65,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "KVTransferConfig":
-        if not isinstance(d, dict):
-            raise TypeError(f"kv_transfer_config: expected dict, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        _check_keys(cls, d, "kv_transfer_config")
         name = d.get("kv_connector")
         if name not in KV_CONNECTORS:
             raise ValueError(f"kv_transfer_config.kv_connector: must be one of {sorted(KV_CONNECTORS)}, got {name!r}")

@@ -172,9 +172,6 @@ class BlockPool:
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
-    def get_usage(self) -> float:
-        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
-
     def usage(self) -> KVUsage:
         free_all = self.get_num_free_blocks()
         total = self.num_blocks - 1

@@ -21,7 +21,7 @@ class SpecDecoder:
     def __init__(self, config: EngineConfig, runner: "ModelRunner", events: EventLog) -> None:
         spec = config.speculative
         self.k = spec.num_speculative_tokens
-        self.max_model_len = lambda: config.max_model_len  # resolved after the runner is built
+        self.config = config  # max_model_len is resolved after the runner (and this) is built
         if spec.method == "ngram":
             self.proposer = NgramProposer(self.k, spec.prompt_lookup_max, spec.prompt_lookup_min)
         else:
@@ -30,7 +30,6 @@ class SpecDecoder:
             self.proposer = DraftModelProposer(resolve_model(spec.model), self.k, runner.num_blocks,
                                                config.block_size, config.torch_dtype, runner.device,
                                                runner.vocab_size, runner.default_generator)
-        self.method = spec.method
         self.rejection_sampler = RejectionSampler(runner.sampler, events, spec.method)
 
     @property
@@ -49,7 +48,7 @@ class SpecDecoder:
             request, new = s.request, sampled[s.request_id]
             tokens = request.all_token_ids + new
             left = request.sampling_params.max_tokens - request.num_output_tokens - len(new)
-            k = min(self.k, left - 1, self.max_model_len() - len(tokens) - 1)
+            k = min(self.k, left - 1, self.config.max_model_len - len(tokens) - 1)
             if k >= 1:
                 todo.append((s, tokens, k))
         if isinstance(self.proposer, NgramProposer):

@@ -136,6 +136,3 @@ class StructuredOutputManager:
                          sampled_token=tokens[-1], terminated=terminated,
                          jump_forward=None if terminated else (grammar.jump_forward_string() or None))
         return terminated
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)

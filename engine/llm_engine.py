@@ -170,9 +170,10 @@ class LLMEngine:
         self.step_count += 1
         start_ns = time.time_ns()
         t0 = time.perf_counter()
-        compiling = self.scheduler.only_compiling()
-        if compiling:  # nothing else could run: wait for a grammar rather than spin through empty steps
-            self.structured.wait_for_any(compiling, timeout=5.0)
+        if self.scheduler.nothing_runnable():
+            self._wait_outside()
+        if self.connector is not None:
+            self._finish_transfers()
         sched_out = self.scheduler.schedule()
         if self.connector is not None:
             self._start_load_kv(sched_out)
@@ -201,6 +202,21 @@ class LLMEngine:
         for callback in list(self._subscribers):
             callback(record)
         return record
+
+    def _wait_outside(self) -> None:
+        """Nothing can run: block on what the requests wait for (a grammar, a KV transfer) instead of spinning."""
+        compiling = self.scheduler.compiling()
+        if compiling:
+            busy = self.connector is not None and self.connector.has_inflight_transfers
+            self.structured.wait_for_any(compiling, timeout=0.05 if busy else 5.0)
+        elif self.connector is not None:
+            self.connector.wait_for_transfers(timeout=5.0)
+
+    def _finish_transfers(self) -> None:
+        """Asynchronous loads and saves that ended since the last step: their events, held blocks, waiting requests."""
+        sending, recving = self.connector.get_finished(set())
+        if sending or recving:
+            self.scheduler.update_kv_xfer_finished(sending, recving, self.connector.get_block_ids_with_load_errors())
 
     def _start_load_kv(self, sched_out) -> None:
         """The decode side of P/D: fill the blocks of external hits before the forward reads them."""

@@ -79,10 +79,11 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       num_lookahead_tokens: int = 0, delay_cache_blocks: bool = False) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` (plus lookahead slots for draft tokens) after the request's computed
         tokens and its new prefix hits. Returns the newly allocated blocks, or None if the pool is short
-        (then nothing changes)."""
+        (then nothing changes). `delay_cache_blocks`: the new blocks get their KV later (an asynchronous load),
+        so they enter the prefix cache only when `cache_blocks` is called."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -102,12 +103,15 @@ class KVCacheManager:
             self.events.emit(KVAllocated, request_id=request.request_id,
                              new_block_ids=tuple(b.block_id for b in new_blocks),
                              block_ids=tuple(b.block_id for b in blocks))
-        if self.enable_caching:
+        if not delay_cache_blocks:
             # draft tokens are not in request.num_tokens, so blocks holding them are never cached
-            self._cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+            self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
-    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter the request's full blocks up to `num_tokens` into the prefix cache (a no-op without caching)."""
+        if not self.enable_caching:
+            return
         rid = request.request_id
         num_full = num_tokens // self.block_size
         num_cached = self.num_cached_block.get(rid, 0)

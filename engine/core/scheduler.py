@@ -77,6 +77,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
+        # P/D with asynchronous transfers: requests whose KV is loading (-> their computed tokens once it lands),
+        # requests whose producer's KV is not stored yet, and finished requests whose blocks a transfer still uses
+        self.remote_loads: dict[str, int] = {}
+        self.awaiting_kv: set[str] = set()
+        self.held: dict[str, Request] = {}
         spec = config.speculative
         # room for the next drafts: the draft model writes their KV before they are scheduled
         self.num_lookahead_tokens = spec.num_speculative_tokens if spec else 0
@@ -90,13 +95,18 @@ class Scheduler:
         self.requests[request.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.held)
 
-    def only_compiling(self) -> list[str]:
-        """The waiting requests' ids when nothing runs and every one of them waits for its grammar; else []."""
-        if self.running or not all(r.status == RequestStatus.WAITING_FOR_FSM for r in self.waiting):
-            return []
-        return [r.request_id for r in self.waiting]
+    def nothing_runnable(self) -> bool:
+        """Work remains, but nothing runs and every waiting request waits on something outside the step (its
+        grammar, its KV load, its producer's save): the engine blocks then, rather than spin through empty steps."""
+        return (self.has_unfinished_requests() and not self.running
+                and all(r.status in (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
+                        or r.request_id in self.awaiting_kv for r in self.waiting))
+
+    def compiling(self) -> list[str]:
+        """Waiting requests whose grammar was still compiling when last looked at."""
+        return [r.request_id for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM]
 
     @property
     def num_waiting(self) -> int:
@@ -183,6 +193,9 @@ class Scheduler:
         skipped: list[Request] = []  # grammars still compiling: passed over, not blocking the others
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(self.waiting.pop_request())  # update_kv_xfer_finished makes it WAITING again
+                continue
             if request.status == RequestStatus.WAITING_FOR_FSM and not self.structured.check_ready(request):
                 error = self.structured.error(request.request_id)
                 if error is not None:
@@ -193,13 +206,23 @@ class Scheduler:
             hit_blocks, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_external = 0
+            num_external, load_async = 0, False
             if self.connector is not None and request.num_computed_tokens == 0:
                 try:
-                    num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit)
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
                 except KVLoadError as exc:
                     self.finish_request(request, RequestStatus.FINISHED_ERROR, str(exc))
                     continue
+                if num_external is None:  # its producer's KV is not stored yet: look again next step
+                    self.awaiting_kv.add(request.request_id)
+                    skipped.append(self.waiting.pop_request())
+                    continue
+                self.awaiting_kv.discard(request.request_id)
+            if load_async:
+                if not self._start_remote_load(request, num_hit, hit_blocks, num_external):
+                    break
+                skipped.append(self.waiting.pop_request())
+                continue
             num_computed = request.num_computed_tokens + num_hit + num_external
             num_new = self._num_new_tokens(request, num_computed, budget)
             if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
@@ -223,6 +246,43 @@ class Scheduler:
             budget -= num_new
         for request in reversed(skipped):
             self.waiting.prepend_request(request)
+
+    def _start_remote_load(self, request: Request, num_hit: int, hit_blocks: list, num_external: int) -> bool:
+        """Give the request blocks for its local hits and its external tokens, and park it until the load
+        lands. Its blocks enter the prefix cache only then: nobody may hit KV that is not there yet."""
+        if self.kv.allocate_slots(request, num_external, num_hit, hit_blocks, delay_cache_blocks=True) is None:
+            return False
+        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), num_external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit + num_external
+        self.remote_loads[request.request_id] = num_hit + num_external
+        return True
+
+    def update_kv_xfer_finished(self, finished_sending: set[str], finished_recving: set[str],
+                                failed_block_ids: set[int]) -> None:
+        """Asynchronous transfers ended: release held blocks, and make loaded requests schedulable from their
+        first missing token (or, under policy "fail", finish those whose KV came back bad)."""
+        for rid in finished_sending | finished_recving:
+            if rid in self.held:
+                self.kv.free(self.held.pop(rid))
+        fail = self.config.kv_transfer is not None and self.config.kv_transfer.kv_load_failure_policy == "fail"
+        for rid in finished_recving:
+            request = self.requests.get(rid)
+            if request is None or rid not in self.remote_loads:
+                continue
+            num_computed = self.remote_loads.pop(rid)
+            bad = [i for i, b in enumerate(self.kv.get_block_ids(rid)) if b in failed_block_ids]
+            if bad and fail:
+                self.finish_request(request, RequestStatus.FINISHED_ERROR,
+                                    f"kv_transfer: the KV loaded for request {rid} is bad")
+                continue
+            if bad:
+                num_computed = min(num_computed, min(bad) * self.kv.block_size)
+            request.num_computed_tokens = num_computed
+            self.kv.cache_blocks(request, num_computed)
+            request.status = RequestStatus.WAITING
 
     def _scheduled(self, request: Request, num_new: int, num_computed: int) -> ScheduledRequest:
         num_spec = max(0, num_computed + num_new - request.num_tokens)
@@ -341,11 +401,16 @@ class Scheduler:
         request.status = status
         request.error = error
         request.metrics.finished_time = time.monotonic()
+        delay_free = False
         if self.connector is not None:
-            # blocks of an asynchronous save would stay held here; this engine's connectors copy synchronously
-            _, request.kv_transfer_params_out = self.connector.request_finished(
+            delay_free, request.kv_transfer_params_out = self.connector.request_finished(
                 request, self.kv.get_block_ids(request.request_id))
-        self.kv.free(request)
+            self.remote_loads.pop(request.request_id, None)
+            self.awaiting_kv.discard(request.request_id)
+        if delay_free:  # a transfer thread still reads or writes them: freed when get_finished says it ended
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
         if self.structured is not None:
             self.structured.remove(request.request_id)
         self.requests.pop(request.request_id, None)

@@ -49,9 +49,10 @@ class KVConnectorBase(abc.ABC):
 
     # ---- scheduler side ---------------------------------------------------------------------------
     @abc.abstractmethod
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond `num_computed_tokens` (local prefix hits) whose KV can be loaded from outside, and whether
-        the load is asynchronous. Raises KVLoadError when the request must fail (policy "fail")."""
+        the load is asynchronous (the request then waits in WAITING_FOR_REMOTE_KVS). None tokens: not known yet,
+        ask again next step. Raises KVLoadError when the request must fail (policy "fail")."""
 
     @abc.abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
@@ -63,8 +64,8 @@ class KVConnectorBase(abc.ABC):
 
     @abc.abstractmethod
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """(whether the blocks must stay held until an asynchronous save ends, the kv_transfer_params that
-        let another instance load this request's KV)."""
+        """(delay_free_blocks: whether the blocks stay held until an asynchronous transfer of them ends, and
+        get_finished reports it; the kv_transfer_params that let another instance load this request's KV)."""
 
     # ---- worker side ------------------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
@@ -96,6 +97,14 @@ class KVConnectorBase(abc.ABC):
         """(requests whose asynchronous save ended, requests whose asynchronous load ended). Nothing is
         asynchronous in a synchronous connector."""
         return set(), set()
+
+    @property
+    def has_inflight_transfers(self) -> bool:
+        """Whether an asynchronous transfer is still running."""
+        return False
+
+    def wait_for_transfers(self, timeout: float) -> None:
+        """Block until some asynchronous transfer ends, or `timeout` s; called when no request can run."""
 
     @abc.abstractmethod
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -2,7 +2,11 @@
 per-block checksums, and the copies between the paged cache and one safetensors blob per layer.
 
 A backend (a shared folder, a Redis server) only puts and gets bytes: `_get_manifest`, `_put`, `_get_layer`.
-Loads and saves are synchronous: a load finishes before the forward that needs it, a save before the step ends.
+
+By default transfers are synchronous: a load finishes before the forward that needs it, a save before the step
+ends. With `kv_connector_extra_config={"async_transfers": True}` they run on a transfer thread while steps go on:
+a loading request waits in WAITING_FOR_REMOTE_KVS, a saving request's blocks stay held until the store has them
+(delay_free_blocks), and a consumer waits up to `load_wait_s` for a producer's save to land before calling it a miss.
 """
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ import hashlib
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 from safetensors.torch import load as st_load, save as st_save
@@ -48,6 +54,20 @@ def _failure_of(exc: Exception) -> str:
     return "timeout" if "timeout" in type(exc).__name__.lower() else "store_error"
 
 
+@dataclass
+class TransferResult:
+    """What one load or save did, measured where it ran (maybe a transfer thread); events are emitted from it
+    on the engine's thread, in the step that sees it finish."""
+
+    meta: ReqMeta
+    num_bytes: int = 0
+    ms: float = 0.0
+    num_blocks: int = 0
+    bad: set[int] = field(default_factory=set)  # block indexes within the request
+    failure: str | None = None
+    detail: str = ""
+
+
 class KVStoreConnector(KVConnectorBase):
     """Owns the connector's bookkeeping between steps (matched, pending and saved requests) and the transfers;
     a subclass owns the store."""
@@ -68,10 +88,18 @@ class KVStoreConnector(KVConnectorBase):
         self._matched: dict[str, tuple[str, int, dict]] = {}  # rid -> (key, end token, manifest)
         self._pending_loads: list[ReqMeta] = []
         self._manifests: dict[str, dict] = {}  # rid -> manifest of its bound load
-        self._save_buffers: dict[str, list[KVCache]] = {}
+        self._save_layers: list[KVCache] = []  # the paged cache's layers, as save_kv_layer is given them
         self._saved: dict[str, dict[str, Any]] = {}  # rid -> kv_transfer_params for the decode side
         self._load_errors: set[int] = set()
         self._missed: set[str] = set()  # requests whose miss was reported
+        extra = self.config.kv_connector_extra_config
+        self.async_transfers = bool(extra.get("async_transfers", False))
+        # a decode request can arrive before its producer's asynchronous save is stored: look again for a while
+        self.load_wait_s = float(extra.get("load_wait_s", 10.0 if self.async_transfers else 0.0))
+        self._first_miss: dict[str, float] = {}  # rid -> when its KV was first found missing
+        # one thread: transfers of one instance run in order, beside the steps
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-transfer") if self.async_transfers else None
+        self._inflight: dict[str, tuple[str, Future]] = {}  # rid -> ("load" | "save", its transfer)
 
     # ---- the store -----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -87,7 +115,7 @@ class KVStoreConnector(KVConnectorBase):
         """One layer's blob, or None if it is gone."""
 
     # ---- scheduler side ------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
         wanted = bool(params.get("do_remote_prefill"))
         if not self.config.is_kv_consumer or not (wanted or self.config.kv_role == "kv_consumer"):
@@ -98,14 +126,21 @@ class KVStoreConnector(KVConnectorBase):
         except Exception as exc:  # an unreachable store is a miss, after the client's bounded timeout
             return self._miss(request, wanted, _failure_of(exc), repr(exc))
         if manifest is None:
+            if wanted and self._still_waiting(request.request_id):
+                return None, False
             return self._miss(request, wanted, "missing", key[:16])
+        self._first_miss.pop(request.request_id, None)
         if params.get("remote_key", key) != key or {k: manifest.get(k) for k in self.identity} != self.identity:
             return self._miss(request, wanted, "mismatch", key[:16])
         end = min(manifest["num_tokens"], request.num_tokens - 1)  # the last token is computed, to sample
         if end <= num_computed_tokens:
             return 0, False
         self._matched[request.request_id] = (key, end, manifest)
-        return end - num_computed_tokens, False
+        return end - num_computed_tokens, self.async_transfers
+
+    def _still_waiting(self, request_id: str) -> bool:
+        first = self._first_miss.setdefault(request_id, time.monotonic())
+        return time.monotonic() - first < self.load_wait_s
 
     def _miss(self, request: Request, wanted: bool, failure: str, detail: str) -> tuple[int, bool]:
         # a consumer looking on its own: a miss is just a miss; a request that waits for blocks is told once
@@ -146,23 +181,25 @@ class KVStoreConnector(KVConnectorBase):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._matched.pop(rid, None)
-        self._manifests.pop(rid, None)
         self._missed.discard(rid)
-        return False, self._saved.pop(rid, None)  # saves are copies: the blocks are free to go now
+        self._first_miss.pop(rid, None)
+        if rid not in self._inflight:
+            self._manifests.pop(rid, None)
+        # a transfer thread still reading (save) or writing (load) the blocks: they stay held until it ends
+        return rid in self._inflight, self._saved.pop(rid, None)
 
     # ---- worker side: loads --------------------------------------------------------------------
     def start_load_kv(self, kv_caches: list[KVCache]) -> None:
         self._load_errors = set()
         for meta in self.connector_metadata.loads:
-            self._load(meta, kv_caches)
+            manifest = self._manifests.pop(meta.request_id)
+            self._run("load", meta, lambda m=meta, mf=manifest: self._load(m, mf, kv_caches))
 
-    def _load(self, meta: ReqMeta, kv_caches: list[KVCache]) -> None:
+    def _load(self, meta: ReqMeta, manifest: dict, kv_caches: list[KVCache]) -> TransferResult:
         t0 = time.perf_counter()
-        manifest = self._manifests.pop(meta.request_id)
         bs = self.block_size
         first, last = meta.start // bs, -(-meta.end // bs)  # the blocks the range touches
-        bad: set[int] = set()  # block indexes within the request
-        failure, detail, num_bytes = None, "", 0
+        result = TransferResult(meta, num_blocks=last - first)
         # whole blocks: `start` is block-aligned (local hits are full blocks), and the slots past `end` in the
         # last block are written by this step's forward or later ones before anything reads them
         ids = torch.tensor(meta.block_ids[first:last], dtype=torch.long)
@@ -170,51 +207,98 @@ class KVStoreConnector(KVConnectorBase):
             try:
                 blob = self._get_layer(meta.key, manifest, layer)
             except Exception as exc:
-                blob, failure, detail = None, _failure_of(exc), repr(exc)
+                blob, result.failure, result.detail = None, _failure_of(exc), repr(exc)
             if blob is None:
-                failure = failure or "missing"
-                detail = detail or f"layer {layer}"
-                bad.update(range(first, last))
+                result.failure = result.failure or "missing"
+                result.detail = result.detail or f"layer {layer}"
+                result.bad.update(range(first, last))
                 continue
-            num_bytes += len(blob)
+            result.num_bytes += len(blob)
             tensors = st_load(blob)
             k, v = tensors["key"], tensors["value"]
             sums = block_checksums(k[first:last], v[first:last])
             for b, s in zip(range(first, last), sums):
                 if s != manifest["checksums"][layer][b]:
-                    bad.add(b)
-                    failure, detail = "corrupt", f"layer {layer} block {b}"
+                    result.bad.add(b)
+                    result.failure, result.detail = "corrupt", f"layer {layer} block {b}"
             k_cache.index_copy_(0, ids.to(k_cache.device), k[first:last].to(k_cache))
             v_cache.index_copy_(0, ids.to(v_cache.device), v[first:last].to(v_cache))
-        ms = (time.perf_counter() - t0) * 1e3
-        if bad:
-            self._load_errors.update(meta.block_ids[b] for b in bad)
+        result.ms = (time.perf_counter() - t0) * 1e3
+        return result
+
+    def _report_load(self, result: TransferResult) -> None:
+        meta = result.meta
+        if result.bad:
+            self._load_errors.update(meta.block_ids[b] for b in result.bad)
             policy = self.config.kv_load_failure_policy
-            recomputed = meta.end - max(meta.start, min(bad) * bs) if policy == "recompute" else 0
-            self._emit_fail(meta.request_id, failure, policy, recomputed, detail)
+            start = max(meta.start, min(result.bad) * self.block_size)
+            self._emit_fail(meta.request_id, result.failure, policy,
+                            meta.end - start if policy == "recompute" else 0, result.detail)
             return
         self.events.emit(KVTransferLoad, request_id=meta.request_id, instance=self.instance, connector=self.name,
-                         key=meta.key[:16], num_blocks=last - first, num_tokens=meta.end - meta.start,
-                         num_bytes=num_bytes, ms=ms, mb_per_s=num_bytes / 1e3 / max(ms, 1e-6),
+                         key=meta.key[:16], num_blocks=result.num_blocks, num_tokens=meta.end - meta.start,
+                         num_bytes=result.num_bytes, ms=result.ms,
+                         mb_per_s=result.num_bytes / 1e3 / max(result.ms, 1e-6),
                          remote_request_id=meta.remote_request_id)
+
+    # ---- worker side: both ---------------------------------------------------------------------
+    def _run(self, kind: str, meta: ReqMeta, job: Callable[[], TransferResult]) -> None:
+        """Do a transfer now, or hand it to the transfer thread; its events come when it is done."""
+        if self._pool is None:
+            self._report(kind, job())
+        else:
+            self._inflight[meta.request_id] = (kind, self._pool.submit(job))
+
+    def _report(self, kind: str, result: TransferResult) -> None:
+        (self._report_load if kind == "load" else self._report_save)(result)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """Collect the transfer thread's finished work: (requests done saving, requests done loading). Load
+        errors among them are in get_block_ids_with_load_errors() until the next start_load_kv."""
+        self._load_errors = set()
+        done: dict[str, set[str]] = {"save": set(), "load": set()}
+        for rid, (kind, future) in list(self._inflight.items()):
+            if future.done():
+                del self._inflight[rid]
+                self._report(kind, future.result())
+                done[kind].add(rid)
+        return done["save"], done["load"]
+
+    @property
+    def has_inflight_transfers(self) -> bool:
+        return bool(self._inflight)
+
+    def wait_for_transfers(self, timeout: float) -> None:
+        """Block until some in-flight transfer ends, or `timeout` s: the engine's wait when nothing can run."""
+        if self._inflight:
+            wait([f for _, f in self._inflight.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+        else:  # a consumer waiting for a producer's save to land: look again soon
+            time.sleep(min(timeout, 0.01))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._load_errors
 
     # ---- worker side: saves --------------------------------------------------------------------
     def save_kv_layer(self, layer_index: int, kv_layer: KVCache) -> None:
-        for meta in self.connector_metadata.saves:
-            index = torch.tensor(meta.block_ids[:-(-meta.end // self.block_size)], dtype=torch.long)
-            self._save_buffers.setdefault(meta.request_id, []).append(
-                (kv_layer[0][index].cpu(), kv_layer[1][index].cpu()))
+        # references, not copies: the save reads the blocks, which stay held until it is done
+        if self.connector_metadata.saves:
+            self._save_layers.append(kv_layer)
 
     def wait_for_save(self) -> None:
+        layers, self._save_layers = self._save_layers, []
         for meta in self.connector_metadata.saves:
-            self._save(meta, self._save_buffers.pop(meta.request_id))
+            # the decode side's kv_transfer_params are known now; an asynchronous save lands soon after
+            self._saved[meta.request_id] = {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.instance,
+                "remote_request_id": meta.request_id, "remote_key": meta.key, "remote_num_tokens": meta.end}
+            self._run("save", meta, lambda m=meta: self._save(m, layers))
         self.clear_connector_metadata()
 
-    def _save(self, meta: ReqMeta, layers: list[KVCache]) -> None:
+    def _save(self, meta: ReqMeta, kv_layers: list[KVCache]) -> TransferResult:
         t0 = time.perf_counter()
+        index = torch.tensor(meta.block_ids[:-(-meta.end // self.block_size)], dtype=torch.long)
+        layers = [(k[index].cpu(), v[index].cpu()) for k, v in kv_layers]
+        result = TransferResult(meta, num_blocks=len(index))
         blobs = [st_save({"key": k.contiguous(), "value": v.contiguous()}) for k, v in layers]
         manifest = {**self.identity, "version": MANIFEST_VERSION, "num_tokens": meta.end,
                     "checksums": [block_checksums(k, v) for k, v in layers],
@@ -222,16 +306,22 @@ class KVStoreConnector(KVConnectorBase):
         try:
             stored = self._put(meta.key, manifest, blobs)  # a second copy of the same key is dropped: idempotent
         except Exception as exc:
-            self._emit_fail(meta.request_id, "save_error", "none", 0, repr(exc))
+            result.failure, result.detail = "save_error", repr(exc)
+            return result
+        result.ms = (time.perf_counter() - t0) * 1e3
+        result.num_bytes = sum(len(b) for b in blobs) if stored else 0
+        return result
+
+    def _report_save(self, result: TransferResult) -> None:
+        meta = result.meta
+        if result.failure:
+            self._saved.pop(meta.request_id, None)  # a synchronous save's request is told before it finishes
+            self._emit_fail(meta.request_id, result.failure, "none", 0, result.detail)
             return
-        ms = (time.perf_counter() - t0) * 1e3
-        num_bytes = sum(len(b) for b in blobs) if stored else 0
         self.events.emit(KVTransferSave, request_id=meta.request_id, instance=self.instance, connector=self.name,
-                         key=meta.key[:16], num_blocks=len(layers[0][0]), num_tokens=meta.end, num_bytes=num_bytes,
-                         ms=ms, mb_per_s=num_bytes / 1e3 / max(ms, 1e-6))
-        self._saved[meta.request_id] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                        "remote_engine_id": self.instance, "remote_request_id": meta.request_id,
-                                        "remote_key": meta.key, "remote_num_tokens": meta.end}
+                         key=meta.key[:16], num_blocks=result.num_blocks, num_tokens=meta.end,
+                         num_bytes=result.num_bytes, ms=result.ms,
+                         mb_per_s=result.num_bytes / 1e3 / max(result.ms, 1e-6))
 
     def _emit_fail(self, request_id: str, failure: str, action: str, recomputed: int, detail: str) -> None:
         self.events.emit(KVTransferFail, request_id=request_id, instance=self.instance, connector=self.name,

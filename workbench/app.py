@@ -217,10 +217,11 @@ class Workbench:
 
 
 class Replay:
-    """Owns the dashboards over a recorded trace and the controls that move through it: a step slider and a
+    """Owns the dashboards over a recorded trace (or StepRecords held in memory: `from_records`), its heading
+    (`title`, else the trace's model and date) and the controls that move through it: a step slider and a
     `Step` button (one step on). Going back redraws from the first record; going on draws only the new ones."""
 
-    def __init__(self, trace: "Trace") -> None:
+    def __init__(self, trace: "Trace", title: str | None = None) -> None:
         ensure_extension()
         self.trace = trace
         self.records: list[StepRecord] = trace.records
@@ -236,11 +237,19 @@ class Replay:
                                           margin=(0, 15))
         self.slider.param.watch(lambda e: self.show(e.new), "value")
         self.step_button.on_click(lambda e: self._step_on())
-        model = trace.header.get("model") or {}
-        title = (f"## Replay · `{model.get('name', '?')}` · {n} steps · recorded {trace.header.get('created', '?')}")
-        self.layout = pn.Column(title, pn.Row(self.step_button, self.step_text, self.slider, align="center"),
+        model, created = trace.header.get("model") or {}, trace.header.get("created", "?")
+        title = title or f"Replay · `{model.get('name', '?')}` · {n} steps · recorded {created}"
+        self.layout = pn.Column(f"## {title}", pn.Row(self.step_button, self.step_text, self.slider, align="center"),
                                 self.dashboard.tabs(), sizing_mode="stretch_width")
         self.slider.value = n
+
+    @classmethod
+    def from_records(cls, records: Sequence[StepRecord], title: str) -> "Replay":
+        """The same dashboards over StepRecords held in memory (one instance's list from a PDCluster's
+        `records()`, say), headed `title`; no trace file."""
+        from workbench.trace import Trace
+
+        return cls(Trace({}, list(records)), title)
 
     def __panel__(self) -> pn.Column:
         return self.layout

@@ -323,6 +323,7 @@ class Scheduler:
             output.scheduled.remove(s)
             request = s.request
             request.num_computed_tokens = min(bad) * self.kv.block_size  # blocks from here on are recomputed
+            request.num_prefill_chunks = 0  # the withdrawn chunk never ran: the recompute is the prefill
             if fail:
                 self.finish_request(request, RequestStatus.FINISHED_ERROR,
                                     f"kv_transfer: the KV loaded for request {request.request_id} is bad")

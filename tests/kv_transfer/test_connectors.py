@@ -135,6 +135,9 @@ def test_partial_or_corrupt_kv_goes_by_the_policy(engines, reference, how) -> No
             assert_same(outs, reference.generate(prompt, GREEDY, use_tqdm=False))
             # a bad block is recomputed from its start on; a missing layer costs every loaded block
             assert fail.num_recomputed_tokens == (n - 1 - 16 if how == "corrupt" else n - 1)
+            # the step whose load failed withdrew the request; the next one recomputes it as a prefill
+            rid = outs[0].request_id
+            assert [r.phases[rid] for r in records if rid in r.phases][0] == "prefill"
         else:
             assert outs[0].finish_reason == "error" and fail.policy_action == "fail"
         assert_no_leaks(consumer)

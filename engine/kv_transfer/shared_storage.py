@@ -1,13 +1,16 @@
 """SharedStorageConnector: KV in a folder any instance can reach (a local disk, or NFS across machines).
 
 Layout: <shared_storage_path>/<namespace>/<prompt key>/ with layer_NNN.safetensors and manifest.json. A save
-writes a temporary folder and renames it into place: readers see a whole entry or none.
+writes a temporary folder and renames it into place: readers see a whole entry or none. Entries older than
+`ttl_s` (the lease, as Redis keys' TTL) are removed by the next save in the namespace: KV that no decode instance
+came for (it was killed, say) does not pile up.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import ClassVar
@@ -30,6 +33,7 @@ class SharedStorageConnector(KVStoreConnector):
                              "SharedStorageConnector")
         self.root = Path(path) / self.namespace
         self.root.mkdir(parents=True, exist_ok=True)
+        self.ttl_s = float(self.config.kv_connector_extra_config.get("ttl_s", 600))
 
     def entry(self, key: str) -> Path:
         return self.root / key
@@ -54,7 +58,21 @@ class SharedStorageConnector(KVStoreConnector):
         except OSError:  # another writer won the race with the same bytes
             shutil.rmtree(tmp, ignore_errors=True)
             return False
+        self._expire()
         return True
+
+    def _expire(self) -> None:
+        """Remove entries whose lease ran out (by the folder's modification time: when it was stored)."""
+        deadline = time.time() - self.ttl_s
+        for entry in self.root.iterdir():
+            try:
+                if not entry.name.startswith(".") and entry.stat().st_mtime < deadline:
+                    # renamed away first: a reader sees the whole entry or none, never half of one
+                    doomed = self.root / f".{entry.name}.{uuid.uuid4().hex[:8]}.expired"
+                    os.rename(entry, doomed)
+                    shutil.rmtree(doomed, ignore_errors=True)
+            except FileNotFoundError:  # another instance expired it first
+                continue
 
     def _get_layer(self, key: str, manifest: dict, layer_index: int) -> bytes | None:
         try:

@@ -214,3 +214,15 @@ def test_bad_kv_transfer_config_names_the_field(cfg, exc, field) -> None:
 def test_a_connector_without_its_store_setting_names_it() -> None:
     with pytest.raises(ValueError, match="shared_storage_path"):
         LLMEngine(**KW, kv_transfer_config={"kv_connector": "shared_storage", "kv_role": "kv_both"})
+
+
+def test_stored_kv_nobody_loads_expires_after_the_lease(kv_config) -> None:
+    # a decode instance killed before its load leaves the KV behind: the lease (ttl_s) bounds how long it stays
+    producer = LLMEngine(**KW, kv_transfer_config=kv_config("kv_producer", ttl_s=1))
+    (left,) = prefill(producer, ["KV for a decode instance that was killed before it came for it."])
+    assert producer.connector._get_manifest(left["remote_key"]) is not None
+    time.sleep(1.2)
+    (kept,) = prefill(producer, ["A later prompt, stored after the first one's lease ran out."])
+    assert producer.connector._get_manifest(left["remote_key"]) is None
+    assert producer.connector._get_manifest(kept["remote_key"]) is not None
+    assert_no_leaks(producer)

@@ -1,4 +1,4 @@
-"""The `workbench` command line. `workbench bench throughput|prefix|profile|serve|sweep|guided|roofline|kernels`
+"""The `workbench` command line. `workbench bench throughput|prefix|profile|serve|sweep|guided|roofline|spec|pd|kernels`
 measure the engine; each prints a table and, with --write-docs, rewrites its own section of docs/BENCHMARKS.md;
 `workbench bench all` runs every CPU benchmark. `workbench run` runs prompts
 headless and records a step trace; `workbench export` turns step traces into a Chrome trace for Perfetto.
@@ -200,10 +200,31 @@ def _add_spec(sub: Any) -> None:
                                                        num_requests=a.num_requests, output_len=a.output_len))
 
 
+def _add_bench_pd(sub: Any) -> None:
+    p = sub.add_parser("pd", help="disaggregated prefill/decode: decode ITL while long prompts arrive, vs one engine")
+    _common(p)
+    p.add_argument("--connector", choices=("shared_storage", "redis"), default="shared_storage",
+                   help="the P/D run's store (default: %(default)s); both connectors' rates are measured")
+    p.add_argument("--num-short", type=_positive_int, default=4, help="short requests decoding from t=0")
+    p.add_argument("--short-len", type=_positive_int, default=64, help="their prompt tokens (default: %(default)s)")
+    p.add_argument("--output-len", type=_positive_int, default=128, help="their output tokens (default: %(default)s)")
+    p.add_argument("--num-long", type=_non_negative_int, default=4, help="long prompts (default: %(default)s)")
+    p.add_argument("--long-len", type=_positive_int, default=1024, help="their tokens (default: %(default)s)")
+    p.add_argument("--long-output-len", type=_positive_int, default=4, help="(default: %(default)s)")
+    p.add_argument("--long-interval", type=_positive_float, default=3.0, help="s between long prompts (default: 3)")
+    p.add_argument("--chunk-budget", type=_positive_int, default=256,
+                   help="max_num_batched_tokens of the chunked-prefill engine (default: %(default)s)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    p.set_defaults(bench="pd", kwargs=lambda a: dict(
+        connector=a.connector, runs=a.runs, num_short=a.num_short, short_len=a.short_len, output_len=a.output_len,
+        num_long=a.num_long, long_len=a.long_len, long_output_len=a.long_output_len, long_interval=a.long_interval,
+        chunk_budget=a.chunk_budget, json_path=a.json))
+
+
 # `bench all`: every CPU benchmark (kernels needs CUDA), each with its defaults plus these flags.
 ALL_BENCHES = {"throughput": [], "prefix": [], "profile": [],
                "serve": ["--request-rate", "1", "--baseline", "--goodput", "ttft:1000", "tpot:100"],
-               "sweep": [], "guided": [], "roofline": [], "spec": ["--runs", "2"]}
+               "sweep": [], "guided": [], "roofline": [], "spec": ["--runs", "2"], "pd": []}
 
 
 def _add_all(sub: Any) -> None:
@@ -236,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks of the engine")
     benches = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK")
     for add in (_add_throughput, _add_prefix, _add_profile, _add_bench_serve, _add_sweep, _add_guided, _add_roofline,
-                _add_spec, _add_kernels, _add_all):
+                _add_spec, _add_bench_pd, _add_kernels, _add_all):
         add(benches)
     _add_run(commands)
     _add_export(commands)
@@ -408,6 +429,7 @@ def _add_pd(commands: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--num-kv-blocks", type=_positive_int)
     p.add_argument("--trace-dir", help="write one step trace per instance here")
+    p.add_argument("--stream", action="store_true", help="print each step's new text as the decode instances give it")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,9 @@
-"""PDCluster: prefill and decode engines in separate processes behind a router, over both stores."""
+"""PDCluster: prefill and decode engines in separate processes behind a router, over both stores: outputs equal a
+single engine's, tokens stream from the decode instance, and a process that dies fails only its own requests."""
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 
@@ -12,6 +16,11 @@ PROMPTS = ["The capital of France is a city of light, of river banks and of long
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
 
 
+@pytest.fixture(scope="module")
+def want():
+    return LLM(model="tiny-llama", **KW).generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
 @pytest.fixture(scope="module", params=["shared_storage", "redis"])
 def cluster(request):
     if request.param == "redis":
@@ -20,8 +29,21 @@ def cluster(request):
         yield c
 
 
-def test_cluster_outputs_equal_a_single_engine(cluster) -> None:
-    want = LLM(model="tiny-llama", **KW).generate(PROMPTS, GREEDY, use_tqdm=False)
+@pytest.fixture(scope="module")
+def two_prefills():
+    """For the prefill failures (the router's, whatever the store): each test kills one of the prefill processes."""
+    with PDCluster(model="tiny-llama", connector="shared_storage", num_prefill=2, num_decode=1, **KW) as c:
+        yield c
+
+
+def _collect(deltas) -> dict[str, list]:
+    by_request: dict[str, list] = {}
+    for delta in deltas:
+        by_request.setdefault(delta.request_id, []).append(delta)
+    return by_request
+
+
+def test_cluster_outputs_equal_a_single_engine(cluster, want) -> None:
     outs = cluster.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]
     for o, w in zip(outs, want):
@@ -58,16 +80,114 @@ def test_instance_traces_export_with_flow_arrows_between_instances(cluster, tmp_
     assert (args.prefill, args.decode, args.connector) == (2, 1, "redis")
 
 
-def test_a_killed_decode_process_is_named_and_the_cluster_closes(cluster) -> None:
+def test_streamed_tokens_are_the_outputs_tokens_from_the_decode_instance(cluster, want) -> None:
+    by_request = _collect(cluster.generate_stream(PROMPTS, GREEDY))
+    assert len(by_request) == len(PROMPTS) and not cluster.has_unfinished_requests()
+    for rid, w in zip(sorted(by_request, key=lambda r: int(r.split("-")[1])), want):
+        deltas, out = by_request[rid], cluster.pop_output(rid)
+        streamed = [t for d in deltas for t in d.token_ids]
+        assert streamed == out.token_ids == w.token_ids  # no duplicate first token, no gap
+        text = ""
+        for d in deltas:
+            text = text[:d.text_offset] + d.text
+        assert text == out.text == w.text
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert deltas[-1].finish_reason == "length" and {d.instance for d in deltas} == {"decode-0"}
+        assert [d.time for d in deltas] == sorted(d.time for d in deltas)
+    with pytest.raises(ValueError, match="unknown"):
+        cluster.pop_output(rid)
+
+
+def test_submit_and_stream_with_a_timeout(cluster, want) -> None:
+    rid = cluster.submit(PROMPTS[1], GREEDY, request_id="mine")
+    with pytest.raises(ValueError, match="request_id"):
+        cluster.submit(PROMPTS[1], GREEDY, request_id="mine")
+    with pytest.raises(TypeError, match="params"):
+        cluster.submit(PROMPTS[1], {"max_tokens": 8})
+    early = list(cluster.stream(timeout=0.0))  # ends at once unless something is already back: nothing is lost
+    tokens = [t for d in early + list(cluster.stream()) for t in d.token_ids]
+    assert tokens == cluster.pop_output(rid).token_ids == want[1].token_ids
+
+
+def test_bad_input_raises_naming_the_field_and_the_cluster_goes_on(cluster, want) -> None:
+    with pytest.raises(ValueError, match="prompt: 600 tokens"):
+        cluster.generate([[1000] * 600, PROMPTS[1]], GREEDY)
+    assert not cluster.has_unfinished_requests()
+    assert cluster.generate(PROMPTS[1], GREEDY)[0].token_ids == want[1].token_ids
+
+
+def test_a_decode_process_killed_holding_a_request_fails_it_by_name(cluster) -> None:
     # runs last on this module's cluster: it kills a part of it
     decode = next(i for i in cluster.instances if i.role == "decode")
     prefill = next(i for i in cluster.instances if i.role == "prefill")
+    stopped = []
+
+    def stop(rid, engine_id, out):  # the request goes to the decode instance right after this
+        os.kill(decode.process.pid, signal.SIGSTOP)
+        stopped.append(rid)
+
+    cluster.on_prefilled = stop
+    try:
+        rid = cluster.submit("Once upon a time", GREEDY)
+        for _ in range(60):
+            assert list(cluster.stream(timeout=1.0)) == []  # the stopped decode instance holds it, silent
+            if stopped:
+                break
+    finally:
+        cluster.on_prefilled = None
+    assert stopped == [rid]
     decode.process.kill()
-    decode.process.join()
-    with pytest.raises(RuntimeError, match="decode-0"):
-        cluster.generate(["Once upon a time"], GREEDY)
+    (delta,) = list(cluster.stream(timeout=30))
+    out = cluster.pop_output(rid)
+    assert delta.finished and delta.finish_reason == out.finish_reason == "error" and delta.instance == "decode-0"
+    assert "decode-0" in out.error and "gone" in out.error and out.token_ids == []
+    assert cluster.records()["prefill-0"][-1].kv.used == 0  # no block held on the prefill side
+    (late,) = cluster.generate(["Once upon a time"], GREEDY)  # no decode instance is left
+    assert late.finish_reason == "error" and "no live decode instance" in late.error
     cluster.close()
     assert not prefill.process.is_alive() and cluster.instances == []
+
+
+def test_a_prefill_killed_before_answering_fails_its_requests_only(two_prefills, want) -> None:
+    p0, p1 = (i for i in two_prefills.instances if i.role == "prefill")
+    os.kill(p1.process.pid, signal.SIGSTOP)  # it never answers
+    ok = two_prefills.submit(PROMPTS[0], GREEDY)  # the least loaded: prefill-0, then prefill-1
+    lost = two_prefills.submit(PROMPTS[1], GREEDY)
+    p1.process.kill()
+    by_request = _collect(two_prefills.stream(timeout=60))
+    assert [t for d in by_request[ok] for t in d.token_ids] == two_prefills.pop_output(ok).token_ids \
+        == want[0].token_ids
+    failed = two_prefills.pop_output(lost)
+    assert by_request[lost][-1].finish_reason == failed.finish_reason == "error"
+    assert "prefill-1" in failed.error and by_request[lost][-1].instance == "prefill-1"
+    assert failed.token_ids == [] and not p1.alive and p0.alive
+    records = two_prefills.records()
+    assert set(records) == {"prefill-0", "decode-0"} and records["decode-0"][-1].kv.used == 0
+    assert two_prefills.generate(PROMPTS[1], GREEDY)[0].token_ids == want[1].token_ids  # through prefill-0
+
+
+def test_a_prefill_killed_after_answering_still_decodes_from_the_store(two_prefills, want) -> None:
+    killed = []
+
+    def kill(rid, engine_id, out):  # after the answer, before the decode instance has the request
+        inst = next(i for i in two_prefills.instances if i.engine_id == engine_id)
+        inst.process.kill()
+        inst.process.join()
+        killed.append((rid, engine_id, out.kv_transfer_params))
+
+    two_prefills.on_prefilled = kill
+    try:
+        (out,) = two_prefills.generate([PROMPTS[2]], GREEDY)
+    finally:
+        two_prefills.on_prefilled = None
+    assert out.token_ids == want[2].token_ids and killed[0][1] == "prefill-0" and killed[0][2]["do_remote_prefill"]
+    records = two_prefills.records()
+    assert set(records) == {"decode-0"}
+    events = [e for r in records["decode-0"] for e in r.events if getattr(e, "request_id", None) == out.request_id]
+    assert [e.kind for e in events if e.kind.startswith("kv_transfer.")] == ["kv_transfer.load"]
+    assert records["decode-0"][-1].kv.used == 0
+    (late,) = two_prefills.generate(["Once upon a time"], GREEDY)
+    assert late.finish_reason == "error" and "no live prefill instance" in late.error
 
 
 def test_bad_cluster_arguments_name_the_field() -> None:
@@ -75,3 +195,5 @@ def test_bad_cluster_arguments_name_the_field() -> None:
         PDCluster(model="tiny-llama", connector="nixl")
     with pytest.raises(ValueError, match="num_decode"):
         PDCluster(model="tiny-llama", num_decode=0)
+    with pytest.raises(ValueError, match="torch_threads"):
+        PDCluster(model="tiny-llama", torch_threads=0)

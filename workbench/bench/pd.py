@@ -1,13 +1,32 @@
-"""`workbench pd`: run prompts through a disaggregated prefill/decode cluster (PDCluster) and report each
-request's route and each instance's KV transfers; optionally one step trace per instance (for Perfetto)."""
+"""Disaggregated prefill/decode from the command line.
+
+`workbench pd` runs prompts through a PDCluster and reports each request's output and each instance's KV transfers
+(optionally streaming the tokens, and writing one step trace per instance for Perfetto).
+
+`workbench bench pd` measures what P/D is for: a few short requests decode while long prompts keep arriving. The
+same seeded workload runs on one engine without chunked prefill (a long prefill stalls every decode for a whole
+step), one engine with chunked prefill (the stall is cut into budget-sized pieces), and 1 prefill + 1 decode
+process (decode steps never carry a prefill; the two processes share the machine's cores). Reported: the short
+requests' inter-token latency, the long prompts' TTFT and, for P/D, its breakdown (prefill, transfer, router to
+decode, decode queue, first decode step), and each connector's save and load rates.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from engine.events import StepRecord
+from engine.request import SamplingParams
+from workbench.bench.datasets import BenchRequest
 
 SAMPLE_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:"]
 
@@ -43,7 +62,6 @@ def write_traces(trace_dir: str, model: str, records: dict[str, list[StepRecord]
 
 
 def run_pd_command(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
-    from engine import SamplingParams
     from engine.kv_transfer import PDCluster
 
     prompts = SAMPLE_PROMPTS
@@ -54,7 +72,11 @@ def run_pd_command(args: argparse.Namespace, out: Callable[[str], None] = print)
     engine_kwargs = {"num_kv_blocks": args.num_kv_blocks} if args.num_kv_blocks else {}
     with PDCluster(model=args.model, connector=args.connector, num_prefill=args.prefill, num_decode=args.decode,
                    **engine_kwargs) as cluster:
-        outs = cluster.generate(prompts, params)
+        rids = [cluster.submit(prompt, params) for prompt in prompts]
+        for d in cluster.stream():
+            if args.stream:
+                out(f"[{d.request_id} {d.instance}] {d.text!r}" + (f" ({d.finish_reason})" if d.finished else ""))
+        outs = [cluster.pop_output(rid) for rid in rids]
         records = cluster.records()
     for o in outs:
         out(f"[{o.request_id}] {o.finish_reason}: {o.text!r}")
@@ -99,9 +121,316 @@ def connector_throughput(model: str, connector: str, prompt_len: int = 512, runs
 
 
 def _complete(engine, prompt: list[int], kv_params: dict | None, events: list) -> dict | None:
-    from engine import SamplingParams
-
     rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), kv_transfer_params=kv_params)
     while engine.has_unfinished_requests():
         events.extend(e for e in engine.step().events if e.kind.startswith("kv_transfer."))
     return engine.pop_output(rid).kv_transfer_params
+
+
+# ---- `workbench bench pd` ------------------------------------------------------------------------
+SETUPS = {"engine": "one engine, no chunked prefill", "chunked": "one engine, chunked prefill",
+          "pd": "1 prefill + 1 decode process"}
+PARTS = ("prefill", "transfer", "router to decode", "decode queue", "first decode step")
+
+
+@dataclass
+class Arrival:
+    """One request of the workload: when it arrives (s after the start), what it asks, and whether it is long."""
+
+    at: float
+    request: BenchRequest
+    long: bool
+
+
+@dataclass
+class Timeline:
+    """One request as its client saw it: its id, when it arrived, and when each step that gave it tokens ended
+    (time.time() seconds: comparable across processes on one machine)."""
+
+    request_id: str
+    long: bool
+    arrival: float
+    token_times: list[float]
+
+
+def pd_workload(tokenizer, num_short: int, short_len: int, output_len: int, num_long: int, long_len: int,
+                long_output_len: int, long_interval: float, seed: int = 0) -> list[Arrival]:
+    """`num_short` requests at t=0, then one long prompt every `long_interval` s from t=long_interval; random token
+    ids, EOS ignored. The same arguments always give the same workload."""
+    from workbench.bench.datasets import random_dataset, token_id_range
+
+    if long_interval < 0:
+        raise ValueError(f"long_interval: must be >= 0 s, got {long_interval}")
+    tokens = token_id_range(tokenizer)
+    short = random_dataset(num_short, short_len, output_len, 0.0, tokens, seed) if num_short else []
+    long = random_dataset(num_long, long_len, long_output_len, 0.0, tokens, seed + 1) if num_long else []
+    return ([Arrival(0.0, r, False) for r in short]
+            + [Arrival((i + 1) * long_interval, r, True) for i, r in enumerate(long)])
+
+
+def _params(request: BenchRequest) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=request.ignore_eos)
+
+
+def serve_engine(llm, workload: Sequence[Arrival]) -> list[Timeline]:
+    """The workload through one engine: each request added when its time comes, the engine stepping between."""
+    from workbench.bench.serve import TokenTimes
+    from workbench.bench.throughput import cold_start
+
+    cold_start(llm)
+    eng = llm.engine
+    recorder = eng.subscribe(TokenTimes())
+    pending, start, arrived = deque(workload), time.time(), []
+    try:
+        while pending or eng.has_unfinished_requests():
+            while pending and start + pending[0].at <= time.time():
+                a, t = pending.popleft(), time.time()
+                arrived.append((eng.add_request(a.request.prompt_token_ids, _params(a.request)), a, t))
+            if eng.has_unfinished_requests():
+                eng.step()
+            else:
+                time.sleep(max(0.0, start + pending[0].at - time.time()))
+    finally:
+        eng.unsubscribe(recorder)
+    return [_timeline(rid, a, t, recorder.times[rid], eng.pop_output(rid)) for rid, a, t in arrived]
+
+
+def serve_cluster(cluster, workload: Sequence[Arrival]) -> list[Timeline]:
+    """The workload through a PDCluster: each request submitted when its time comes; token times are the ends of
+    the decode steps that gave them, as streamed back."""
+    pending, start, arrived = deque(workload), time.time(), []
+    times: dict[str, list[float]] = defaultdict(list)
+    while pending or cluster.has_unfinished_requests():
+        while pending and start + pending[0].at <= time.time():
+            a, t = pending.popleft(), time.time()
+            arrived.append((cluster.submit(a.request.prompt_token_ids, _params(a.request)), a, t))
+        due = start + pending[0].at if pending else None
+        if not cluster.has_unfinished_requests():
+            time.sleep(max(0.0, due - time.time()))
+            continue
+        for delta in cluster.stream(timeout=None if due is None else max(0.0, due - time.time())):
+            if delta.token_ids:
+                times[delta.request_id].append(delta.time)
+            if due is not None and time.time() >= due:
+                break  # the rest waits in the cluster for the next stream()
+    return [_timeline(rid, a, t, times[rid], cluster.pop_output(rid)) for rid, a, t in arrived]
+
+
+def _timeline(rid: str, arrival: Arrival, t: float, token_times: list[float], out) -> Timeline:
+    if out.finish_reason != "length" or len(out.token_ids) != arrival.request.output_len:
+        raise RuntimeError(f"request {rid}: {out.finish_reason!r} after {len(out.token_ids)} tokens "
+                           f"({out.error or 'no error'})")
+    return Timeline(rid, arrival.long, t, list(token_times))
+
+
+def ttft_breakdown(records: dict[str, list[StepRecord]], timeline: Timeline) -> dict[str, float]:
+    """A long prompt's TTFT through P/D (ms) in parts that add up to it: prefill (arrival to the end of the prefill
+    step that answered, less the save), transfer (save + load), router to decode (the answer to the decode
+    instance taking the request, between two of its steps), decode queue (taken to first scheduled, less a load
+    done before), first decode step (less a load done in it). The save is taken from the prefill part: with
+    synchronous transfers (the default, and the benchmark's) it ends inside the step that answers."""
+    rid = timeline.request_id
+    prefill = [r for name, recs in records.items() if name.startswith("prefill") for r in recs]
+    decode = [r for name, recs in records.items() if name.startswith("decode") for r in recs]
+    done_ns = next(r.end_ns for r in prefill if any(e.request_id == rid for e in r.of_kind("request.finished")))
+    save_ms = sum(e.ms for r in prefill for e in r.of_kind("kv_transfer.save") if e.request_id == rid)
+    added_ns = next(e.arrival_ns for r in decode for e in r.of_kind("request.added") if e.request_id == rid)
+    first = next(r for r in decode if rid in r.scheduled)
+    loads = [(r is first, e.ms) for r in decode for e in r.of_kind("kv_transfer.load") if e.request_id == rid]
+    in_step = sum(ms for inside, ms in loads if inside)
+    before = sum(ms for inside, ms in loads if not inside)
+    # whole nanoseconds: a float of time.time_ns() near 1.8e18 is only good to 256 ns, and the parts must add up
+    arrival_ns, token_ns = round(timeline.arrival * 1e9), round(timeline.token_times[0] * 1e9)
+    return {"prefill": (done_ns - arrival_ns) / 1e6 - save_ms, "transfer": save_ms + in_step + before,
+            "router to decode": (added_ns - done_ns) / 1e6,
+            "decode queue": (first.start_ns - added_ns) / 1e6 - before,
+            "first decode step": (token_ns - first.start_ns) / 1e6 - in_step,
+            "ttft": (token_ns - arrival_ns) / 1e6}
+
+
+def setup_metrics(timelines: Sequence[Timeline]) -> dict[str, float]:
+    """The short requests' inter-token latency (ms: mean, median, p90, p99, max; gaps between the steps that gave
+    a request tokens) and the long prompts' TTFT (ms: mean, max)."""
+    from workbench.bench.report import percentile
+
+    itl = [gap * 1e3 for t in timelines if not t.long for gap in np.diff(t.token_times)] or [0.0]
+    ttft = [(t.token_times[0] - t.arrival) * 1e3 for t in timelines if t.long] or [0.0]
+    return {"itl_mean_ms": statistics.fmean(itl), "itl_median_ms": statistics.median(itl),
+            "itl_p90_ms": percentile(itl, 90), "itl_p99_ms": percentile(itl, 99), "itl_max_ms": max(itl),
+            "long_ttft_mean_ms": statistics.fmean(ttft), "long_ttft_max_ms": max(ttft)}
+
+
+def _medians(samples: Sequence[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def available_connectors(first: str) -> list[str]:
+    """`first`, then the other connector where it can run here (redis needs redis-server and its client)."""
+    import importlib.util
+
+    from engine.kv_transfer.redis_server import RedisServer
+
+    redis_ok = RedisServer().exe is not None and importlib.util.find_spec("redis") is not None
+    return [first] + [c for c in ("shared_storage", "redis") if c != first and (c != "redis" or redis_ok)]
+
+
+def run_pd(model: str = "smollm2-135m", connector: str = "shared_storage", runs: int = 3, num_short: int = 4,
+           short_len: int = 64, output_len: int = 128, num_long: int = 4, long_len: int = 1024,
+           long_output_len: int = 4, long_interval: float = 3.0, chunk_budget: int = 256,
+           json_path: str | None = None, seed: int = 0, max_num_batched_tokens: int = 2048,
+           engine_kwargs: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Each setup serves the same workloads, alternating within each run (run r: its own seeded prompts, so no
+    run hits an earlier one's prefix cache or store); per-metric medians over the runs. Then each connector's
+    save and load rates for one long prompt. Writes the result as JSON to `json_path` when given."""
+    import torch
+
+    from engine import LLM
+    from engine.kv_transfer import PDCluster
+
+    if long_len + long_output_len > max_num_batched_tokens:
+        raise ValueError(f"long_len: {long_len} prompt + {long_output_len} output tokens must fit "
+                         f"max_num_batched_tokens ({max_num_batched_tokens}): without chunking a prompt runs whole")
+    engine_kwargs = dict(engine_kwargs or {})
+    common = {"max_model_len": max_num_batched_tokens, "seed": seed, **engine_kwargs}
+    llms = {"engine": LLM(model, enable_chunked_prefill=False, max_num_batched_tokens=max_num_batched_tokens,
+                          **common),
+            "chunked": LLM(model, max_num_batched_tokens=chunk_budget, **common)}
+    tokenizer = llms["engine"].tokenizer
+
+    def workload(n_short: int, out_len: int, n_long: int, interval: float, run_seed: int) -> list[Arrival]:
+        return pd_workload(tokenizer, n_short, short_len, out_len, n_long, long_len, long_output_len, interval,
+                           run_seed)
+
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in SETUPS}
+    parts: list[dict[str, float]] = []
+    with PDCluster(model=model, connector=connector, max_num_batched_tokens=max_num_batched_tokens,
+                   **common) as cluster:
+        serve = {"engine": lambda w: serve_engine(llms["engine"], w),
+                 "chunked": lambda w: serve_engine(llms["chunked"], w), "pd": lambda w: serve_cluster(cluster, w)}
+        for fn in serve.values():  # warm-up: the first calls pay for allocations
+            fn(workload(1, 2, 1, 0.0, seed + 2 * runs))
+        for run in range(runs):
+            w = workload(num_short, output_len, num_long, long_interval, seed + 2 * run)
+            for name, fn in serve.items():
+                timelines = fn(w)
+                samples[name].append(setup_metrics(timelines))
+                if name == "pd":
+                    records = cluster.records()
+                    run_parts = [ttft_breakdown(records, t) for t in timelines if t.long]
+                    parts.append({k: statistics.fmean(p[k] for p in run_parts) for k in (*PARTS, "ttft")}
+                                 if run_parts else {})
+                log(f"run {run + 1}/{runs} {SETUPS[name]}: ITL p99 {samples[name][-1]['itl_p99_ms']:.1f} ms, "
+                    f"long TTFT mean {samples[name][-1]['long_ttft_mean_ms']:.1f} ms")
+        transfers = transfer_summary(cluster.records())
+        pd_threads = cluster.torch_threads
+    del llms
+    rates = []
+    for name in available_connectors(connector):
+        rates.append(connector_throughput(model, name, prompt_len=long_len, runs=runs))
+        log(f"{name}: save {rates[-1]['save MB/s']:.0f} MB/s, load {rates[-1]['load MB/s']:.0f} MB/s")
+    result = {
+        "model": model,
+        "settings": {"connector": connector, "runs": runs, "num_short": num_short, "short_len": short_len,
+                     "output_len": output_len, "num_long": num_long, "long_len": long_len,
+                     "long_output_len": long_output_len, "long_interval": long_interval,
+                     "max_num_batched_tokens": max_num_batched_tokens, "chunk_budget": chunk_budget, "seed": seed,
+                     "engine_kwargs": engine_kwargs, "engine_torch_threads": torch.get_num_threads(),
+                     "pd_torch_threads": pd_threads},
+        "setups": {name: _medians(s) for name, s in samples.items()},
+        "breakdown": _medians(parts) if parts and parts[0] else {},
+        "transfers": transfers,
+        "connectors": rates,
+    }
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+_ITL = ("itl_mean_ms", "itl_median_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "long_ttft_mean_ms",
+        "long_ttft_max_ms")
+_ITL_HEADERS = ("setup", "ITL mean ms", "ITL median ms", "ITL p90 ms", "ITL p99 ms", "ITL max ms",
+                "long TTFT mean ms", "long TTFT max ms")
+_PART_HEADERS = ("prefill ms", "transfer (save + load) ms", "router to decode ms", "decode queue ms",
+                 "first decode step ms", "TTFT ms")
+_RATE_KEYS = ("connector", "MB", "save ms", "load ms", "save MB/s", "load MB/s")
+
+
+def _tables(result: dict[str, Any], table: Callable) -> dict[str, str]:
+    """The setups' table, and where measured, the TTFT breakdown, the in-run transfers and the connectors' rates."""
+    s = result["settings"]
+    budgets = {"engine": f" (budget {s['max_num_batched_tokens']})", "chunked": f" (budget {s['chunk_budget']})",
+               "pd": f" ({s['connector']})"}
+    out = {"setups": table(_ITL_HEADERS, [[SETUPS[n] + budgets[n], *(m[k] for k in _ITL)]
+                                          for n, m in result["setups"].items()])}
+    if result["breakdown"]:
+        out["breakdown"] = table(_PART_HEADERS, [[result["breakdown"][k] for k in (*PARTS, "ttft")]])
+    if result["transfers"]:
+        out["transfers"] = _transfer_line(result)
+    if result["connectors"]:
+        headers = ("connector", f"MB per {s['long_len']}-token prompt", "save ms", "load ms", "save MB/s", "load MB/s")
+        out["connectors"] = table(headers, [[r[k] for k in _RATE_KEYS] for r in result["connectors"]])
+    return out
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    m = result["setups"]
+    return (f"short requests' ITL p99: {m['pd']['itl_p99_ms']:.0f} ms with P/D, {m['chunked']['itl_p99_ms']:.0f} ms "
+            f"with chunked prefill, {m['engine']['itl_p99_ms']:.0f} ms without; long prompts' mean TTFT: "
+            f"{m['pd']['long_ttft_mean_ms']:.0f} / {m['chunked']['long_ttft_mean_ms']:.0f} / "
+            f"{m['engine']['long_ttft_mean_ms']:.0f} ms")
+
+
+def _transfer_line(result: dict[str, Any]) -> str:
+    moved = [f"{r['instance']} {'saved' if r['saves'] else 'loaded'} {r['MB']:.1f} MB in {r['saves'] or r['loads']} "
+             f"transfers at {r['MB/s']:.0f} MB/s" for r in result["transfers"] if r["saves"] or r["loads"]]
+    fails = sum(r["fails"] for r in result["transfers"])
+    return (f"In the P/D runs ({result['settings']['connector']}, warm-up included): " + "; ".join(moved)
+            + f"; {fails} failed transfer(s).")
+
+
+def _workload(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    return (f"{result['model']}: {s['num_short']} short requests ({s['short_len']}-token prompts, {s['output_len']} "
+            f"output tokens) start decoding at t=0; {s['num_long']} long prompts ({s['long_len']} tokens, "
+            f"{s['long_output_len']} output tokens) arrive every {s['long_interval']:g} s from t="
+            f"{s['long_interval']:g} s. Random token ids (seeded, a new set per run), greedy, EOS ignored; medians "
+            f"over {s['runs']} alternating run(s)")
+
+
+def format_text(result: dict[str, Any]) -> str:
+    from workbench.bench.report import text_table
+
+    return "\n".join([_workload(result), *_tables(result, text_table).values(), summary_line(result)])
+
+
+def format_markdown(result: dict[str, Any], command: str) -> str:
+    from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table
+
+    s = result["settings"]
+    tables = _tables(result, markdown_table)
+    parts = [
+        "## Disaggregated prefill/decode: decode latency while long prompts arrive",
+        f"`{command}`",
+        (f"{_workload(result)}. ITL: gaps between the steps that gave a short request tokens, over all short "
+         "requests (step ends: wall clock, read in the decode process for P/D). Long TTFT: arrival to the end of "
+         "the step that gave the first token. One engine runs in this process with "
+         f"{s['engine_torch_threads']} torch threads; P/D runs a prefill and a decode process with "
+         f"{s['pd_torch_threads']} torch thread(s) each, on the same cores: this machine has "
+         f"{machine_info()['cores']} cores, so P/D gets no extra hardware here, only the separation of prefill "
+         f"from decode steps.") + engine_settings_note(s["engine_kwargs"]),
+        tables["setups"],
+        f"**{summary_line(result)}**",
+    ]
+    if "breakdown" in tables:
+        parts += [("P/D: the long prompts' TTFT in parts that add up to it (ms, mean per prompt): prefill = arrival "
+                   "to the end of the prefill step that answered, less the save; transfer = save + load "
+                   "(kv_transfer events); router to decode = the answer to the decode process taking the request "
+                   "(it takes requests between its steps); decode queue = taken to first scheduled; first decode "
+                   "step = its forward, less the load."), tables["breakdown"]]
+    if "transfers" in tables:
+        parts.append(tables["transfers"])
+    if "connectors" in tables:
+        parts += [("Connectors alone (one process saves, then loads back, one long prompt's KV; median of "
+                   f"{s['runs']}):"), tables["connectors"]]
+    parts.append(machine_markdown(machine_info()))
+    return "\n\n".join(parts)

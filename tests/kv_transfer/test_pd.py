@@ -21,11 +21,15 @@ def want():
     return LLM(model="tiny-llama", **KW).generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
-@pytest.fixture(scope="module", params=["shared_storage", "redis"])
+@pytest.fixture(scope="module", params=["shared_storage", "redis", "shared_storage-async"])
 def cluster(request):
-    if request.param == "redis":
+    connector, _, mode = request.param.partition("-")
+    if connector == "redis":
         request.getfixturevalue("redis_server")  # skips where redis-server is missing
-    with PDCluster(model="tiny-llama", connector=request.param, num_prefill=1, num_decode=1, **KW) as c:
+    # async: loads park decode requests in WAITING_FOR_REMOTE_KVS, saves hold prefill blocks until stored
+    extra = {"async_transfers": True} if mode == "async" else None
+    with PDCluster(model="tiny-llama", connector=connector, num_prefill=1, num_decode=1,
+                   kv_connector_extra_config=extra, **KW) as c:
         yield c
 
 

@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler import SchedulerOutput
 from engine.events import EventLog
 from engine.model.attention import AttentionMetadata
+from engine.model.block_table import BlockTable
 from engine.model.llama import load_model
 from engine.model.sampler import Sampler, SamplingMetadata
 from engine.spec.decoder import SpecDecoder
@@ -57,8 +58,9 @@ def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype: torch.dty
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors ([num_blocks, block_size, kv heads, head dim] per layer, K and V)
-    and the sampler. Holds no request state of its own: each request carries its tokens and its generator."""
+    """Owns the model, the KV cache tensors ([num_blocks, block_size, kv heads, head dim] per layer, K and V),
+    the persistent block table (a row per running request) and the sampler. Each request carries its tokens and
+    its generator."""
 
     def __init__(self, config: EngineConfig, model_path: Path, events: EventLog) -> None:
         self.config = config
@@ -72,6 +74,9 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // self.bytes_per_block)
         self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, config.torch_dtype,
                                             self.device)
+        max_blocks_per_req = -(-(shape.max_position_embeddings or self.num_blocks * self.block_size)
+                                 // self.block_size)
+        self.block_table = BlockTable(self.block_size, config.max_num_seqs, min(self.num_blocks, max_blocks_per_req))
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.spec = None if config.speculative is None else SpecDecoder(config, self, events)
@@ -84,6 +89,9 @@ class ModelRunner:
     def execute_model(self, output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None,
                       guided_rows: list[int] | None = None) -> ModelRunnerOutput:
         """Run the step's batch; `grammar_bitmask` (one row per logits row) masks the `guided_rows`."""
+        # rows of requests that finished or were preempted since the last step are reused
+        self.block_table.remove(output.finished_req_ids)
+        self.block_table.remove(output.preempted_req_ids)
         if output.is_empty:
             return ModelRunnerOutput({}, {})
         t0 = time.perf_counter()
@@ -121,45 +129,45 @@ class ModelRunner:
         return sampled, logprobs
 
     def _prepare_inputs(self, output: SchedulerOutput) -> _BatchInputs:
-        bs = self.block_size
-        ids, positions, slots, seq_lens, query_lens, logits_indices, rows = [], [], [], [], [], [], []
-        first_rows = []
-        max_blocks = max(len(s.block_ids) for s in output.scheduled)
-        block_tables = np.zeros((len(output.scheduled), max_blocks), dtype=np.int32)
-        offset = 0
-        for i, s in enumerate(output.scheduled):
+        """The step's flat inputs: one Python pass over the requests, then positions, slots, query start locs and
+        logits rows by numpy arithmetic over per-request counts, and one int64 plus one int32 array to the device
+        (two host-to-device copies on an accelerator)."""
+        rows, ids, counts, sampling_rows = self._scan_requests(output)
+        starts, query_lens, num_logits, num_blocks = counts
+        cu_query, cu_logits = np.cumsum(query_lens), np.cumsum(num_logits)
+        positions = np.arange(cu_query[-1]) + np.repeat(starts - cu_query + query_lens, query_lens)
+        slots = self.block_table.compute_slot_mapping(np.repeat(rows, query_lens), positions)
+        logits_indices = np.arange(cu_logits[-1]) + np.repeat(cu_query - cu_logits, num_logits)
+        block_tables = self.block_table.block_table_np[rows, :num_blocks.max()]
+        i64 = torch.from_numpy(np.concatenate((ids, positions, slots, logits_indices))).to(self.device)
+        i32 = torch.from_numpy(np.concatenate((starts + query_lens, [0], cu_query, block_tables.ravel()),
+                                              dtype=np.int32)).to(self.device)
+        num_tokens, num_reqs = len(positions), len(rows)
+        input_ids, positions_t, slot_mapping, logits_idx = i64.split([num_tokens] * 3 + [len(logits_indices)])
+        seq_lens, query_start_loc, tables = i32.split([num_reqs, num_reqs + 1, block_tables.size])
+        attn = AttentionMetadata(slot_mapping=slot_mapping, block_tables=tables.view(block_tables.shape),
+                                 seq_lens=seq_lens, query_start_loc=query_start_loc)
+        return _BatchInputs(input_ids=input_ids, positions=positions_t, attn=attn, logits_indices=logits_idx,
+                            sampling_rows=sampling_rows, first_rows=(cu_logits - num_logits)[num_logits > 0].tolist())
+
+    def _scan_requests(self, output: SchedulerOutput) -> tuple[list[int], np.ndarray, np.ndarray, list]:
+        """Per request, in batch order: its block table row (new block ids appended), its tokens this step,
+        and [num_computed_tokens, num_new_tokens, logits rows, blocks] (as a [4, S] array); and the sampling
+        requests."""
+        rows, ids, counts, sampling_rows = [], [], [], []
+        for s in output.scheduled:
+            rows.append(self.block_table.append(s.request_id, s.block_ids))
             start, n = s.num_computed_tokens, s.num_new_tokens
             tokens = s.request.all_token_ids[start:start + n]
-            ids.extend(tokens)
-            ids.extend(s.spec_token_ids[:n - len(tokens)])
-            pos = np.arange(start, start + n)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            block_tables[i, :len(table)] = table
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            seq_lens.append(start + n)
-            query_lens.append(n)
-            offset += n
-            if s.samples:  # a verify request samples at its last token and at each draft
-                first_rows.append(len(logits_indices))
-                logits_indices.extend(range(offset - 1 - len(s.spec_token_ids), offset))
-                rows.append(s)
-        dev = self.device
-        positions_np = np.concatenate(positions)
-        attn = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, *np.cumsum(query_lens).tolist()], dtype=torch.int32, device=dev),
-        )
-        return _BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions_np).to(dev),
-            attn=attn,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            sampling_rows=rows,
-            first_rows=first_rows,
-        )
+            ids += tokens
+            ids += s.spec_token_ids[:n - len(tokens)]
+            # a verify request samples at its last token and at each draft
+            counts += (start, n, len(s.spec_token_ids) + 1 if s.samples else 0, len(s.block_ids))
+            if s.samples:
+                sampling_rows.append(s)
+        # fromiter: numpy reads a list of ints faster this way than np.array or concatenate do
+        ids_np = np.fromiter(ids, np.int64, len(ids))
+        return rows, ids_np, np.fromiter(counts, np.int64, len(counts)).reshape(-1, 4).T, sampling_rows
 
     def _sampling_metadata(self, rows: list) -> SamplingMetadata:
         params = [s.request.sampling_params for s in rows]

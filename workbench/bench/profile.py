@@ -7,6 +7,8 @@ torch.profiler (the heaviest aten ops). The events' cost is measured twice: cPro
 `EventLog.emit` and `StepRecord` construction (inflated by the profiler's per-call overhead, which falls hardest on
 small Python calls), and by replaying each plain step's events into a fresh `EventLog` and rebuilding its
 StepRecord without any profiler (a lower bound: building the payloads at the call sites is not replayed).
+The runner's input preparation is also timed alone, without any profiler, on a captured SchedulerOutput of the
+decode workload and of one chunk of a chunked prefill.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import kernels
 from engine import LLM, SamplingParams, StepRecord
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.events import EventLog
 from engine.llm_engine import LLMEngine
 from engine.model.llama import LlamaForCausalLM
@@ -36,6 +38,7 @@ _FUNCS = {
     "step": LLMEngine.step,
     "schedule": Scheduler.schedule,
     "execute_model": ModelRunner.execute_model,
+    "prepare_inputs": ModelRunner._prepare_inputs,
     "model": LlamaForCausalLM.forward,
     "store_kvcache": kernels.store_kvcache,
     "paged_attention": kernels.paged_attention,
@@ -49,6 +52,7 @@ _FUNCS = {
     "drain": EventLog.drain,
     "step_record": StepRecord.__init__,
 }
+PREP_REPEATS = 50  # calls timed by input_prep_ms
 # Rows that are the model's own arithmetic; every other row is engine overhead around it.
 MODEL_ROWS = ("model: attention (KV write + paged attention)", "model: linear layers", "model: other (norms, RoPE, "
               "embedding, activations)", "LM head (logits)")
@@ -66,7 +70,9 @@ def stage_split(ms: dict[str, float]) -> list[tuple[str, float]]:
     linear = ms["linear"] - ms["compute_logits"]  # the LM head is a Linear too: counted in its own row
     rows = [
         ("scheduler: schedule", ms["schedule"]),
-        ("runner: inputs, sampling metadata", ms["execute_model"] - ms["model"] - ms["compute_logits"] - ms["sampler"]),
+        ("runner: input preparation", ms["prepare_inputs"]),
+        ("runner: sampling metadata, logits rows, results", ms["execute_model"] - ms["prepare_inputs"] - ms["model"]
+         - ms["compute_logits"] - ms["sampler"]),
         (MODEL_ROWS[0], attention),
         (MODEL_ROWS[1], linear),
         (MODEL_ROWS[2], ms["model"] - attention - linear),
@@ -100,6 +106,58 @@ def replay_events_ms(record: StepRecord, repeats: int = 20) -> float:
     return statistics.median(times) * 1e3
 
 
+def capture_scheduler_output(eng: LLMEngine) -> SchedulerOutput:
+    """Step `eng` once and return the SchedulerOutput its model runner was given."""
+    runner, captured = eng.runner, []
+    execute = runner.execute_model
+
+    def record(output: SchedulerOutput, *args: Any, **kwargs: Any):
+        captured.append(output)
+        return execute(output, *args, **kwargs)
+
+    runner.execute_model = record
+    try:
+        eng.step()
+    finally:
+        del runner.execute_model  # the instance attribute shadowed the method
+    if not captured or captured[0].is_empty:
+        raise RuntimeError("capture_scheduler_output: the step scheduled nothing")
+    return captured[0]
+
+
+def input_prep_ms(runner: ModelRunner, output: SchedulerOutput, repeats: int = PREP_REPEATS) -> float:
+    """Median ms of the runner's input preparation for `output`, without any profiler."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner._prepare_inputs(output)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _two_chunk_prompt_len(eng: LLMEngine, budget: int) -> int:
+    """Two `budget`-token chunks, or less where max_model_len or the KV cache asks; more than one chunk."""
+    fits = min(eng.config.max_model_len, eng.kv_cache_manager.num_usable_blocks * eng.config.block_size) - 1
+    if fits <= budget:
+        raise ValueError(f"max_num_batched_tokens: {budget} takes the longest prompt that fits ({fits} tokens: "
+                         "max_model_len, KV cache) in one step: no chunked prefill to measure")
+    return min(2 * budget, fits)
+
+
+def _chunked_prefill_input_prep(llm: LLM, prompt_len: int, seed: int) -> tuple[int, int, float]:
+    """Input preparation of the second chunk of a `prompt_len`-token prompt alone in the engine:
+    (tokens, context, ms)."""
+    eng = llm.engine
+    (request,) = random_requests(1, (prompt_len, prompt_len), (1, 1), token_id_range(llm.tokenizer), seed + 1)
+    rid = eng.add_request(request.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    eng.step()
+    output = capture_scheduler_output(eng)
+    (s,) = output.scheduled
+    ms = input_prep_ms(eng.runner, output)
+    eng.pop_output(rid)
+    return s.num_new_tokens, s.num_computed_tokens + s.num_new_tokens, ms
+
+
 def _start_decode_workload(llm: LLM, num_requests: int, prompt_len: int, max_tokens: int, seed: int) -> list[str]:
     """Add the requests and step until every one of them is decoding."""
     eng = llm.engine
@@ -130,7 +188,10 @@ def run_profile(model: str = "smollm2-135m", num_requests: int = 32, prompt_len:
     engine_kwargs = dict(engine_kwargs or {})
     llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
     eng = llm.engine
-    ids = _start_decode_workload(llm, num_requests, prompt_len, warmup + 3 * steps + 2, seed)
+    chunked_prompt_len = _two_chunk_prompt_len(eng, max_num_batched_tokens)
+    # the first requests decode while the last ones still prefill: enough tokens that none finishes before the end
+    prefill_steps = -(-num_requests * prompt_len // max_num_batched_tokens) + 1
+    ids = _start_decode_workload(llm, num_requests, prompt_len, prefill_steps + warmup + 3 * steps + 2, seed)
     for _ in range(warmup):
         eng.step()
     plain = [eng.step() for _ in range(steps)]
@@ -143,9 +204,16 @@ def run_profile(model: str = "smollm2-135m", num_requests: int = 32, prompt_len:
         profiler.disable()
     ms = _cumulative_ms(profiler, steps)
     ops = _torch_ops(eng, steps, top_ops) if top_ops else []
+    decode_output = capture_scheduler_output(eng)
+    if len(decode_output.scheduled) != num_requests:
+        raise RuntimeError(f"profile: {len(decode_output.scheduled)} of {num_requests} requests still decode")
+    decode_prep_ms = input_prep_ms(eng.runner, decode_output)
     for rid in ids:
         eng.abort(rid)
         eng.pop_output(rid)
+    prefill_tokens, prefill_context, prefill_prep_ms = _chunked_prefill_input_prep(llm, chunked_prompt_len, seed)
+    log(f"input preparation: {decode_prep_ms:.3f} ms at {num_requests} decodes, {prefill_prep_ms:.3f} ms at a "
+        f"{prefill_tokens}-token chunk")
     events_profiled = ms["emit"] + ms["begin"] + ms["drain"] + ms["step_record"]
     stages = stage_split(ms)
     overhead = [(name, v) for name, v in stages if name not in MODEL_ROWS]
@@ -162,6 +230,9 @@ def run_profile(model: str = "smollm2-135m", num_requests: int = 32, prompt_len:
         "events_share_profiled": events_profiled / ms["step"],
         "events_ms_replayed": statistics.median(replay_events_ms(r) for r in plain),
         "torch_ops": ops,
+        "input_prep": {"decode_ms": decode_prep_ms, "decode_requests": num_requests,
+                       "prefill_ms": prefill_prep_ms, "prefill_tokens": prefill_tokens,
+                       "prefill_context": prefill_context},
     }
 
 
@@ -186,6 +257,23 @@ def events_line(result: dict[str, Any]) -> str:
             f"{replayed:.2f} ms = {replayed / result['step_ms']:.1%} of a plain {result['step_ms']:.1f} ms step")
 
 
+def largest_line(result: dict[str, Any]) -> str:
+    """The two largest non-model rows: under a profiler, near-ties among small rows can swap from run to run."""
+    total = result["profiled_step_ms"]
+    overhead = sorted(((ms, name) for name, ms in result["stages"] if name not in MODEL_ROWS), reverse=True)
+    (ms1, name1), (ms2, name2) = overhead[:2]
+    return (f"Largest non-model cost: {name1} ({ms1:.2f} ms, {ms1 / total:.1%}); next: {name2} ({ms2:.2f} ms, "
+            f"{ms2 / total:.1%})")
+
+
+def input_prep_line(result: dict[str, Any]) -> str:
+    prep = result["input_prep"]
+    return (f"input preparation alone (no profiler, median of {PREP_REPEATS} calls on a captured SchedulerOutput): "
+            f"{prep['decode_ms']:.3f} ms at {prep['decode_requests']} decoding requests "
+            f"({prep['decode_ms'] / result['step_ms']:.2%} of a plain step); {prep['prefill_ms']:.3f} ms for a "
+            f"{prep['prefill_tokens']}-token prefill chunk (context {prep['prefill_context']})")
+
+
 def _workload(result: dict[str, Any]) -> str:
     s = result["settings"]
     return (f"{result['model']}: {s['num_requests']} requests mid-decode ({s['prompt_len']}-token prompts), "
@@ -194,7 +282,7 @@ def _workload(result: dict[str, Any]) -> str:
 
 def format_text(result: dict[str, Any]) -> str:
     parts = [_workload(result), text_table(_STAGE_HEADERS, _stage_rows(result)),
-             f"largest non-model cost: {result['largest_non_model']}", events_line(result)]
+             largest_line(result), input_prep_line(result), events_line(result)]
     if result["torch_ops"]:
         parts.append(text_table(_OP_HEADERS, _op_rows(result)))
     return "\n".join(parts)
@@ -208,7 +296,8 @@ def format_markdown(result: dict[str, Any], command: str) -> str:
          f"profiler): {result['step_ms']:.1f} ms. Split by cProfile cumulative times (each row exclusive; the "
          "profiler adds its own overhead to Python-heavy rows):"),
         markdown_table(_STAGE_HEADERS, _stage_rows(result)),
-        f"**Largest non-model cost: {result['largest_non_model']}.**",
+        f"**{largest_line(result)}.**",
+        input_prep_line(result) + ".",
         events_line(result) + ".",
     ]
     if result["torch_ops"]:

@@ -1,0 +1,37 @@
+"""The profile's input-preparation measures on the tiny model (never timed assertions)."""
+import pytest
+
+from workbench.bench.profile import capture_scheduler_output, format_markdown, run_profile
+
+TINY = {"model": "tiny-llama", "engine_kwargs": {"num_kv_blocks": 64}}
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_profile(num_requests=4, prompt_len=16, steps=1, warmup=0, top_ops=0, max_num_batched_tokens=48,
+                       log=lambda _: None, **TINY)
+
+
+def test_input_preparation_is_its_own_row_and_measured_alone(result) -> None:
+    names = [name for name, _ in result["stages"]]
+    assert names[1:3] == ["runner: input preparation", "runner: sampling metadata, logits rows, results"]
+    prep = result["input_prep"]
+    assert prep["decode_requests"] == 4 and prep["decode_ms"] > 0 and prep["prefill_ms"] > 0
+    # a 96-token prompt under a 48-token budget: the second chunk is measured, with the first one as context
+    assert (prep["prefill_tokens"], prep["prefill_context"]) == (48, 96)
+    text = format_markdown(result, "workbench bench profile")
+    assert "at 4 decoding requests" in text and "48-token prefill chunk (context 96)" in text
+
+
+def test_chunked_prefill_measure_needs_a_prompt_longer_than_the_budget() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        run_profile(num_requests=1, prompt_len=8, steps=1, warmup=0, top_ops=0, max_num_batched_tokens=1024,
+                    log=lambda _: None, **TINY)
+
+
+def test_capture_refuses_a_step_that_ran_nothing() -> None:
+    from engine import LLM
+
+    llm = LLM(model="tiny-llama", num_kv_blocks=8)
+    with pytest.raises(RuntimeError, match="scheduled nothing"):
+        capture_scheduler_output(llm.engine)

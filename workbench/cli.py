@@ -227,6 +227,27 @@ ALL_BENCHES = {"throughput": [], "prefix": [], "profile": [],
                "sweep": [], "guided": [], "roofline": [], "spec": ["--runs", "2"], "pd": []}
 
 
+def _add_gains(sub: Any) -> None:
+    p = sub.add_parser("gains", help="one table of prefix caching, guided and speculative decoding gains, from the "
+                                     "results those benchmarks kept (nothing is re-run)")
+    p.add_argument("--write-docs", action="store_true", help="rewrite the gains section of the docs")
+    p.add_argument("--docs-path", default=str(DEFAULT_DOCS_PATH),
+                   help="the docs file; results are read from bench/ beside it (default: %(default)s)")
+    p.set_defaults(bench="gains")
+
+
+def run_gains(args: argparse.Namespace, command: str, out: Callable[[str], None] = print) -> None:
+    from workbench.bench import gains
+    from workbench.bench.report import write_section
+
+    records = gains.load_records(Path(args.docs_path).parent / "bench")
+    rows = gains.gain_rows(records)
+    out(gains.format_text(rows))
+    if args.write_docs:
+        write_section(args.docs_path, "gains", gains.format_markdown(rows, records, command))
+        out(f"wrote the gains section of {args.docs_path}")
+
+
 def _add_all(sub: Any) -> None:
     p = sub.add_parser("all", help="every CPU benchmark in turn: " + ", ".join(ALL_BENCHES))
     _common(p, runs=False, budget=False)
@@ -248,6 +269,10 @@ def run_all(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
         argv = ["bench", name, *extra, *shared, *(["--write-docs"] if args.write_docs else [])]
         out(f"== workbench {shlex.join(argv)}")
         results[name] = run_bench(parser.parse_args(argv), "workbench " + shlex.join(argv), out)
+    docs = ["--docs-path", args.docs_path] if args.docs_path != str(DEFAULT_DOCS_PATH) else []
+    argv = ["bench", "gains", *docs, *(["--write-docs"] if args.write_docs else [])]
+    out(f"== workbench {shlex.join(argv)}")
+    run_gains(parser.parse_args(argv), "workbench " + shlex.join(argv), out)
     return results
 
 
@@ -257,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks of the engine")
     benches = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK")
     for add in (_add_throughput, _add_prefix, _add_profile, _add_bench_serve, _add_sweep, _add_guided, _add_roofline,
-                _add_spec, _add_bench_pd, _add_kernels, _add_all):
+                _add_spec, _add_bench_pd, _add_kernels, _add_gains, _add_all):
         add(benches)
     _add_run(commands)
     _add_export(commands)
@@ -277,10 +302,12 @@ def run_bench(args: argparse.Namespace, command: str, out: Callable[[str], None]
                  log=lambda line: print(line, file=sys.stderr), **budget, **args.kwargs(args))
     out(module.format_text(result))
     if args.write_docs:
-        from workbench.bench.report import write_section
+        from workbench.bench.report import write_result, write_section
 
         write_section(args.docs_path, args.bench, module.format_markdown(result, command))
-        out(f"wrote the {args.bench} section of {args.docs_path}")
+        # the numbers behind the section, for tables built from several benchmarks (bench gains)
+        kept = write_result(Path(args.docs_path).parent / "bench", args.bench, result, command)
+        out(f"wrote the {args.bench} section of {args.docs_path} and {kept}")
     return result
 
 
@@ -440,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             if args.bench == "all":
                 run_all(args)
+            elif args.bench == "gains":
+                run_gains(args, "workbench " + shlex.join(argv))
             else:
                 run_bench(args, "workbench " + shlex.join(argv))
         elif args.command == "run":

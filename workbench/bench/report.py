@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 DEFAULT_DOCS_PATH = Path("docs") / "BENCHMARKS.md"
+DEFAULT_RESULTS_DIR = Path("docs") / "bench"  # one committed JSON per benchmark: the numbers behind its section
 
 
 def cpu_model() -> str:
@@ -95,6 +97,24 @@ def write_section(path: str | os.PathLike, name: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
     path.write_text(text, encoding="utf-8")
+
+
+def write_result(results_dir: str | os.PathLike, name: str, result: dict[str, Any], command: str) -> Path:
+    """Keep a benchmark's result as `results_dir/NAME.json` (with the command and the machine), so that other
+    sections (the gains table) can be built from it without re-running anything."""
+    path = Path(results_dir) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"name": name, "command": command, "machine": machine_info(), "result": result}
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def read_result(results_dir: str | os.PathLike, name: str) -> dict[str, Any]:
+    """The record `write_result` kept for benchmark `name`: name, command, machine, result."""
+    path = Path(results_dir) / f"{name}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no result of the {name} benchmark kept there")
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

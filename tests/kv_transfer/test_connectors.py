@@ -226,3 +226,25 @@ def test_stored_kv_nobody_loads_expires_after_the_lease(kv_config) -> None:
     assert producer.connector._get_manifest(left["remote_key"]) is None
     assert producer.connector._get_manifest(kept["remote_key"]) is not None
     assert_no_leaks(producer)
+
+
+def test_a_stopped_store_fails_saves_and_loads_by_the_policy(kv_config, reference) -> None:
+    if kv_config.connector != "redis":
+        pytest.skip("a shared folder cannot be stopped")
+    from engine.kv_transfer.redis_server import RedisServer
+
+    prompt = ["The store went away between the prefill and the decode; the decode recomputes."]
+    server = RedisServer().start()
+    extra = {"url": server.url, "timeout_s": 0.5}
+    producer = LLMEngine(**KW, kv_transfer_config=kv_config("kv_producer", **extra))
+    consumer = LLMEngine(**KW, kv_transfer_config=kv_config("kv_consumer", **extra))
+    params = prefill(producer, prompt)
+    server.stop()
+    outs, records = run(consumer, prompt, GREEDY, params)
+    assert events(records, "kv_transfer.fail")[0].failure == "store_error"
+    assert_same(outs, reference.generate(prompt, GREEDY, use_tqdm=False))
+    # a save into a stopped store: a fail event, no kv_transfer_params, and the request itself is fine
+    outs, records = run(producer, ["Saved into nothing."], PREFILL, [{"do_remote_decode": True}])
+    (fail,) = events(records, "kv_transfer.fail")
+    assert fail.failure == "save_error" and outs[0].finish_reason == "length" and outs[0].kv_transfer_params is None
+    assert_no_leaks(producer, consumer)

@@ -188,10 +188,29 @@ def test_max_concurrency_caps_the_requests_in_the_engine():
     assert [r.output_len for r in results] == [r.output_len for r in reqs]
 
 
-def test_guided_requests_are_served():
-    result = serve.run_serve(dataset="json_schema", num_requests=3, dataset_args={"output_len": 12},
+def test_guided_requests_are_served_by_both_sides():
+    result = serve.run_serve(dataset="json_schema", num_requests=3, dataset_args={"output_len": 12}, baseline=True,
                              log=lambda _: None, **TINY)
-    assert result["engine"]["completed"] == 3 and 3 <= result["engine"]["total_output_tokens"] <= 36
+    for side in ("engine", "baseline"):
+        assert result[side]["completed"] == 3 and 3 <= result[side]["total_output_tokens"] <= 36
+
+
+def test_the_baseline_decodes_json_schemas_as_the_engine_does(tokenizer, tiny_model_path):
+    from engine import LLM, SamplingParams, StructuredOutputsParams
+    from workbench.bench.throughput import HFBaseline
+
+    reqs = json_schema_requests(3, tokenizer, output_len=16, num_schemas=2, seed=1)
+    llm = LLM(model="tiny-llama", num_kv_blocks=64)
+    hf = HFBaseline(tiny_model_path, batch_size=1)
+    grammars = serve.HFGrammars(tiny_model_path, hf.model.config.vocab_size)
+    for r in reqs:
+        params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(
+            json=r.json_schema))
+        (want,) = llm.generate([r.prompt_token_ids], params, use_tqdm=False)
+        steps = serve._hf_generate(hf, [r], grammars)
+        assert [t[0] for t in steps.tokens][:len(want.token_ids)] == want.token_ids
+    with pytest.raises(ValueError, match="grammars"):
+        serve.run_hf_serve_once(hf, reqs, [0.0] * 3, tokenizer.eos_token_id)
 
 
 def test_serve_cli_returns_0_and_writes_its_section(tmp_path, capsys):

@@ -6,7 +6,8 @@ end of every step that gave it tokens.
 
 `--baseline` replays the same schedule through transformers `generate` in static batches, arrival order (a batch
 starts when its last request has arrived and the previous batch is done); a streamer times each of its steps, so
-its TTFT, ITL and latencies are defined the same way.
+its TTFT, ITL and latencies are defined the same way. JSON-schema requests run there under xgrammar's own
+transformers logits processor, with the schema compiled as the engine compiles it (no free whitespace).
 """
 from __future__ import annotations
 
@@ -181,19 +182,48 @@ class _StepTimes:
         pass
 
 
+class HFGrammars:
+    """Owns xgrammar's tokenizer info and compiler for the transformers baseline, and the JSON schemas compiled
+    so far (a schema is compiled once, as the engine's compile cache does)."""
+
+    def __init__(self, model_path: str | Path, vocab_size: int) -> None:
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+
+        info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_path), vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(info)
+        self._compiled: dict[str, Any] = {}
+
+    def logits_processor(self, batch: Sequence[BenchRequest]):
+        """xgrammar's transformers LogitsProcessor for a batch of JSON-schema requests (one per generate call)."""
+        import xgrammar as xgr
+
+        grammars = []
+        for r in batch:
+            spec = json.dumps(r.json_schema)  # key order kept: the grammar emits the properties in it
+            if spec not in self._compiled:
+                self._compiled[spec] = self.compiler.compile_json_schema(spec, any_whitespace=False)
+            grammars.append(self._compiled[spec])
+        return xgr.contrib.hf.LogitsProcessor(grammars)
+
+
 def run_hf_serve_once(hf: HFBaseline, requests: Sequence[BenchRequest], arrivals: Sequence[float],
-                      eos_token_id: int | None) -> tuple[list[RequestResult], float]:
+                      eos_token_id: int | None, grammars: HFGrammars | None = None) -> tuple[list[RequestResult], float]:
     """The same schedule through transformers `generate` in static batches of `hf.batch_size`, arrival order.
-    A fixed-length request counts its first `output_len` tokens; one that may stop counts up to its first EOS."""
-    if any(r.json_schema is not None for r in requests):
-        raise ValueError("baseline: transformers generate has no guided decoding; use a dataset without schemas")
+    A fixed-length request counts its first `output_len` tokens; one that may stop counts up to its first EOS.
+    JSON-schema requests need `grammars`; a workload is all guided or all free (a batch shares one processor)."""
+    guided = {r.json_schema is not None for r in requests}
+    if len(guided) > 1:
+        raise ValueError("baseline: a workload with and without JSON schemas cannot share generate batches")
+    if True in guided and grammars is None:
+        raise ValueError("grammars: JSON-schema requests need an HFGrammars for the transformers baseline")
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     results: dict[int, RequestResult] = {}
     start = time.monotonic()
     for k in range(0, len(order), hf.batch_size):
         batch = order[k:k + hf.batch_size]
         time.sleep(max(0.0, start + arrivals[batch[-1]] - time.monotonic()))
-        steps = _hf_generate(hf, [requests[i] for i in batch])
+        steps = _hf_generate(hf, [requests[i] for i in batch], grammars)
         for row, i in enumerate(batch):
             n = _hf_output_len(requests[i], [s[row] for s in steps.tokens], eos_token_id)
             times = [t - (start + arrivals[i]) for t in steps.times[:n]]
@@ -203,7 +233,7 @@ def run_hf_serve_once(hf: HFBaseline, requests: Sequence[BenchRequest], arrivals
 
 
 @torch.inference_mode()
-def _hf_generate(hf: HFBaseline, batch: Sequence[BenchRequest]) -> _StepTimes:
+def _hf_generate(hf: HFBaseline, batch: Sequence[BenchRequest], grammars: HFGrammars | None) -> _StepTimes:
     width = max(len(r.prompt_token_ids) for r in batch)
     pads = [width - len(r.prompt_token_ids) for r in batch]
     input_ids = torch.tensor([[hf.pad_token_id] * p + r.prompt_token_ids for p, r in zip(pads, batch)])
@@ -211,8 +241,9 @@ def _hf_generate(hf: HFBaseline, batch: Sequence[BenchRequest]) -> _StepTimes:
     n = max(r.output_len for r in batch)
     fixed = all(r.ignore_eos for r in batch)
     streamer = _StepTimes()
+    processors = [grammars.logits_processor(batch)] if batch[0].json_schema is not None else None
     hf.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n if fixed else 0,
-                      do_sample=False, pad_token_id=hf.pad_token_id, streamer=streamer)
+                      do_sample=False, pad_token_id=hf.pad_token_id, streamer=streamer, logits_processor=processors)
     return streamer
 
 
@@ -293,8 +324,11 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
     files = {"engine": per_request(results)}
     if baseline:
         hf = HFBaseline(resolve_model(model), hf_batch_size)
-        run_hf_serve_once(hf, requests[:2], [0.0, 0.0], llm.engine.eos_token_id)
-        hf_results, hf_duration = run_hf_serve_once(hf, requests, arrivals, llm.engine.eos_token_id)
+        grammars = None
+        if any(r.json_schema is not None for r in requests):
+            grammars = HFGrammars(resolve_model(model), hf.model.config.vocab_size)
+        run_hf_serve_once(hf, requests[:2], [0.0, 0.0], llm.engine.eos_token_id, grammars)
+        hf_results, hf_duration = run_hf_serve_once(hf, requests, arrivals, llm.engine.eos_token_id, grammars)
         log(f"transformers: {hf_duration:.2f} s")
         result["baseline"] = compute_metrics(hf_results, hf_duration, goodput)
         files["baseline"] = per_request(hf_results)

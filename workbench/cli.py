@@ -269,6 +269,12 @@ def run_all(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
         argv = ["bench", name, *extra, *shared, *(["--write-docs"] if args.write_docs else [])]
         out(f"== workbench {shlex.join(argv)}")
         results[name] = run_bench(parser.parse_args(argv), "workbench " + shlex.join(argv), out)
+    from workbench.bench.gains import FEATURES
+
+    missing = [n for n in FEATURES if not (Path(args.docs_path).parent / "bench" / f"{n}.json").exists()]
+    if missing:  # results are kept only with --write-docs, and ALL_BENCHES may leave some out
+        out(f"== no gains table: no kept result of {', '.join(missing)} beside {args.docs_path}")
+        return results
     docs = ["--docs-path", args.docs_path] if args.docs_path != str(DEFAULT_DOCS_PATH) else []
     argv = ["bench", "gains", *docs, *(["--write-docs"] if args.write_docs else [])]
     out(f"== workbench {shlex.join(argv)}")

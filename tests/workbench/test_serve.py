@@ -241,3 +241,4 @@ def test_bench_all_runs_each_benchmark_as_its_own_command(tmp_path, monkeypatch)
     text = doc.read_text()
     assert "<!-- bench:guided:start -->" in text and "<!-- bench:roofline:start -->" in text
     assert "`workbench bench roofline --batch-sizes 1 --steps 1" in text and "--model tiny-llama" in text
+    assert (tmp_path / "bench" / "guided.json").exists() and "bench:gains" not in text  # prefix, spec not run

@@ -73,7 +73,7 @@ def test_reduced_pd_bench_through_the_cli(tmp_path, capsys):
             "--json", str(out), "--write-docs", "--docs-path", str(doc)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
-    assert set(result["setups"]) == {"engine", "chunked", "pd"}
+    assert set(result["setups"]) == {"engine", "chunked", "pd", "pd_async"}
     for m in result["setups"].values():  # gaps between real step ends: positive, and ordered as statistics are
         assert 0 < m["itl_median_ms"] <= m["itl_p90_ms"] <= m["itl_p99_ms"] <= m["itl_max_ms"]
         assert 0 < m["long_ttft_mean_ms"] <= m["long_ttft_max_ms"]

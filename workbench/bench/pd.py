@@ -6,7 +6,8 @@
 `workbench bench pd` measures what P/D is for: a few short requests decode while long prompts keep arriving. The
 same seeded workload runs on one engine without chunked prefill (a long prefill stalls every decode for a whole
 step), one engine with chunked prefill (the stall is cut into budget-sized pieces), and 1 prefill + 1 decode
-process (decode steps never carry a prefill; the two processes share the machine's cores). Reported: the short
+process (decode steps never carry a prefill; the two processes share the machine's cores), with synchronous and
+with asynchronous transfers (a decode's load then runs beside its running requests' steps). Reported: the short
 requests' inter-token latency, the long prompts' TTFT and, for P/D, its breakdown (prefill, transfer, router to
 decode, decode queue, first decode step), and each connector's save and load rates.
 """
@@ -129,7 +130,7 @@ def _complete(engine, prompt: list[int], kv_params: dict | None, events: list) -
 
 # ---- `workbench bench pd` ------------------------------------------------------------------------
 SETUPS = {"engine": "one engine, no chunked prefill", "chunked": "one engine, chunked prefill",
-          "pd": "1 prefill + 1 decode process"}
+          "pd": "1 prefill + 1 decode process", "pd_async": "1 prefill + 1 decode, async transfers"}
 PARTS = ("prefill", "transfer", "router to decode", "decode queue", "first decode step")
 
 
@@ -303,10 +304,14 @@ def run_pd(model: str = "smollm2-135m", connector: str = "shared_storage", runs:
 
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in SETUPS}
     parts: list[dict[str, float]] = []
-    with PDCluster(model=model, connector=connector, max_num_batched_tokens=max_num_batched_tokens,
-                   **common) as cluster:
+    cluster_kwargs = {"model": model, "connector": connector, "max_num_batched_tokens": max_num_batched_tokens,
+                      **common}
+    # the same pair with asynchronous transfers: a decode's load runs beside the steps of the requests decoding
+    with PDCluster(**cluster_kwargs) as cluster, \
+            PDCluster(**cluster_kwargs, kv_connector_extra_config={"async_transfers": True}) as async_cluster:
         serve = {"engine": lambda w: serve_engine(llms["engine"], w),
-                 "chunked": lambda w: serve_engine(llms["chunked"], w), "pd": lambda w: serve_cluster(cluster, w)}
+                 "chunked": lambda w: serve_engine(llms["chunked"], w), "pd": lambda w: serve_cluster(cluster, w),
+                 "pd_async": lambda w: serve_cluster(async_cluster, w)}
         for fn in serve.values():  # warm-up: the first calls pay for allocations
             fn(workload(1, 2, 1, 0.0, seed + 2 * runs))
         for run in range(runs):
@@ -359,7 +364,7 @@ def _tables(result: dict[str, Any], table: Callable) -> dict[str, str]:
     """The setups' table, and where measured, the TTFT breakdown, the in-run transfers and the connectors' rates."""
     s = result["settings"]
     budgets = {"engine": f" (budget {s['max_num_batched_tokens']})", "chunked": f" (budget {s['chunk_budget']})",
-               "pd": f" ({s['connector']})"}
+               "pd": f" ({s['connector']})", "pd_async": f" ({s['connector']})"}
     out = {"setups": table(_ITL_HEADERS, [[SETUPS[n] + budgets[n], *(m[k] for k in _ITL)]
                                           for n, m in result["setups"].items()])}
     if result["breakdown"]:
@@ -374,10 +379,11 @@ def _tables(result: dict[str, Any], table: Callable) -> dict[str, str]:
 
 def summary_line(result: dict[str, Any]) -> str:
     m = result["setups"]
-    return (f"short requests' ITL p99: {m['pd']['itl_p99_ms']:.0f} ms with P/D, {m['chunked']['itl_p99_ms']:.0f} ms "
-            f"with chunked prefill, {m['engine']['itl_p99_ms']:.0f} ms without; long prompts' mean TTFT: "
-            f"{m['pd']['long_ttft_mean_ms']:.0f} / {m['chunked']['long_ttft_mean_ms']:.0f} / "
-            f"{m['engine']['long_ttft_mean_ms']:.0f} ms")
+    return (f"short requests' ITL p99: {m['pd']['itl_p99_ms']:.0f} ms with P/D ({m['pd_async']['itl_p99_ms']:.0f} "
+            f"ms with async transfers), {m['chunked']['itl_p99_ms']:.0f} ms with chunked prefill, "
+            f"{m['engine']['itl_p99_ms']:.0f} ms without; long prompts' mean TTFT: "
+            f"{m['pd']['long_ttft_mean_ms']:.0f} ({m['pd_async']['long_ttft_mean_ms']:.0f}) / "
+            f"{m['chunked']['long_ttft_mean_ms']:.0f} / {m['engine']['long_ttft_mean_ms']:.0f} ms")
 
 
 def _transfer_line(result: dict[str, Any]) -> str:
@@ -422,7 +428,8 @@ def format_markdown(result: dict[str, Any], command: str) -> str:
         f"**{summary_line(result)}**",
     ]
     if "breakdown" in tables:
-        parts += [("P/D: the long prompts' TTFT in parts that add up to it (ms, mean per prompt): prefill = arrival "
+        parts += [("P/D with synchronous transfers: the long prompts' TTFT in parts that add up to it (ms, mean per "
+                   "prompt; asynchronous transfers overlap the steps, so their parts would not add up): prefill = arrival "
                    "to the end of the prefill step that answered, less the save; transfer = save + load "
                    "(kv_transfer events); router to decode = the answer to the decode process taking the request "
                    "(it takes requests between its steps); decode queue = taken to first scheduled; first decode "

@@ -13,7 +13,7 @@ from engine.model.loader import resolve_model
 from engine.model.runner import ModelRunner
 from engine.output_processor import IncrementalDetokenizer, make_output
 from engine.structured.manager import StructuredOutputManager
-from engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, batch_prompts
 
 
 class LLMEngine:
@@ -262,16 +262,9 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. `params`: one for all, or one per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        elif len(params) != len(prompts):
-            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in batch_prompts(prompts, params):
                 ids.append(self.engine.add_request(prompt, p))
         except (ValueError, TypeError):
             for rid in ids:  # a bad prompt refuses the whole batch before any work is done

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -129,6 +129,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def batch_prompts(prompts, params: SamplingParams | Sequence[SamplingParams] | None
+                  ) -> list[tuple[str | list[int], SamplingParams]]:
+    """One prompt (text or token ids) or a list of them, with one SamplingParams for all or one per prompt, as
+    (prompt, params) pairs: what LLM.generate and PDCluster.generate take."""
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        params = [params or SamplingParams()] * len(prompts)
+    elif len(params) != len(prompts):
+        raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+    return list(zip(prompts, params))
 
 
 @dataclass

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Sequence
 
-from engine.request import RequestOutput, SamplingParams
+from engine.request import RequestOutput, SamplingParams, batch_prompts
 
 CONNECTOR_NAMES = {"shared_storage": "SharedStorageConnector", "redis": "RedisConnector"}
 Prompt = str | Sequence[int]
@@ -308,16 +308,10 @@ class PDCluster:
             self._rejected.discard(rid)
 
     def _submit_all(self, prompts, params) -> list[str]:
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        elif len(params) != len(prompts):
-            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
         rids: list[str] = []
+        pairs = batch_prompts(prompts, params)
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in pairs:
                 rids.append(self.submit(prompt, p))
         except (TypeError, ValueError):
             self._drop(rids)

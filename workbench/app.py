@@ -48,12 +48,12 @@ class Workbench:
 
     # ---- layout -----------------------------------------------------------------------------------------
     def _build_widgets(self) -> None:
-        self.step_button = pn.widgets.Button(label="Step", button_type="primary", width=80)
+        self.step_button = pn.widgets.Button(label="Step", color="primary", width=80)
         self.run_button = pn.widgets.Button(label="Run", width=70)
         self.run_steps = pn.widgets.IntInput(label="", value=10, width=80)
-        self.play_button = pn.widgets.Button(label="Play", button_type="success", width=70)
+        self.play_button = pn.widgets.Button(label="Play", color="success", width=70)
         self.pause_button = pn.widgets.Button(label="Pause", width=70)
-        self.reset_button = pn.widgets.Button(label="Reset", button_type="danger", width=70)
+        self.reset_button = pn.widgets.Button(label="Reset", color="danger", width=70)
         self.step_text = pn.pane.Markdown(_step_label(0), name="step_text", styles={"font-size": "1.3em"},
                                           margin=(0, 15))
         self.message = pn.pane.Alert("", alert_type="danger", visible=False, sizing_mode="stretch_width")
@@ -232,7 +232,7 @@ class Replay:
         n = len(self.records)
         self.slider = pn.widgets.IntSlider(label="records shown", start=0, end=max(n, 1), value=0, disabled=not n,
                                            sizing_mode="stretch_width")
-        self.step_button = pn.widgets.Button(label="Step", button_type="primary", width=80)
+        self.step_button = pn.widgets.Button(label="Step", color="primary", width=80)
         self.step_text = pn.pane.Markdown(_step_label(0), name="step_text", styles={"font-size": "1.3em"},
                                           margin=(0, 15))
         self.slider.param.watch(lambda e: self.show(e.new), "value")

@@ -31,7 +31,7 @@ class RequestForm:
         self.guide_kind = pn.widgets.Select(label="Guided decoding", options=[NO_GUIDE, JSON_SCHEMA, REGEX], width=120)
         self.guide = pn.widgets.TextAreaInput(label="JSON schema or regex", height=60, sizing_mode="stretch_width")
         self.cache_salt = pn.widgets.TextInput(label="Cache salt (empty: none)", sizing_mode="stretch_width")
-        self.button = pn.widgets.Button(label="Add request", button_type="primary")
+        self.button = pn.widgets.Button(label="Add request", color="primary")
         self.panel = pn.Column(
             self.prompt, pn.Row(self.max_tokens, self.temperature), pn.Row(self.seed, self.priority),
             self.guide_kind, self.guide, self.cache_salt, self.button, sizing_mode="stretch_width")
@@ -71,7 +71,7 @@ class EngineForm:
         self.prefix_caching = pn.widgets.Checkbox(label="Prefix caching")
         self.spec_method = pn.widgets.Select(label="Speculative method", options=list(SPEC_METHODS), width=120)
         self.spec_k = pn.widgets.IntInput(label="Draft tokens k", value=3, width=120)
-        self.button = pn.widgets.Button(label="Rebuild engine", button_type="warning")
+        self.button = pn.widgets.Button(label="Rebuild engine", color="warning")
         self.show(config)
         self.panel = pn.Column(pn.Row(self.block_size, self.budget), pn.Row(self.long_prefill, self.num_kv_blocks),
                                self.prefix_caching, pn.Row(self.spec_method, self.spec_k), self.button,

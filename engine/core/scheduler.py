@@ -267,7 +267,7 @@ class Scheduler:
         for rid in finished_sending | finished_recving:
             if rid in self.held:
                 self.kv.free(self.held.pop(rid))
-        fail = self.config.kv_transfer is not None and self.config.kv_transfer.kv_load_failure_policy == "fail"
+        fail = self.config.kv_transfer.kv_load_failure_policy == "fail"
         for rid in finished_recving:
             request = self.requests.get(rid)
             if request is None or rid not in self.remote_loads:

@@ -183,8 +183,7 @@ class KVStoreConnector(KVConnectorBase):
         self._matched.pop(rid, None)
         self._missed.discard(rid)
         self._first_miss.pop(rid, None)
-        if rid not in self._inflight:
-            self._manifests.pop(rid, None)
+        self._manifests.pop(rid, None)
         # a transfer thread still reading (save) or writing (load) the blocks: they stay held until it ends
         return rid in self._inflight, self._saved.pop(rid, None)
 

@@ -13,6 +13,7 @@ from engine.model.loader import resolve_model
 from engine.model.runner import ModelRunner
 from engine.output_processor import IncrementalDetokenizer, make_output
 from engine.structured.manager import StructuredOutputManager
+from engine.structured.xgrammar_backend import validate_structured_outputs
 from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, batch_prompts
 
 
@@ -79,6 +80,8 @@ class LLMEngine:
             raise TypeError(f"kv_transfer_params: expected dict or None, got {type(kv_transfer_params).__name__}")
         token_ids = self._tokenize(prompt)
         self._validate_length(token_ids, params)
+        if params.structured_outputs is not None:  # a bad grammar is refused here; the compile stays asynchronous
+            validate_structured_outputs(params.structured_outputs)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:
             raise ValueError(f"request_id: {rid!r} is already in use")

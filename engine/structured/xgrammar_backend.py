@@ -1,14 +1,18 @@
 """xgrammar as the guided-decoding backend: compile a request's constraint, then match tokens against it."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 
 import numpy as np
 import torch
 import xgrammar as xgr
+from jsonschema import SchemaError
+from jsonschema.validators import Draft202012Validator, validator_for
 
 from engine.request import StructuredOutputsParams
+
 
 def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
     """A hashable (kind, spec) that identifies the compiled grammar: the compile cache's key."""
@@ -33,6 +37,50 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+_KIND_NAMES = {"json": "JSON schema", "regex": "regular expression", "choice": "choice", "grammar": "EBNF grammar"}
+
+
+def validate_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Check a request's constraint at add_request, as vLLM does, without a tokenizer: parse it with xgrammar's
+    tokenizer-free constructors (the front end the compile runs later) and check a JSON schema against its
+    metaschema too (xgrammar accepts some invalid schemas, e.g. {"minLength": -1}). Raises ValueError (TypeError
+    for a wrong type) naming the field and carrying the library's own message; compiling stays asynchronous."""
+    for name in ("regex", "grammar"):
+        if getattr(params, name) is not None and not isinstance(getattr(params, name), str):
+            raise TypeError(f"structured_outputs.{name}: expected str, got {type(getattr(params, name)).__name__}")
+    if params.json is not None and not isinstance(params.json, (dict, str)) and not (
+            isinstance(params.json, type) and hasattr(params.json, "model_json_schema")):
+        raise TypeError("structured_outputs.json: expected a dict, a JSON string or a pydantic model class, "
+                        f"got {params.json!r}")
+    _validate_key(*grammar_key(params))
+
+
+@functools.lru_cache(maxsize=256)  # the metaschema check costs ~1.5 ms a schema: pay it once per distinct one
+def _validate_key(kind: str, spec: str) -> None:
+    field = f"structured_outputs.{kind}"
+    if kind == "json":
+        try:
+            schema = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{field}: not valid JSON ({exc})") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"{field}: invalid JSON schema: must be an object or a boolean, got {spec[:80]}")
+        try:
+            validator_for(schema, default=Draft202012Validator).check_schema(schema)
+        except SchemaError as exc:
+            raise ValueError(f"{field}: invalid JSON schema at {exc.json_path}: {exc.message}") from None
+    try:
+        if kind == "json":  # the compile's options: a schema xgrammar cannot convert fails here, not later
+            xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(spec)
+        elif kind in ("choice", "grammar"):
+            xgr.Grammar.from_ebnf(choice_grammar(json.loads(spec)) if kind == "choice" else spec)
+    except RuntimeError as exc:  # xgrammar's errors read "[time] file.cc:line: message"
+        message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc).strip())
+        raise ValueError(f"{field}: invalid {_KIND_NAMES[kind]}: {message}") from None
+
+
 class XgrammarBackend:
     """Owns xgrammar's TokenizerInfo (built once per model) and its GrammarCompiler."""
 
@@ -48,8 +96,7 @@ class XgrammarBackend:
             return self.compiler.compile_json_schema(spec, any_whitespace=False)
         if kind == "json_object":
             return self.compiler.compile_builtin_json_grammar()
-        if kind == "regex":
-            re.compile(spec)  # a clear Python error for a malformed pattern
+        if kind == "regex":  # xgrammar's syntax, not Python's: validate_structured_outputs checked it
             return self.compiler.compile_regex(spec)
         if kind == "choice":
             return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))

@@ -7,6 +7,7 @@ import re
 import threading
 
 import jsonschema
+import pydantic
 import pytest
 import torch
 
@@ -155,7 +156,7 @@ def test_greedy_guided_equals_masked_transformers(llm: LLM) -> None:
 
 
 @pytest.mark.slow
-def test_mixed_batch_and_broken_grammar_leave_others_untouched(llm: LLM) -> None:
+def test_mixed_batch_and_broken_grammar_leave_others_untouched(llm: LLM, monkeypatch) -> None:
     shared = "You are a careful assistant. Always answer in the requested format. " * 6
     healthy = [
         (shared + "Name: ", SamplingParams(temperature=0, max_tokens=12)),
@@ -164,10 +165,12 @@ def test_mixed_batch_and_broken_grammar_leave_others_untouched(llm: LLM) -> None
         (shared + "Pick: ", SamplingParams(temperature=0, max_tokens=8,
                                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))),
     ]
+    # malformed grammars are refused at add_request (see below); these validate, then fail to compile
     broken = [("Broken: ", SamplingParams(temperature=0, max_tokens=8,
-                                          structured_outputs=StructuredOutputsParams(grammar="root ::= ("))),
+                                          structured_outputs=StructuredOutputsParams(grammar='root ::= "late"'))),
               ("Bad schema: ", SamplingParams(temperature=0, max_tokens=8,
-                                              structured_outputs=StructuredOutputsParams(json="{not json")))]
+                                              structured_outputs=StructuredOutputsParams(json='{"title": "late"}')))]
+    _fail_compiling(monkeypatch, {'root ::= "late"', '{"title": "late"}'})
     first_run = []
     llm.engine.subscribe(first_run.append)
     alone = llm.generate([p for p, _ in healthy], [s for _, s in healthy], use_tqdm=False)
@@ -187,6 +190,109 @@ def test_mixed_batch_and_broken_grammar_leave_others_untouched(llm: LLM) -> None
     steps = [e for r in records for e in r.of_kind("grammar.step")]
     assert steps and all(e.num_allowed_tokens >= 1 for e in steps)
     assert llm.engine.kv_cache_manager.usage().used == 0
+
+
+def _fail_compiling(monkeypatch, specs: set[str]) -> None:
+    """Make the compile of these grammars fail (after validation passed): the late-error path."""
+    real_compile = XgrammarBackend.compile
+
+    def compile_or_fail(self, key):
+        if key[1] in specs:
+            raise RuntimeError("simulated compile failure")
+        return real_compile(self, key)
+
+    monkeypatch.setattr(XgrammarBackend, "compile", compile_or_fail)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path) -> LLM:
+    return LLM(model="tiny-llama", num_kv_blocks=32)
+
+
+def _engine_state(engine) -> tuple:
+    sched = engine.scheduler
+    return (list(sched.requests), len(sched.waiting), [r.request_id for r in sched.running],
+            list(engine.structured.requests), engine.kv_cache_manager.usage(), engine.has_unfinished_requests())
+
+
+def _run_to_completion(engine, rids: list[str]) -> list:
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [engine.pop_output(rid) for rid in rids]
+
+
+class _Person(pydantic.BaseModel):
+    name: str
+    age: int
+
+
+@pytest.mark.parametrize("constraint, field, detail", [
+    ({"json": {"type": "strng"}}, "structured_outputs.json", "at $.type: 'strng' is not valid"),
+    ({"json": {"type": "object", "properties": {"age": {"type": "integr"}}}}, "structured_outputs.json",
+     "at $.properties.age.type: 'integr' is not valid"),
+    ({"json": {"type": "string", "minLength": -1}}, "structured_outputs.json",  # xgrammar alone accepts this one
+     "at $.minLength: -1 is less than the minimum of 0"),
+    ({"json": '{"type": "object",'}, "structured_outputs.json", "not valid JSON"),
+    ({"json": "[1, 2]"}, "structured_outputs.json", "must be an object or a boolean"),
+    ({"regex": "[a-z"}, "structured_outputs.regex", "invalid regular expression: Regex parsing error at position 5"),
+    ({"regex": r"(a)\1"}, "structured_outputs.regex", "Backreference is not supported"),
+    ({"grammar": "root ::= ("}, "structured_outputs.grammar", "invalid EBNF grammar: EBNF parser error at line 1"),
+    ({"grammar": "root ::= digit"}, "structured_outputs.grammar", 'Rule "digit" is not defined'),
+], ids=["json-type", "json-nested-type", "json-metaschema", "json-string-not-json", "json-not-a-schema",
+        "regex-unclosed", "regex-backreference", "grammar-unclosed", "grammar-undefined-rule"])
+def test_an_invalid_constraint_is_refused_at_add_request(tiny: LLM, constraint, field, detail) -> None:
+    engine = tiny.engine
+    engine.events.drain()
+    before = _engine_state(engine)
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(**constraint))
+    with pytest.raises(ValueError) as info:
+        engine.add_request([5, 6, 7], params, request_id="checked")
+    assert str(info.value).startswith(field + ": ") and detail in str(info.value), str(info.value)
+    assert _engine_state(engine) == before and engine.events.drain() == []  # nothing queued, emitted or held
+    # the id is free and the engine goes on: a valid guided request runs to completion
+    rid = engine.add_request([5, 6, 7], SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")), request_id="checked")
+    [out] = _run_to_completion(engine, [rid])
+    assert out.finish_reason == "stop" and re.fullmatch("[ab]{4}", out.text), out
+    assert engine.kv_cache_manager.usage().used == 0
+
+
+@pytest.mark.parametrize("constraint, field", [({"regex": 5}, "structured_outputs.regex"),
+                                               ({"json": [1]}, "structured_outputs.json"),
+                                               ({"json": int}, "structured_outputs.json")])
+def test_a_constraint_of_the_wrong_type_is_a_type_error(tiny: LLM, constraint, field) -> None:
+    before = _engine_state(tiny.engine)
+    with pytest.raises(TypeError, match=re.escape(field)):
+        tiny.engine.add_request([5, 6, 7], SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)))
+    assert _engine_state(tiny.engine) == before
+
+
+def test_valid_constraints_are_accepted_and_run(tiny: LLM) -> None:
+    engine = tiny.engine
+    constraints = [{"json": SCHEMAS["order"]}, {"json": json.dumps(SCHEMAS["person"])}, {"json": _Person},
+                   {"json_object": True}, {"regex": r"[A-Z][a-z]{2,6}-\d{2,3}"}, {"choice": ["yes", "no", 'a "b"']},
+                   {"grammar": EXPR_GRAMMAR}]
+    rids = [engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=6,
+                                                        structured_outputs=StructuredOutputsParams(**c)))
+            for c in constraints]
+    outs = _run_to_completion(engine, rids)
+    assert [o.finish_reason in ("stop", "length") and o.error is None for o in outs] == [True] * len(outs), outs
+    assert outs[5].text in ("yes", "no", 'a "b"') and engine.kv_cache_manager.usage().used == 0
+
+
+def test_a_grammar_that_validates_but_fails_to_compile_finishes_alone(tiny: LLM, monkeypatch) -> None:
+    engine = tiny.engine
+    _fail_compiling(monkeypatch, {"[xy]{3}"})
+    bad = engine.add_request([5, 6, 7], SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[xy]{3}")))
+    good = engine.add_request([8, 9], SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")))
+    plain = engine.add_request([8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    bad_out, good_out, plain_out = _run_to_completion(engine, [bad, good, plain])
+    assert bad_out.finish_reason == "error" and bad_out.error.startswith("grammar:") and bad_out.token_ids == []
+    assert "simulated compile failure" in bad_out.error
+    assert good_out.finish_reason == "stop" and re.fullmatch("[ab]{4}", good_out.text)
+    assert plain_out.finish_reason == "length" and engine.kv_cache_manager.usage().used == 0
 
 
 def test_compiling_grammar_does_not_block_others(monkeypatch) -> None:

@@ -87,6 +87,20 @@ def test_a_bad_request_shows_the_error_and_leaves_the_engine_alone(bench, field,
     assert not bench.engine.has_unfinished_requests() and bench.engine.events.drain() == []
 
 
+def test_a_bad_regex_from_the_form_is_refused_at_once_and_queues_nothing(bench):
+    form = bench.request_form
+    form.guide_kind.value, form.guide.value = "regex", "[a-z"
+    form.button.clicks += 1  # no step: the engine refuses it at add_request, not when the grammar compiles
+    assert bench.message.visible and bench.message.alert_type == "danger"
+    assert "structured_outputs.regex: invalid regular expression" in bench.message.object, bench.message.object
+    engine = bench.engine
+    assert not engine.has_unfinished_requests() and engine.scheduler.requests == {}
+    assert engine.events.drain() == [] and engine.kv_cache_manager.usage().used == 0
+    form.guide.value = "[a-z]{3}"
+    form.button.clicks += 1
+    assert "request 0 queued" in bench.message.object  # the refused request took no id
+
+
 def test_the_form_queues_a_request_that_the_next_step_shows(bench):
     form = bench.request_form
     form.prompt.value, form.max_tokens.value, form.seed.value, form.priority.value = "Hello there", 4, 7, 1

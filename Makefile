@@ -6,6 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EDITABLE := $(VENV)/.editable
+GIT_FILTER := $(VENV)/.git-filter
 # The editable install decides once which packages are namespace packages (no __init__.py):
 # a package that gains an __init__.py later stays a namespace until re-installed.
 PACKAGE_INITS := $(shell find engine kernels workbench -name __init__.py 2>/dev/null)
@@ -14,14 +15,19 @@ PYTEST_ARGS ?=
 LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; CI and containers run as root.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+# What git stores of a notebook (the clean filter of .gitattributes) and what `make strip` writes: no outputs nor
+# execution counts; cell ids kept (the committed ones are stable, c00, c01 ...); of language_info, the name only,
+# as committed (JupyterLab adds the kernel's version and the rest on every save).
+NBSTRIPOUT := "$(abspath $(BIN))/python" -m nbstripout --keep-id --extra-keys "$(foreach k,codemirror_mode \
+	file_extension mimetype nbconvert_exporter pygments_lexer version,metadata.language_info.$(k))"
 
 .PHONY: lab test bench strip
 
-lab: $(EDITABLE)
+lab: $(EDITABLE) $(GIT_FILTER)
 	PANEL_INLINE=true $(BIN)/jupyter lab --ip 127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_tour.ipynb
 
 # No pipe and no `|| true`: pytest's exit code (5 when nothing was collected) is make's.
-test: $(EDITABLE)
+test: $(EDITABLE) $(GIT_FILTER)
 	$(BIN)/python -m pytest -q --durations=15 tests/ $(PYTEST_ARGS)
 
 bench: $(EDITABLE)
@@ -31,7 +37,7 @@ strip: $(STAMP)
 ifeq ($(NOTEBOOKS),)
 	@echo "no notebooks to strip"
 else
-	$(BIN)/jupyter nbconvert --clear-output --inplace $(NOTEBOOKS)
+	$(NBSTRIPOUT) $(NOTEBOOKS)
 endif
 
 $(BIN)/python:
@@ -48,4 +54,22 @@ $(STAMP): requirements.txt | $(BIN)/python
 
 $(EDITABLE): $(STAMP) pyproject.toml $(PACKAGE_INITS)
 	$(BIN)/pip install --no-deps -e .
+	touch $@
+
+# Once (again when this Makefile changes): in a git checkout whose top is this folder, the nbstripout filter that
+# .gitattributes names goes into .git/config, calling this venv's python by absolute path, so notebooks that
+# JupyterLab saved with outputs are committed stripped and `git diff` shows nothing (`git status` lists a notebook
+# whose size changed until a `git add`, which stages nothing). Without git, or outside a checkout, nothing is done.
+# `required`: a filter that fails (the venv gone) stops git instead of committing outputs.
+$(GIT_FILTER): $(STAMP) Makefile
+	@if command -v git >/dev/null 2>&1 && prefix=$$(git rev-parse --show-prefix 2>/dev/null) && [ -z "$$prefix" ] \
+	&& [ "$$(git rev-parse --is-inside-work-tree)" = true ]; then \
+		git config filter.nbstripout.clean '$(NBSTRIPOUT)' && \
+		git config filter.nbstripout.smudge cat && \
+		git config filter.nbstripout.required true && \
+		git config diff.ipynb.textconv '$(NBSTRIPOUT) --textconv' && \
+		echo "git: notebooks are committed through nbstripout ($(abspath $(BIN))/python)"; \
+	else \
+		echo "not a git checkout: no notebook filter to set up"; \
+	fi
 	touch $@

@@ -280,7 +280,9 @@ class LLM:
         from tqdm.auto import tqdm
 
         pending = set(ids)
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+        # disable=None: a bar on an interactive terminal (and in a notebook, where tqdm.auto draws a widget), none
+        # when stderr is piped or redirected; use_tqdm=False turns it off everywhere.
+        with tqdm(total=len(ids), desc="generate", disable=None if use_tqdm else True, unit="req") as bar:
             while pending:
                 record = self.engine.step()
                 done = {e.request_id for e in record.of_kind("request.finished")} & pending

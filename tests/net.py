@@ -28,3 +28,13 @@ def wait_for_http(url: str, server: subprocess.Popen, timeout: float, name: str)
         except OSError:
             time.sleep(0.3)
     pytest.fail(f"{name} did not answer at {url} within {timeout} s")
+
+
+def stop(server: subprocess.Popen, timeout: float = 15) -> None:
+    """Terminate a server started by a test, killing it if it does not exit within `timeout` seconds."""
+    server.terminate()
+    try:
+        server.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()

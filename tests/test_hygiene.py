@@ -1,9 +1,14 @@
-"""Repository hygiene: stripped notebooks, no large files, imports that point one way."""
+"""Repository hygiene: notebooks committed stripped (through the git filter `make` sets up), no large files,
+imports that point one way, set-up files that name only files the repository has."""
 
 import ast
 import json
+import os
+import re
 import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,9 +22,10 @@ FORBIDDEN_IMPORTS = {
 }
 
 
-def unstripped_cells(notebook: Path) -> list[int]:
-    """Indices of code cells that carry outputs or an execution count."""
-    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+def unstripped_cells(notebook: Path | bytes) -> list[int]:
+    """Indices of code cells that carry outputs or an execution count (a notebook file, or its bytes)."""
+    text = notebook.read_bytes() if isinstance(notebook, Path) else notebook
+    cells = json.loads(text.decode("utf-8"))["cells"]
     return [
         i
         for i, cell in enumerate(cells)
@@ -57,16 +63,107 @@ def repository_files() -> list[Path]:
     return [ROOT / name for name in result.stdout.split("\0") if name]
 
 
+def git(*args: str, cwd: Path = ROOT, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["git", *args], cwd=cwd, capture_output=True, env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"git {' '.join(args)} failed ({result.returncode}): {result.stderr.decode().strip()}")
+    return result
+
+
+def is_checkout_top(folder: Path) -> bool:
+    """Whether git is installed and `folder` is the top of a git work tree (where `make` sets up the filter)."""
+    if shutil.which("git") is None:
+        return False
+    result = git("rev-parse", "--show-prefix", cwd=folder, check=False)
+    return result.returncode == 0 and not result.stdout.strip()
+
+
+def git_would_commit(file: Path, path: str, cwd: Path = ROOT) -> bytes:
+    """The blob `git add` would store for the contents of `file` placed at `path` (relative to the top of cwd's
+    checkout): .gitattributes' clean filter applied, when .git/config defines it. `git hash-object -w` writes the
+    blob to a throwaway object folder, where `git cat-file` reads it back: the repository is left as it was."""
+    with tempfile.TemporaryDirectory() as objects:
+        env = {**os.environ, "GIT_OBJECT_DIRECTORY": objects}
+        blob = git("hash-object", "-w", "--path", path, str(file), cwd=cwd, env=env).stdout.decode().strip()
+        return git("cat-file", "blob", blob, cwd=cwd, env=env).stdout
+
+
+def notebook_filter_missing(cwd: Path = ROOT) -> str | None:
+    """Why git in cwd would not commit notebooks through nbstripout (None: it would)."""
+    if not is_checkout_top(cwd):
+        return "not the top of a git checkout (or git is not installed)"
+    attribute = git("check-attr", "filter", "--", "notebooks/x.ipynb", cwd=cwd).stdout.decode().strip()
+    if not attribute.endswith(": nbstripout"):
+        return f".gitattributes gives notebooks no nbstripout filter ({attribute})"
+    if not git("config", "--get", "filter.nbstripout.clean", cwd=cwd, check=False).stdout.strip():
+        return "the nbstripout filter is not set up in .git/config (`make test` and `make lab` set it up)"
+    return None
+
+
+def committed_form(notebook: Path) -> bytes:
+    """What would be committed of a notebook: through git (and its filter) in a checkout, else the file itself.
+    A file without outputs stays so through a filter that strips them: only the others are passed through git."""
+    if is_checkout_top(ROOT) and unstripped_cells(notebook):
+        return git_would_commit(notebook, notebook.relative_to(ROOT).as_posix())
+    return notebook.read_bytes()
+
+
+# A code cell as JupyterLab saves it after a run: outputs, a count, cell metadata; and the notebook metadata it
+# adds (the kernel's language_info); what nbstripout (as the Makefile configures it) keeps of them.
+LAB_OUTPUTS = [{"output_type": "stream", "name": "stdout", "text": ["1\n"]},
+               {"output_type": "display_data", "metadata": {},
+                "data": {"text/plain": ["<Row>"], "application/javascript": ["/* 8 MB of Bokeh */"]}}]
+LAB_LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+                     "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+                     "pygments_lexer": "ipython3", "version": "3.11.2"}
+
+
+def stripped_notebook() -> dict:
+    code = {"cell_type": "code", "execution_count": None, "id": "c01", "metadata": {}, "outputs": [],
+            "source": ["print(1)"]}
+    kernelspec = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+    return {"cells": [{"cell_type": "markdown", "id": "c00", "metadata": {}, "source": ["# x"]}, code],
+            "metadata": {"kernelspec": kernelspec, "language_info": {"name": "python"}},
+            "nbformat": 4, "nbformat_minor": 5}
+
+
+def as_lab_saves_it(notebook: dict) -> dict:
+    notebook = json.loads(json.dumps(notebook))
+    notebook["metadata"]["language_info"] = dict(LAB_LANGUAGE_INFO)
+    for n, cell in enumerate(c for c in notebook["cells"] if c["cell_type"] == "code"):
+        cell.update(outputs=LAB_OUTPUTS, execution_count=n + 1)
+        cell["metadata"].update(scrolled=True, execution={"iopub.status.busy": "2026-11-30T17:00:00.000Z"})
+    return notebook
+
+
 def test_notebooks_are_committed_stripped():
+    """Checks what git would commit of each notebook (through the nbstripout filter where `make` set it up), not
+    the working file: JupyterLab's autosave writes outputs into the working files, which is fine."""
     notebooks = sorted(ROOT.glob("notebooks/*.ipynb"))
-    dirty = {nb.name: cells for nb in notebooks if (cells := unstripped_cells(nb))}
-    assert not dirty, f"notebooks with outputs (cell indices); run `make strip`: {dirty}"
+    dirty = {nb.name: cells for nb in notebooks if (cells := unstripped_cells(committed_form(nb)))}
+    why = notebook_filter_missing() or "the filter is set up"
+    assert not dirty, (f"notebooks git would commit with outputs (cell indices): {dirty} ({why}); `make test` or "
+                       f"`make lab` set up the git filter, `make strip` clears the working files")
+
+
+def test_git_filter_commits_a_notebook_saved_with_outputs_stripped(tmp_path):
+    """A notebook as JupyterLab saves it after a run, committed at notebooks/: git stores it stripped."""
+    if why := notebook_filter_missing():
+        pytest.skip(f"no notebook filter here: {why}")
+    saved = tmp_path / "saved.ipynb"  # outside the checkout; --path places it at notebooks/
+    saved.write_text(json.dumps(as_lab_saves_it(stripped_notebook()), indent=1), encoding="utf-8")
+    assert unstripped_cells(saved) == [1]
+    committed = git_would_commit(saved, "notebooks/_hygiene_probe.ipynb")
+    assert unstripped_cells(committed) == []
+    assert json.loads(committed) == stripped_notebook()  # cell ids kept, language_info back to its name
 
 
 def test_no_large_files():
     # is_file: a deleted file is still listed until the deletion is staged.
-    sizes = {str(p.relative_to(ROOT)): p.stat().st_size for p in repository_files() if p.is_file()}
+    sizes = {p.relative_to(ROOT).as_posix(): p.stat().st_size for p in repository_files() if p.is_file()}
     large = {name: size for name, size in sizes.items() if size > MAX_FILE_BYTES}
+    if is_checkout_top(ROOT):  # the size git would store: a notebook saved with outputs goes through the filter
+        large = {name: size for name in large if (size := len(git_would_commit(ROOT / name, name))) > MAX_FILE_BYTES}
     assert not large, f"over {MAX_FILE_BYTES} bytes (weights, notebook outputs stay out of git): {large}"
 
 
@@ -96,3 +193,108 @@ def test_checks_catch_violations(tmp_path):
     ]
     nb.write_text(json.dumps({"cells": cells}))
     assert unstripped_cells(nb) == [1, 2]
+
+
+def _make_filter_step(folder: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The Makefile's git-filter step in `folder` (a copy of the Makefile there), the venv's install taken as done."""
+    return subprocess.run([shutil.which("make"), "-C", str(folder), "-o", ".venv/.installed", ".venv/.git-filter"],
+                          capture_output=True, text=True, env=env, timeout=60)
+
+
+def _fake_project(folder: Path) -> Path:
+    """The Makefile and .gitattributes, and a .venv whose python is this test's interpreter."""
+    bin_dir = folder / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("Makefile", ".gitattributes"):
+        shutil.copy(ROOT / name, folder / name)
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # not resolved: the venv's own python
+    python.chmod(0o755)
+    return folder
+
+
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("git") is None, reason="needs make and git")
+def test_make_sets_up_the_notebook_filter_once_and_only_in_a_checkout(tmp_path):
+    repo = _fake_project(tmp_path / "repo")
+    git("init", "-q", ".", cwd=repo)
+    step = _make_filter_step(repo)
+    assert step.returncode == 0, step.stdout + step.stderr
+    python = os.path.realpath(repo / ".venv" / "bin" / "python")  # by absolute path: git runs it from anywhere
+
+    def config(key: str) -> str:
+        return git("config", "--get", key, cwd=repo, check=False).stdout.decode().strip()
+
+    assert config("filter.nbstripout.clean").startswith(f'"{python}" -m nbstripout ')
+    assert (config("filter.nbstripout.smudge"), config("filter.nbstripout.required")) == ("cat", "true")
+    assert config("diff.ipynb.textconv").startswith(f'"{python}" -m nbstripout ')
+    assert notebook_filter_missing(repo) is None
+
+    # JupyterLab saves over a committed notebook: nothing to diff, nothing to commit
+    nb = repo / "notebooks" / "x.ipynb"
+    nb.parent.mkdir()
+    nb.write_text(json.dumps(stripped_notebook(), indent=1) + "\n", encoding="utf-8")
+    git("add", "notebooks/x.ipynb", cwd=repo)
+    git("-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "x", cwd=repo)
+    nb.write_text(json.dumps(as_lab_saves_it(stripped_notebook()), indent=1) + "\n", encoding="utf-8")
+    assert unstripped_cells(nb) == [1]
+    assert json.loads(git_would_commit(nb, "notebooks/x.ipynb", cwd=repo)) == stripped_notebook()
+    assert git("diff", "--quiet", cwd=repo, check=False).returncode == 0
+    # git status still names it while the index holds the old size (git's stat check, before any filter); adding it
+    # stages nothing and quiets that
+    git("add", "notebooks/x.ipynb", cwd=repo)
+    assert git("diff", "--cached", "--quiet", cwd=repo, check=False).returncode == 0
+    assert git("status", "--porcelain", "--", "notebooks", cwd=repo).stdout.decode() == ""
+    # and the project's committed notebooks pass through the filter byte for byte (else they would show modified):
+    # the clean command as configured, run once over copies of them (it rewrites the files it is given)
+    if is_checkout_top(ROOT):
+        staged = {path: git("cat-file", "blob", f":{path}").stdout
+                  for path in git("ls-files", "--", "notebooks/*.ipynb").stdout.decode().split()}
+        copies = tmp_path / "staged"
+        copies.mkdir()
+        for path, blob in staged.items():
+            (copies / Path(path).name).write_bytes(blob)
+        names = " ".join(f"'{Path(path).name}'" for path in staged)
+        run = subprocess.run(["sh", "-c", f"{config('filter.nbstripout.clean')} {names}"], cwd=copies,
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        rewritten = [p for p, blob in staged.items() if (copies / Path(p).name).read_bytes() != blob]
+        assert not rewritten, f"the filter would rewrite these committed notebooks: {rewritten}"
+
+    # once: a second make leaves the configuration alone (here, removed by hand)
+    git("config", "--unset", "filter.nbstripout.clean", cwd=repo)
+    assert _make_filter_step(repo).returncode == 0 and not config("filter.nbstripout.clean")
+
+    # not a checkout, or no git at all: nothing set up, nothing fails
+    plain = _fake_project(tmp_path / "plain")
+    if not git("rev-parse", "--git-dir", cwd=plain, check=False).returncode:
+        pytest.skip("the temporary folder lies inside a git checkout")
+    step = _make_filter_step(plain)
+    assert step.returncode == 0 and "not a git checkout" in step.stdout, step.stdout + step.stderr
+    assert not (plain / ".git").exists()
+    no_git = tmp_path / "bin"
+    no_git.mkdir()
+    (no_git / "touch").symlink_to(shutil.which("touch"))
+    (plain / ".venv" / ".git-filter").unlink()
+    git("init", "-q", ".", cwd=plain)
+    step = _make_filter_step(plain, env={"PATH": str(no_git), "HOME": str(tmp_path)})
+    assert step.returncode == 0 and "not a git checkout" in step.stdout, step.stdout + step.stderr
+    assert not git("config", "--get", "filter.nbstripout.clean", cwd=plain, check=False).stdout.strip()
+
+
+# The files that set up and describe the repository: a document they name must be in it.
+SETUP_FILES = ["README.md", "Makefile", "requirements.txt", "pyproject.toml", ".gitattributes", "binder/*", ".ci/*"]
+
+
+def test_setup_files_name_only_documents_the_repository_has():
+    have = set()
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [d for d in subfolders if d not in {".git", ".venv", "node_modules"}]
+        have |= {name for name in files if name.endswith(".md")}
+    missing = {}
+    for pattern in SETUP_FILES:
+        for path in sorted(ROOT.glob(pattern)):
+            if path.is_file():
+                named = set(re.findall(r"[\w.-]+\.md\b", path.read_text(encoding="utf-8", errors="replace")))
+                if lacking := sorted(name for name in named if Path(name).name not in have):
+                    missing[str(path.relative_to(ROOT))] = lacking
+    assert not missing, f"documents named but not in the repository: {missing}"

@@ -277,18 +277,52 @@ class Replay:
 
 
 # ---- servers -----------------------------------------------------------------------------------------------
-def _server(app: Callable[[], Any], port: int, title: str, start: bool) -> Any:
-    """A Panel server on 127.0.0.1 only, its JavaScript inline (offline), no browser opened."""
+def _port_taken(port: int, exc: OSError) -> OSError:
+    return OSError(f"cannot serve on 127.0.0.1:{port} ({exc.strerror or exc}): another server may hold it; "
+                   "pass --port to use another port")
+
+
+def check_port(port: int) -> None:
+    """Refuse a port another server holds before loading anything or announcing a URL (the server's own bind
+    would fail only after that, with a bare "Address already in use")."""
+    import socket
+
+    with socket.socket() as s:
+        # as the server's bind does: a port left in TIME_WAIT by a server that has stopped is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise _port_taken(port, exc) from None
+
+
+def _server(app: Callable[[], Any], port: int, title: str, start: bool,
+            announce: Callable[[str], Any] | None = None) -> Any:
+    """A Panel server on 127.0.0.1 only, its JavaScript inline (offline), no browser opened. `announce(url)` is
+    called once the port is bound, before serving: a port another server holds fails first, with nothing said."""
     ensure_extension()
     origins = [f"127.0.0.1:{port}", f"localhost:{port}"]
-    return pn.serve({"/": app}, port=port, address="127.0.0.1", websocket_origin=origins, show=False,
-                    start=start, title=title, verbose=False)
+    try:  # start=False: Bokeh binds the port here and serves nothing yet
+        server = pn.serve({"/": app}, port=port, address="127.0.0.1", websocket_origin=origins, show=False,
+                          start=False, title=title, verbose=False, liveness=True)  # /liveness: up, no session
+    except OSError as exc:  # EADDRINUSE above all: taken since check_port
+        raise _port_taken(port, exc) from None
+    if announce is not None:
+        announce(f"http://127.0.0.1:{port}/")
+    if start:  # as pn.serve(start=True) does: runs until the loop stops (Ctrl-C)
+        server.start()
+        try:
+            server.io_loop.start()
+        except RuntimeError:  # a loop already running (inside Jupyter): it serves from there
+            pass
+    return server
 
 
 def serve_workbench(config: EngineConfig, port: int, prompts: Sequence[str] = (), params: Any = None,
-                    start: bool = True) -> Any:
+                    start: bool = True, announce: Callable[[str], Any] | None = None) -> Any:
     """Serve a Workbench per browser session, each over its own engine with `prompts` queued. The first
-    engine is built here, so a bad model or config fails before the server starts."""
+    engine is built here, so a bad model or config fails before the server starts; `announce(url)` once it
+    listens."""
     from engine.llm_engine import LLMEngine
 
     def new_engine() -> Any:
@@ -302,12 +336,19 @@ def serve_workbench(config: EngineConfig, port: int, prompts: Sequence[str] = ()
     def app() -> pn.Row:
         return Workbench(ready.pop() if ready else new_engine()).layout
 
-    return _server(app, port, "Inference Workbench", start)
+    return _server(app, port, "Inference Workbench", start, announce)
 
 
-def serve_replay(path: str | os.PathLike, port: int, start: bool = True) -> Any:
-    """Serve the Replay of a trace; the trace is read here, so a bad file fails before the server starts."""
+def serve_replay(path: str | os.PathLike, port: int, start: bool = True,
+                 announce: Callable[[str], Any] | None = None) -> Any:
+    """Serve the Replay of a trace; the trace is read here, so a bad file fails before the server starts (an
+    OSError or ValueError that names the file); `announce(url)` once it listens."""
     from workbench.trace import read_trace
 
-    trace = read_trace(path)
-    return _server(lambda: Replay(trace).layout, port, "Inference Workbench replay", start)
+    try:
+        trace = read_trace(path)
+    except UnicodeDecodeError:
+        raise ValueError(f"{os.fspath(path)}: not a trace (not UTF-8 text)") from None
+    except OSError as exc:
+        raise OSError(f"cannot read the trace {os.fspath(path)!r}: {exc.strerror or exc}") from None
+    return _server(lambda: Replay(trace).layout, port, "Inference Workbench replay", start, announce)

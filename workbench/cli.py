@@ -1,7 +1,8 @@
 """The `workbench` command line. `workbench bench throughput|prefix|profile|serve|sweep|guided|roofline|spec|pd|kernels`
 measure the engine; each prints a table and, with --write-docs, rewrites its own section of docs/BENCHMARKS.md;
-`workbench bench all` runs every CPU benchmark. `workbench run` runs prompts
-headless and records a step trace; `workbench export` turns step traces into a Chrome trace for Perfetto.
+`workbench bench gains` tabulates the gains their kept results show; `workbench bench all` runs every CPU benchmark.
+`workbench run` runs prompts headless and records a step trace; `workbench export` turns step traces into a Chrome
+trace for Perfetto.
 `workbench serve` serves the live dashboard; `workbench replay` serves the dashboards over a trace;
 `workbench pd` runs prompts through prefill and decode engine processes that move KV through a connector."""
 from __future__ import annotations
@@ -31,6 +32,13 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 
 _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {value}")
+    return value
 
 
 def _common(parser: argparse.ArgumentParser, runs: bool = True, budget: bool = True) -> None:
@@ -407,7 +415,7 @@ def export_trace(args: argparse.Namespace, out: Callable[[str], None] = print) -
 
 def _add_serve(commands: Any) -> None:
     p = commands.add_parser("serve", help="serve the live dashboard (Panel, 127.0.0.1 only, offline)")
-    p.add_argument("--port", type=_positive_int, default=5006, help="(default: %(default)s)")
+    p.add_argument("--port", type=_port, default=5006, help="(default: %(default)s)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
     engine = p.add_argument_group("engine (default: EngineConfig's)")
     engine.add_argument("--block-size", type=_positive_int)
@@ -427,28 +435,34 @@ def _add_serve(commands: Any) -> None:
 def _add_replay(commands: Any) -> None:
     p = commands.add_parser("replay", help="serve the dashboards over a recorded trace, with a step slider")
     p.add_argument("trace", help="a JSONL step trace (workbench run --trace)")
-    p.add_argument("--port", type=_positive_int, default=5006, help="(default: %(default)s)")
+    p.add_argument("--port", type=_port, default=5006, help="(default: %(default)s)")
+
+
+def _announce(what: str) -> Callable[[str], None]:
+    """What serve and replay print once the server listens (nothing when it fails before)."""
+    return lambda url: print(f"workbench: {what}{url} (Ctrl-C stops)", file=sys.stderr, flush=True)
 
 
 def serve(args: argparse.Namespace) -> None:
-    """`workbench serve`: a Workbench per browser session until interrupted."""
+    """`workbench serve`: a Workbench per browser session until interrupted. The port is checked before the
+    model loads; the URL is printed once the server listens."""
+    from workbench.app import check_port, serve_workbench
+
+    check_port(args.port)
     from engine import EngineConfig, SamplingParams
-    from workbench.app import serve_workbench
 
     config = EngineConfig(model=args.model, enable_prefix_caching=not args.no_prefix_caching,
                           **{k: getattr(args, k) for k in _RUN_ENGINE_FLAGS if getattr(args, k) is not None})
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    print(f"workbench: serving http://127.0.0.1:{args.port}/ (Ctrl-C stops)", file=sys.stderr, flush=True)
-    serve_workbench(config, args.port, args.prompt, params)
+    serve_workbench(config, args.port, args.prompt, params, announce=_announce("serving "))
 
 
 def replay(args: argparse.Namespace) -> None:
-    """`workbench replay`: the dashboards over a trace until interrupted."""
+    """`workbench replay`: the dashboards over a trace until interrupted. The trace is read, then the port bound
+    (a port in use: an error that says so), before anything is announced."""
     from workbench.app import serve_replay
 
-    print(f"workbench: replaying {args.trace} at http://127.0.0.1:{args.port}/ (Ctrl-C stops)", file=sys.stderr,
-          flush=True)
-    serve_replay(args.trace, args.port)
+    serve_replay(args.trace, args.port, announce=_announce(f"replaying {args.trace} at "))
 
 
 def _add_pd(commands: Any) -> None:

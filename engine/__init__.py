@@ -5,7 +5,7 @@ import importlib
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.events import Event, KVUsage, StepRecord
+from engine.events import EngineSnapshot, Event, KVUsage, StepRecord
 from engine.request import RequestOutput, RequestStatus, SamplingParams, StructuredOutputsParams
 
 # The engine classes pull in the model code (and transformers): import them on first use, so that the
@@ -21,5 +21,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-    "RequestStatus", "StepRecord", "KVUsage", "Event",
+    "RequestStatus", "StepRecord", "KVUsage", "Event", "EngineSnapshot",
 ]

@@ -287,4 +287,55 @@ class StepRecord:
         return [e for e in self.events if e.kind == kind]
 
 
+@dataclass
+class RequestSnapshot:
+    """One request as it stands between steps: what `request.added` said of it, then its status (a
+    RequestStatus name), counts, text so far, finish and the KV blocks it holds, in block-table order."""
+
+    request_id: str
+    prompt: str
+    num_prompt_tokens: int
+    max_tokens: int
+    priority: int
+    arrival_ns: int
+    status: str
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    text: str
+    finish_reason: str | None
+    error: str | None
+    block_ids: list[int]
+
+
+@dataclass
+class BlockSnapshot:
+    """A KV block that is not plain free: its hash (hex) while cached and its parent's; holders come from the
+    requests' block lists (a hit block is held by each request that shares it)."""
+
+    block_id: int
+    block_hash: str | None
+    parent_hash: str | None
+
+
+@dataclass
+class EngineSnapshot:
+    """The engine between two steps, as a view attached now must draw it: the last step's number, the KV
+    usage, every request the engine still knows (finished ones until their output is taken) and every held
+    or cached block. A view starts from it, then follows StepRecords; a trace's header carries one."""
+
+    step: int
+    kv: KVUsage
+    requests: list[RequestSnapshot] = field(default_factory=list)
+    blocks: list[BlockSnapshot] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineSnapshot":
+        return cls(step=d["step"], kv=KVUsage(**d["kv"]), requests=[RequestSnapshot(**r) for r in d["requests"]],
+                   blocks=[BlockSnapshot(**b) for b in d["blocks"]])
+
+
 Subscriber = Callable[[StepRecord], None]

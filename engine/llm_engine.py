@@ -6,9 +6,11 @@ import time
 from typing import Any, Sequence
 
 from engine.config import EngineConfig
+from engine.core.block_hash import hash_hex
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.events import EventLog, RequestAdded, RequestTokens, StepRecord, StepTiming, Subscriber
+from engine.events import (BlockSnapshot, EngineSnapshot, EventLog, RequestAdded, RequestSnapshot, RequestTokens,
+                           StepRecord, StepTiming, Subscriber)
 from engine.model.loader import resolve_model
 from engine.model.runner import ModelRunner
 from engine.output_processor import IncrementalDetokenizer, make_output
@@ -166,6 +168,25 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def snapshot(self) -> EngineSnapshot:
+        """The state a view attached now starts from (the next StepRecord follows on from it)."""
+        wall_minus_mono = time.time_ns() - time.monotonic_ns()
+        requests = [self._request_snapshot(r, wall_minus_mono) for r in self._requests.values()]
+        blocks = [BlockSnapshot(b.block_id, hash_hex(b.block_hash), hash_hex(b.parent_hash))
+                  for b in self.kv_cache_manager.block_pool.blocks
+                  if not b.is_null and (b.ref_cnt or b.block_hash is not None)]
+        return EngineSnapshot(self.step_count, self.kv_cache_manager.usage(), requests, blocks)
+
+    def _request_snapshot(self, r: Request, wall_minus_mono: int) -> RequestSnapshot:
+        return RequestSnapshot(
+            request_id=r.request_id, prompt=self.tokenizer.decode(r.prompt_token_ids[:200])[:200],
+            num_prompt_tokens=r.num_prompt_tokens, max_tokens=r.sampling_params.max_tokens, priority=r.priority,
+            arrival_ns=int(r.arrival_time * 1e9) + wall_minus_mono, status=r.status.name,
+            num_output_tokens=r.num_output_tokens, num_cached_tokens=max(r.num_cached_tokens, 0),
+            num_preemptions=r.num_preemptions, text=self._detokenizers[r.request_id].text,
+            finish_reason=r.status.finish_reason, error=r.error,
+            block_ids=self.kv_cache_manager.get_block_ids(r.request_id))
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> StepRecord:

@@ -2,11 +2,15 @@
 trace; and the Panel servers behind `workbench serve` and `workbench replay`.
 
 Threads: engine steps run on a worker (Stepper) under `Workbench.lock`; every engine call takes that lock.
-Under a Panel server the records are handed to the session's document with `add_next_tick_callback` (the
-only thread-safe Document call), so Bokeh models change on the server's own thread and the page never
-waits on a step; elsewhere (a notebook, a test) they are drawn at once and pushed."""
+The views change on the UI's thread: under a Panel server the records are handed to the session's document
+with `add_next_tick_callback` (the only thread-safe Document call), so the page never waits on a step; in a
+notebook, to the kernel's event loop, where cells run (a button's callback, which JupyterLab may deliver on
+a comm subshell thread, posts its work there too); elsewhere (a script, a test) they are drawn where they
+arrive. Draws are atomic, and in a notebook every draw reaches the browser once and in order, whatever the
+timing of display, steps and clicks (workbench.views.sync)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -15,7 +19,8 @@ import panel as pn
 
 from engine.config import EngineConfig
 from engine.events import StepRecord
-from workbench.views import Dashboard, ensure_extension, push
+from workbench.views import Dashboard, ensure_extension
+from workbench.views.sync import connect, drawing
 from workbench.views.controls import EngineForm, RequestForm, Stepper
 
 if TYPE_CHECKING:
@@ -27,6 +32,20 @@ def _step_label(step: int) -> str:
     return f"step {step}"
 
 
+def _step_text() -> pn.pane.Markdown:
+    """The `step N` text (its CSS class lets a browser test find it)."""
+    return pn.pane.Markdown(_step_label(0), name="step_text", css_classes=["workbench-step"],
+                            styles={"font-size": "1.3em"}, margin=(0, 15))
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop of this thread, if one runs here (a notebook kernel's); None in a script or a test."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class Workbench:
     """Owns a live engine (rebuilt by Reset and by the config knobs), the Dashboard drawn from its steps,
     the controls (Step, Run N, Play, Pause, Reset, the add-request form, the engine knobs), the `step N`
@@ -36,15 +55,17 @@ class Workbench:
         ensure_extension()
         self.engine = engine
         self.lock = threading.RLock()  # held around every engine call
-        self.dashboard = Dashboard(engine.config.max_num_batched_tokens, engine.kv_cache_manager.num_usable_blocks)
+        self.dashboard = Dashboard()
         self.stepper = Stepper(self._step_once, play_delay_s)
         self._doc = pn.state.curdoc
+        self._ui_thread = threading.get_ident()
+        self._loop = _running_loop()
         self._inbox: list[StepRecord] = []
         self._inbox_lock = threading.Lock()
         self._drain_scheduled = False
         self._build_widgets()
         self.layout = self._build_layout()
-        engine.subscribe(self._on_record)
+        self._attach(engine)
 
     # ---- layout -----------------------------------------------------------------------------------------
     def _build_widgets(self) -> None:
@@ -54,18 +75,17 @@ class Workbench:
         self.play_button = pn.widgets.Button(label="Play", color="success", width=70)
         self.pause_button = pn.widgets.Button(label="Pause", width=70)
         self.reset_button = pn.widgets.Button(label="Reset", color="danger", width=70)
-        self.step_text = pn.pane.Markdown(_step_label(0), name="step_text", styles={"font-size": "1.3em"},
-                                          margin=(0, 15))
+        self.step_text = _step_text()
         self.message = pn.pane.Alert("", alert_type="danger", visible=False, sizing_mode="stretch_width")
         self.request_form = RequestForm()
         self.engine_form = EngineForm(self.engine.config)
-        for button, handler in ((self.step_button, lambda e: self.step(1)),
-                                (self.run_button, lambda e: self.step(self.run_steps.value or 0)),
-                                (self.play_button, lambda e: self.play()), (self.pause_button, lambda e: self.pause()),
-                                (self.reset_button, lambda e: self.reset()),
-                                (self.request_form.button, lambda e: self.add_request_from_form()),
-                                (self.engine_form.button, lambda e: self.rebuild_from_form())):
-            button.on_click(handler)
+        for button, action in ((self.step_button, lambda: self.step(1)),
+                               (self.run_button, lambda: self.step(self.run_steps.value or 0)),
+                               (self.play_button, self.play), (self.pause_button, self.pause),
+                               (self.reset_button, self.reset), (self.request_form.button, self.add_request_from_form),
+                               (self.engine_form.button, self.rebuild_from_form)):
+            # a notebook may call widget callbacks on a comm subshell thread: the work runs on the UI's
+            button.on_click(lambda event, action=action: self._post(action) or action())
 
     def _build_layout(self) -> pn.Row:
         controls = pn.Row(self.step_button, self.run_button, self.run_steps, self.play_button, self.pause_button,
@@ -85,37 +105,48 @@ class Workbench:
         return self.layout
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
-        return self.layout._repr_mimebundle_(include, exclude)  # a notebook cell that ends with it shows it
+        bundle = self.layout._repr_mimebundle_(include, exclude)  # a notebook cell that ends with it shows it
+        connect(self.layout)
+        return bundle
 
     def servable(self, title: str = "Inference Workbench") -> pn.Row:
         return self.layout.servable(title=title)
 
     # ---- messages -----------------------------------------------------------------------------------------
     def _say(self, text: str, kind: str = "danger") -> None:
-        self.message.param.update(object=text, alert_type=kind, visible=bool(text))
+        self._in_ui(lambda: self.message.param.update(object=text, alert_type=kind, visible=bool(text)))
 
     @property
     def _served(self) -> bool:
         return self._doc is not None and self._doc.session_context is not None
 
+    def _post(self, work: Callable[[], Any]) -> bool:
+        """Hand `work` to the UI's event loop if this is another thread (a worker, a notebook's comm subshell);
+        False if it is to run here."""
+        if self._loop is None or threading.get_ident() == self._ui_thread:
+            return False
+        self._loop.call_soon_threadsafe(work)
+        return True
+
     def _in_ui(self, callback: Callable[[], None]) -> None:
-        """Run `callback` where Bokeh models may change: the session's thread under a server, else here."""
+        """Run `callback`, which changes the views, on the UI's thread (see the module's docstring)."""
         if self._served:
             self._doc.add_next_tick_callback(callback)
-        else:
-            callback()
+        elif not self._post(lambda: self._in_ui(callback)):
+            with drawing(self.layout):
+                callback()
 
     # ---- stepping -----------------------------------------------------------------------------------------
     def _step_once(self) -> bool:
         with self.lock:
             if not self.engine.has_unfinished_requests():
-                self._in_ui(lambda: self._say("Nothing to run: add a request.", "info"))
+                self._say("Nothing to run: add a request.", "info")
                 return False
             try:
                 self.engine.step()
             except Exception as exc:  # shown, not raised: a worker thread has no one to raise to
                 text = f"engine error: {type(exc).__name__}: {exc}"
-                self._in_ui(lambda: self._say(text))
+                self._say(text)
                 return False
         return True
 
@@ -155,7 +186,6 @@ class Workbench:
         if records:
             self.dashboard.extend(records)
             self.step_text.object = _step_label(records[-1].step)
-            push(self.layout)
 
     # ---- requests and engines ------------------------------------------------------------------------------
     def add_request_from_form(self) -> str | None:
@@ -196,16 +226,25 @@ class Workbench:
         with self.lock:
             self.engine.unsubscribe(self._on_record)
             self.engine = engine
-            engine.subscribe(self._on_record)
-        with self._inbox_lock:
-            self._inbox = []
-        self.dashboard.reset(config.max_num_batched_tokens, engine.kv_cache_manager.num_usable_blocks)
-        self.step_text.object = _step_label(0)
-        self.engine_form.show(engine.config)
-        self.title.object = self._title()
+        self._attach(engine)
         self._say(f"{done}: {config.model}, {engine.kv_cache_manager.num_usable_blocks} KV blocks of "
                   f"{config.block_size} tokens.", "success")
-        push(self.layout)
+
+    def _attach(self, engine: "LLMEngine") -> None:
+        """Follow `engine` from its state now: a snapshot, then every record after it (none missed or drawn twice)."""
+        with self.lock:
+            snapshot = engine.snapshot()
+            with self._inbox_lock:
+                self._inbox = []
+            engine.subscribe(self._on_record)
+
+        def start() -> None:
+            self.dashboard.reset(engine.config.max_num_batched_tokens, snapshot=snapshot)
+            self.step_text.object = _step_label(snapshot.step)
+            self.engine_form.show(engine.config)
+            self.title.object = self._title()
+
+        self._in_ui(start)
 
     # ---- replay ------------------------------------------------------------------------------------------
     @classmethod
@@ -227,14 +266,14 @@ class Replay:
         self.records: list[StepRecord] = trace.records
         self.budget = (trace.header.get("config") or {}).get("max_num_batched_tokens")
         self.num_blocks = trace.records[0].kv.total if trace.records else None
+        self.snapshot = trace.snapshot
         self.dashboard = Dashboard(self.budget, self.num_blocks)
         self._shown = 0
         n = len(self.records)
         self.slider = pn.widgets.IntSlider(label="records shown", start=0, end=max(n, 1), value=0, disabled=not n,
                                            sizing_mode="stretch_width")
         self.step_button = pn.widgets.Button(label="Step", color="primary", width=80)
-        self.step_text = pn.pane.Markdown(_step_label(0), name="step_text", styles={"font-size": "1.3em"},
-                                          margin=(0, 15))
+        self.step_text = _step_text()
         self.slider.param.watch(lambda e: self.show(e.new), "value")
         self.step_button.on_click(lambda e: self._step_on())
         model, created = trace.header.get("model") or {}, trace.header.get("created", "?")
@@ -255,7 +294,9 @@ class Replay:
         return self.layout
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
-        return self.layout._repr_mimebundle_(include, exclude)
+        bundle = self.layout._repr_mimebundle_(include, exclude)
+        connect(self.layout)
+        return bundle
 
     def servable(self, title: str = "Inference Workbench replay") -> pn.Column:
         return self.layout.servable(title=title)
@@ -265,15 +306,16 @@ class Replay:
             self.slider.value += 1
 
     def show(self, num_records: int) -> None:
-        """Show the state after the first `num_records` records."""
+        """Show the state after the first `num_records` records (on the trace's snapshot, if it begun mid-run)."""
         num_records = max(0, min(num_records, len(self.records)))
-        if num_records < self._shown:
-            self.dashboard.reset(self.budget, self.num_blocks)
-            self._shown = 0
-        self.dashboard.extend(self.records[self._shown:num_records])
-        self._shown = num_records
-        self.step_text.object = _step_label(self.records[num_records - 1].step if num_records else 0)
-        push(self.layout)
+        with drawing(self.layout):
+            if num_records < self._shown or self._shown == 0:
+                self.dashboard.reset(self.budget, self.num_blocks, self.snapshot)
+                self._shown = 0
+            self.dashboard.extend(self.records[self._shown:num_records])
+            self._shown = num_records
+            first = self.snapshot.step if self.snapshot else 0
+            self.step_text.object = _step_label(self.records[num_records - 1].step if num_records else first)
 
 
 # ---- servers -----------------------------------------------------------------------------------------------

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.events import StepRecord
+from engine.events import EngineSnapshot, StepRecord
 
 WAITING, RUNNING, PREEMPTED, FINISHED = "waiting", "running", "preempted", "finished"
+# the engine's RequestStatus names, as the views group them (every other one is a finished status)
+_STATUS = {"WAITING": WAITING, "WAITING_FOR_FSM": WAITING, "WAITING_FOR_REMOTE_KVS": WAITING, "RUNNING": RUNNING,
+           "PREEMPTED": PREEMPTED}
 
 
 @dataclass
@@ -96,6 +99,22 @@ class EngineState:
         self.total_blocks = 0
         self.step = 0
 
+    def load(self, snapshot: EngineSnapshot) -> None:
+        """Start from an engine's state between steps (a view attached mid-run, a trace begun mid-run)."""
+        self.clear()
+        self.step, self.total_blocks = snapshot.step, snapshot.kv.total
+        for b in snapshot.blocks:
+            self.blocks[b.block_id] = BlockState(block_hash=b.block_hash, parent_hash=b.parent_hash)
+        for r in snapshot.requests:
+            req = RequestState(r.request_id, r.prompt, r.num_prompt_tokens, r.max_tokens, r.priority, r.arrival_ns,
+                               status=_STATUS.get(r.status, FINISHED), num_output_tokens=r.num_output_tokens,
+                               num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
+                               text=r.text, finish_reason=r.finish_reason, error=r.error)
+            self.requests[r.request_id] = req
+            self.block_tables[r.request_id] = tuple(r.block_ids)
+            for block_id in r.block_ids:
+                self.blocks.setdefault(block_id, BlockState()).holders.append(r.request_id)
+
     def block(self, block_id: int) -> BlockState:
         return self.blocks.get(block_id) or BlockState()
 
@@ -122,6 +141,8 @@ class EngineState:
 
     # ---- event handlers ---------------------------------------------------------------------------
     def _added(self, e, record: StepRecord, delta: StepDelta) -> None:
+        if e.request_id in self.requests:  # a snapshot taken after its add_request holds it already
+            return
         self.requests[e.request_id] = RequestState(e.request_id, e.prompt, e.num_prompt_tokens, e.max_tokens,
                                                    e.priority, e.arrival_ns)
         delta.added.append(e.request_id)

@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from engine.events import StepRecord
+from engine.events import EngineSnapshot, StepRecord
 
 if TYPE_CHECKING:  # the engine module pulls in torch and transformers; the trace reader must not
     from engine.llm_engine import LLMEngine
@@ -33,13 +33,15 @@ def _package_version() -> str | None:
 
 
 def trace_header(engine: "LLMEngine") -> dict[str, Any]:
-    """The header line of a trace of `engine`: schema version, config, model (name and folder), creation time."""
+    """The header line of a trace of `engine`: schema version, config, model (name and folder), creation time,
+    and the engine's state when the trace begins (a replay starts from it: a trace may begin mid-run)."""
     return {
         "schema_version": SCHEMA_VERSION,
         "config": engine.config.to_dict(),
         "model": {"name": engine.config.model, "path": str(engine.model_path)},
         "created": datetime.now(timezone.utc).isoformat(),
         "engine_version": _package_version(),
+        "snapshot": engine.snapshot().to_dict(),
     }
 
 
@@ -78,6 +80,12 @@ class Trace:
 
     header: dict[str, Any]
     records: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def snapshot(self) -> EngineSnapshot | None:
+        """The engine's state when the trace began (None in traces written before snapshots existed)."""
+        snapshot = self.header.get("snapshot")
+        return EngineSnapshot.from_dict(snapshot) if snapshot else None
 
 
 def write_trace(path: str | os.PathLike, header: dict[str, Any], records: list[StepRecord]) -> None:

@@ -216,3 +216,50 @@ def test_the_cli_and_the_package_do_not_import_panel():
     import workbench
 
     assert workbench.Workbench is Workbench  # exported lazily, on first use
+
+
+# ---- a view attached mid-run; what the form reads --------------------------------------------------------------
+def test_a_workbench_attached_mid_run_starts_from_the_engine_state():
+    """Attached after 3 steps, with prefix caching on: `step 3`, every request with its status and text, and
+    every block as the engine has it (held by whom, cached-free with its hash, free); then it follows records."""
+    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=32, max_num_batched_tokens=64,
+                       max_model_len=256, enable_prefix_caching=True)
+    done = engine.add_request(PROMPTS[1] * 3, SamplingParams(temperature=0.0, max_tokens=2))
+    going = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=20))
+    for _ in range(3):
+        engine.step()
+    queued = engine.add_request("Queued before the view came", SamplingParams(max_tokens=4))
+    wb = Workbench(engine)
+    wb.layout.get_root(Document())
+    assert wb.step_text.object == "step 3"
+    table = wb.dashboard.requests.table.value.set_index("request_id")
+    assert table.loc[done, "status"] == "finished" and table.loc[going, "status"] == "running"
+    assert table.loc[queued, "status"] == "waiting"
+    assert table.loc[going, "text"] == engine.get_output(going).text != ""
+    cells = wb.dashboard.kv_blocks.cells.source.data
+    usage = engine.kv_cache_manager.usage()
+    assert cells["kind"].count("used") == usage.used and cells["kind"].count("cached") == usage.cached_free > 0
+    held = engine.kv_cache_manager.get_block_ids(going)
+    assert [cells["holders"][b - 1] for b in held] == [going] * len(held)
+    assert wb.dashboard.kv_blocks.select.options[1:] == [done, going, queued]
+    assert len(wb.dashboard.prefix.nodes.source.data["hash"]) == usage.cached_free + sum(
+        1 for b in engine.kv_cache_manager.block_pool.blocks if b.ref_cnt and b.block_hash is not None)
+    wb.step_button.clicks += 1  # then it follows: the queued request's request.added is not a second row
+    table = wb.dashboard.requests.table.value
+    assert wb.step_text.object == "step 4" and list(table["request_id"]) == [done, going, queued]
+    assert wb.dashboard.timeline.steps.source.data["step"] == [4]
+
+
+def test_the_form_reads_the_prompt_as_typed_before_the_field_loses_focus(bench):
+    """In a browser `value_input` follows each key and `value` only the blur: a click straight after typing
+    must take what was typed. And text set from code (`value`) is what the form reads too."""
+    form = bench.request_form
+    form.prompt.value_input = "Typed, not yet blurred"
+    form.cache_salt.value_input = "tenant-b"
+    form.button.clicks += 1
+    bench.step_button.clicks += 1
+    assert bench.dashboard.state.requests["0"].prompt == "Typed, not yet blurred"
+    form.prompt.value = "Set from code"
+    form.button.clicks += 1
+    bench.step_button.clicks += 1
+    assert bench.dashboard.state.requests["1"].prompt == "Set from code"

@@ -6,9 +6,9 @@ from typing import Iterable
 
 import panel as pn
 
-from engine.events import StepRecord
+from engine.events import EngineSnapshot, StepRecord
 from workbench.state import EngineState
-from workbench.views.base import View, ensure_extension, push
+from workbench.views.base import View, ensure_extension
 from workbench.views.grammar import GrammarView
 from workbench.views.kv_blocks import KVBlockMap
 from workbench.views.kv_transfer import KVTransferView
@@ -55,12 +55,20 @@ class Dashboard:
     def update(self, record: StepRecord) -> None:
         self.extend([record])
 
-    def reset(self, budget: int | None = None, num_blocks: int | None = None) -> None:
-        """Back to no step; `budget` and `num_blocks` describe the engine drawn from now on."""
-        self.state.clear()
+    def reset(self, budget: int | None = None, num_blocks: int | None = None,
+              snapshot: EngineSnapshot | None = None) -> None:
+        """Back to no step, or to an engine's `snapshot` (a view attached mid-run); `budget` and `num_blocks`
+        describe the engine drawn from now on (a snapshot knows its number of blocks)."""
+        if snapshot is None:
+            self.state.clear()
+        else:
+            self.state.load(snapshot)
+            num_blocks = snapshot.kv.total
         self.timeline.budget = budget
         for view in self.views:
             view.reset()
+            view.show_state()
+            view.flush()
         self.kv_blocks.show_blocks(num_blocks)
 
     def tabs(self) -> pn.Tabs:
@@ -74,4 +82,4 @@ class Dashboard:
 
 
 __all__ = ["Dashboard", "View", "SchedulerTimeline", "KVBlockMap", "PrefixCacheView", "RequestsView", "MetricsView",
-           "GrammarView", "SpecDecodeView", "KVTransferView", "EngineState", "ensure_extension", "push"]
+           "GrammarView", "SpecDecodeView", "KVTransferView", "EngineState", "ensure_extension"]

@@ -4,27 +4,37 @@ from __future__ import annotations
 from typing import Any, ClassVar, Iterable
 
 import panel as pn
-from bokeh.models import ColumnDataSource
+from bokeh.models import BasicTicker, ColumnDataSource, CustomJSTickFormatter, DataRange1d
 from bokeh.plotting import figure
 
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
+from workbench.views.sync import connect, drawing, drop_echoes_script
 
 _extension_loaded = False
 
 
 def ensure_extension() -> None:
-    """Load Panel's extension once per process, its JavaScript inline: offline, the CDN default renders nothing."""
+    """Load Panel's extension once per process, its JavaScript inline: offline, the CDN default renders nothing.
+    In a notebook, also the script that keeps the browser from echoing the kernel's changes back."""
     global _extension_loaded
     pn.config.inline = True
     if not _extension_loaded:
         pn.extension("tabulator", inline=True)  # Tabulator ships its own JavaScript: named, or a notebook lacks it
+        if _in_kernel():
+            from IPython.display import HTML, display
+
+            display(HTML(drop_echoes_script()))
         _extension_loaded = True
 
 
-def push(viewable: Any) -> None:
-    """Send pending Bokeh changes to a notebook's browser; Panel does this itself under a server."""
-    pn.io.push_notebook(viewable)
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def new_figure(title: str, height: int = 260, **kwargs: Any) -> figure:
@@ -32,6 +42,27 @@ def new_figure(title: str, height: int = 260, **kwargs: Any) -> figure:
     fig = figure(title=title, height=height, sizing_mode="stretch_width", toolbar_location="above", **kwargs)
     fig.toolbar.logo = None
     return fig
+
+
+def counts_on(*axes: Any) -> None:
+    """Integer ticks on axes that count (steps, tokens, requests, blocks): no 0.5 request."""
+    for axis in axes:
+        axis.ticker = BasicTicker(min_interval=1)
+
+
+def fit_to(fig: figure, *renderers: Any, start: float | None = 0) -> None:
+    """Scale the y axis to these renderers' data only (a budget or a total drawn beside the data would squash
+    it: 2048 tokens of budget over bars of 13), from `start`."""
+    fig.y_range = DataRange1d(renderers=list(renderers), start=start)
+
+
+def label_ticks(axis: Any, source: ColumnDataSource, position: str, label: str) -> None:
+    """Name an axis's ticks after a column: rows or bars sit at integer `position`s (0, 1, ... or 0, -1, ...),
+    and the tick at one reads that row's `label` (the axis thins its ticks as rows grow, as it does numbers)."""
+    axis.ticker = BasicTicker(min_interval=1)
+    axis.formatter = CustomJSTickFormatter(args={"source": source}, code=f"""
+        const i = source.data.{position}.indexOf(tick);
+        return i < 0 ? "" : String(source.data.{label}[i]);""")
 
 
 def legend_above(fig: figure) -> None:
@@ -124,7 +155,9 @@ class View:
         return self.panel
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
-        return self.panel._repr_mimebundle_(include, exclude)  # a notebook cell that ends with it shows it
+        bundle = self.panel._repr_mimebundle_(include, exclude)  # a notebook cell that ends with it shows it
+        connect(self.panel)
+        return bundle
 
     def render(self, record: StepRecord, delta: StepDelta) -> None:
         """Queue the changes one record made (the state has applied it already)."""
@@ -140,10 +173,13 @@ class View:
     def extend(self, records: Iterable[StepRecord]) -> None:
         if not self._owns_state:
             raise RuntimeError(f"{type(self).__name__} shares its state: feed the Dashboard that owns it")
-        for record in records:
-            self.render(record, self.state.apply(record))
-        self.flush()
-        push(self.panel)
+        with drawing(self.panel):
+            for record in records:
+                self.render(record, self.state.apply(record))
+            self.flush()
+
+    def show_state(self) -> None:
+        """Queue what the state holds before any record (a snapshot); views of per-step history show nothing."""
 
     def reset(self) -> None:
         """Forget everything shown (and the state, if this view owns it)."""

@@ -16,10 +16,18 @@ NO_SPEC = "none"
 SPEC_METHODS = (NO_SPEC, "ngram", "draft_model")
 
 
+def _follow_value(text: pn.widgets.TextInput | pn.widgets.TextAreaInput) -> None:
+    """Keep `value_input` (what the browser shows as it is typed; `value` changes only on blur) equal to
+    `value` when that is set from code, so reading `value_input` always reads what the user sees."""
+    text.value_input = text.value
+    text.param.watch(lambda event: setattr(text, "value_input", event.new), "value")
+
+
 class RequestForm:
     """Owns the add-request widgets (prompt, max tokens, temperature, seed, priority, JSON schema or regex,
-    cache salt) and turns their values into add_request arguments. Validation is the engine's: a bad value
-    raises its ValueError/TypeError, which the Workbench shows."""
+    cache salt) and turns what they show (text fields: as typed, before they lose focus) into add_request
+    arguments. Validation is the engine's: a bad value raises its ValueError/TypeError, which the Workbench
+    shows."""
 
     def __init__(self) -> None:
         self.prompt = pn.widgets.TextAreaInput(label="Prompt", value="The capital of France is", height=70,
@@ -31,6 +39,8 @@ class RequestForm:
         self.guide_kind = pn.widgets.Select(label="Guided decoding", options=[NO_GUIDE, JSON_SCHEMA, REGEX], width=120)
         self.guide = pn.widgets.TextAreaInput(label="JSON schema or regex", height=60, sizing_mode="stretch_width")
         self.cache_salt = pn.widgets.TextInput(label="Cache salt (empty: none)", sizing_mode="stretch_width")
+        for text in (self.prompt, self.guide, self.cache_salt):
+            _follow_value(text)
         self.button = pn.widgets.Button(label="Add request", color="primary")
         self.panel = pn.Column(
             self.prompt, pn.Row(self.max_tokens, self.temperature), pn.Row(self.seed, self.priority),
@@ -41,7 +51,7 @@ class RequestForm:
                               max_tokens=self.max_tokens.value, structured_outputs=self._structured())
 
     def _structured(self) -> StructuredOutputsParams | None:
-        kind, text = self.guide_kind.value, self.guide.value.strip()
+        kind, text = self.guide_kind.value, self.guide.value_input.strip()
         if kind == NO_GUIDE:
             return None
         if not text:
@@ -55,8 +65,8 @@ class RequestForm:
 
     def add_request_args(self) -> dict[str, Any]:
         """The keyword arguments of LLMEngine.add_request that the form describes."""
-        return {"prompt": self.prompt.value, "params": self.sampling_params(), "priority": self.priority.value,
-                "cache_salt": self.cache_salt.value or None}
+        return {"prompt": self.prompt.value_input, "params": self.sampling_params(), "priority": self.priority.value,
+                "cache_salt": self.cache_salt.value_input or None}
 
 
 class EngineForm:

@@ -8,7 +8,8 @@ from bokeh.models import HoverTool, Range1d
 
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
-from workbench.views.base import View, new_figure, push
+from workbench.views.base import View, new_figure
+from workbench.views.sync import drawing
 from workbench.views.colors import CACHED_FREE_COLOR, FREE_COLOR, request_color
 
 NO_REQUEST = "(none)"
@@ -111,8 +112,11 @@ class KVBlockMap(View):
                             "order": [str(i) for i in range(len(block_ids))], "block_id": block_ids})
 
     def _on_select(self, event) -> None:
-        self._draw_table()
-        push(self.panel)
+        with drawing(self.panel):
+            self._draw_table()
+
+    def show_state(self) -> None:
+        self.select.options = [NO_REQUEST, *self.state.requests]
 
     def reset(self, num_blocks: int | None = None) -> None:
         super().reset()

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import panel as pn
-from bokeh.models import HoverTool
+from bokeh.models import HoverTool, Range1d
 
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
-from workbench.views.base import View, legend_above, new_figure
+from workbench.views.base import View, counts_on, label_ticks, legend_above, new_figure
 
 CACHED_NODE, EVICTED_NODE = "#31a354", "#bdbdbd"
 
@@ -37,6 +37,9 @@ class PrefixCacheView(View):
     def _hits_figure(self):
         fig = new_figure("Prefix-cache hit per request (tokens)", x_axis_label="request (in lookup order)",
                          y_axis_label="tokens")
+        label_ticks(fig.xaxis, self.hits.source, "x", "request_id")
+        fig.y_range.start = 0
+        counts_on(fig.yaxis)
         fig.vbar(x="x", top="queried_tokens", width=0.8, source=self.hits.source, fill_color="#d9d9d9",
                  line_color=None, legend_label="looked up")
         bars = fig.vbar(x="x", top="hit_tokens", width=0.8, source=self.hits.source, fill_color="#31a354",
@@ -48,7 +51,9 @@ class PrefixCacheView(View):
         return fig
 
     def _rate_figure(self):
-        fig = new_figure("Prefix-cache hit rate", x_axis_label="step", y_axis_label="hit rate")
+        fig = new_figure("Prefix-cache hit rate", x_axis_label="step", y_axis_label="hit / looked-up tokens",
+                         y_range=Range1d(0, 1.05))
+        counts_on(fig.xaxis)
         fig.line(x="step", y="hit_rate", source=self.rate.source, line_width=2, legend_label="cumulative")
         fig.scatter(x="step", y="step_hit_rate", source=self.rate.source, color="#ff7f0e", size=5,
                     legend_label="this step")
@@ -58,6 +63,7 @@ class PrefixCacheView(View):
     def _chains_figure(self):
         fig = new_figure("Cached chains (block hash -> child hash; grey: evicted)", height=300,
                          x_axis_label="block position in the chain", y_axis_label="chain")
+        counts_on(fig.xaxis)
         fig.segment(x0="x0", y0="y0", x1="x1", y1="y1", source=self.edges.source, color="#969696")
         nodes = fig.scatter(x="x", y="y", source=self.nodes.source, size=10, fill_color="color", line_color=None)
         fig.add_tools(HoverTool(renderers=[nodes], tooltips=[
@@ -76,7 +82,7 @@ class PrefixCacheView(View):
                 queried = self._lookup(e)
                 step_hits, step_queried = step_hits + e.num_hit_tokens, step_queried + queried
             elif e.kind == "kv.cached":
-                self._cached(e)
+                self._cached(e.block_hash, e.parent_hash, e.block_id)
             elif e.kind == "kv.evicted" and e.block_hash in self._node:
                 self.nodes.set(self._node[e.block_hash], status="evicted", color=EVICTED_NODE)
         self._hit_tokens += step_hits
@@ -96,23 +102,37 @@ class PrefixCacheView(View):
             self._hit_row[e.request_id] = self.hits.append(x=len(self.hits), **row)
         return queried
 
-    def _cached(self, e) -> None:
-        if e.block_hash in self._node:  # cached again after an eviction: same place in its chain
-            self.nodes.set(self._node[e.block_hash], block_id=e.block_id, status="cached", color=CACHED_NODE)
+    def show_state(self) -> None:
+        """The chains cached now, parents before children."""
+        cached = {b.block_hash: (b.parent_hash, block_id) for block_id, b in self.state.blocks.items()
+                  if b.block_hash is not None}
+        drawn: set[str] = set()
+        for block_hash in sorted(cached, key=lambda h: cached[h][1]):
+            chain = []  # this block and its ancestors not drawn yet, child first (chains run to thousands)
+            while block_hash in cached and block_hash not in drawn:
+                chain.append(block_hash)
+                drawn.add(block_hash)
+                block_hash = cached[block_hash][0]
+            for block_hash in reversed(chain):
+                self._cached(block_hash, *cached[block_hash])
+
+    def _cached(self, block_hash: str, parent_hash: str | None, block_id: int) -> None:
+        if block_hash in self._node:  # cached again after an eviction: same place in its chain
+            self.nodes.set(self._node[block_hash], block_id=block_id, status="cached", color=CACHED_NODE)
             return
-        parent = self._node.get(e.parent_hash) if e.parent_hash else None
+        parent = self._node.get(parent_hash) if parent_hash else None
         if parent is not None:
             px, py = self.nodes.get(parent, "x"), self.nodes.get(parent, "y")
-        if parent is not None and e.parent_hash not in self._has_child:
+        if parent is not None and parent_hash not in self._has_child:
             x, y = px + 1, py  # the chain goes on in its parent's lane
         else:  # a new root, or a branch off a parent that has a child already: a new lane, drawn downwards
             x, y = (px + 1 if parent is not None else 0), -self._lanes
             self._lanes += 1
         if parent is not None:
-            self._has_child.add(e.parent_hash)
+            self._has_child.add(parent_hash)
             self.edges.append(x0=px, y0=py, x1=x, y1=y)
-        self._node[e.block_hash] = self.nodes.append(x=x, y=y, hash=e.block_hash[:12],
-                                                     parent=(e.parent_hash or "")[:12], block_id=e.block_id,
+        self._node[block_hash] = self.nodes.append(x=x, y=y, hash=block_hash[:12],
+                                                     parent=(parent_hash or "")[:12], block_id=block_id,
                                                      status="cached", color=CACHED_NODE)
 
     def reset(self) -> None:

@@ -9,10 +9,10 @@ from engine.events import StepRecord
 from workbench.state import EngineState, RequestState, StepDelta
 from workbench.views.base import View
 
-COLUMNS = {  # field: title
-    "request_id": "request", "status": "status", "phase": "phase", "num_prompt_tokens": "prompt",
+COLUMNS = {  # field: title; the text early and wrapped, so a notebook cell at 1280 px shows it
+    "request_id": "request", "status": "status", "phase": "phase", "text": "text", "num_prompt_tokens": "prompt",
     "num_output_tokens": "output", "num_cached_tokens": "cached", "ttft_ms": "TTFT ms", "itl_ms": "ITL ms",
-    "finish_reason": "finish", "text": "text",
+    "finish_reason": "finish",
 }
 _DTYPES = {"request_id": "object", "status": "object", "phase": "object", "num_prompt_tokens": "int64",
            "num_output_tokens": "int64", "num_cached_tokens": "int64", "ttft_ms": "float64", "itl_ms": "float64",
@@ -50,8 +50,8 @@ class RequestsView(View):
         float_format = NumberFormatter(format="0.0", nan_format="-")
         self.table = pn.widgets.Tabulator(
             _frame([]), show_index=False, disabled=True, selectable=1, height=280,
-            sizing_mode="stretch_width", titles=COLUMNS, widths={"text": 480},
-            formatters={"ttft_ms": float_format, "itl_ms": float_format})
+            sizing_mode="stretch_width", titles=COLUMNS, widths={"text": 320},
+            formatters={"ttft_ms": float_format, "itl_ms": float_format, "text": {"type": "textarea"}})
 
     @property
     def panel(self) -> pn.widgets.Tabulator:
@@ -65,6 +65,12 @@ class RequestsView(View):
             if rid in self._index:
                 self._rows[self._index[rid]] = _row(self.state.requests[rid])
                 self._dirty = True
+
+    def show_state(self) -> None:
+        for rid, req in self.state.requests.items():
+            self._index[rid] = len(self._rows)
+            self._rows.append(_row(req))
+        self._dirty = True
 
     def flush(self) -> None:
         if self._dirty:

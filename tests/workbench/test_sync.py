@@ -1,0 +1,102 @@
+"""workbench.views.sync without a browser: a Workbench displayed as a notebook displays it, with a comm the
+"browser" opens only after several steps (Run All). Nothing may be sent before it opens; when it opens, what
+was drawn arrives at once and in step order; after that each draw is one message. The real thing is
+tests/test_browser_lab.py."""
+from __future__ import annotations
+
+import json
+
+import panel as pn
+import pytest
+import pyviz_comms
+
+from engine import LLMEngine, SamplingParams
+from workbench.app import Workbench
+
+
+class _Wire:
+    """What a comm puts on the wire: every send, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def send(self, data=None, metadata=None, buffers=None) -> None:
+        self.sent.append((data, metadata, buffers))
+
+
+class _ServerComm(pyviz_comms.Comm):
+    """A kernel-side comm that is open once `init` has run (as pyviz_comms.JupyterComm: the browser asked)."""
+
+    def init(self, on_msg=None) -> None:
+        self._comm = _Wire()
+
+    def send(self, data=None, metadata=None, buffers=[]) -> None:
+        if not self._comm:
+            self.init()
+        self._comm.send(data, metadata=metadata, buffers=buffers)
+
+
+class _Manager(pyviz_comms.CommManager):
+    _comms = {}
+    server_comm = _ServerComm
+    client_comm = pyviz_comms.Comm
+
+
+@pytest.fixture
+def displayed(monkeypatch):
+    """A Workbench over tiny-llama with two requests queued, displayed; its comm not open yet."""
+    monkeypatch.setattr(pn.state, "_comm_manager", _Manager)
+    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=32, max_num_batched_tokens=16,
+                       max_model_len=256)
+    for prompt in ("The capital of France is", "A paged KV cache stores keys and values in blocks"):
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    wb = Workbench(engine)
+    wb._repr_mimebundle_()
+    (ref, (comm, client_comm)), = wb.layout._comms.items()
+    yield wb, comm, client_comm
+    pn.state._views.pop(ref, None)
+
+
+def _streamed_steps(wire: _Wire, wb: Workbench) -> list[int]:
+    """The step numbers streamed to the scheduler_steps source, in the order the messages carry them."""
+    source_id = wb.dashboard.timeline.steps.source.id
+    steps = []
+    for data, _, _ in wire.sent:
+        if not isinstance(data, str) or '"events"' not in data:
+            continue
+        for event in json.loads(data)["events"]:
+            if event["kind"] == "ColumnsStreamed" and event["model"]["id"] == source_id:
+                steps += event["data"]["entries"][0][1] if "entries" in event["data"] else event["data"]["step"]
+    return steps
+
+
+def test_nothing_is_sent_before_the_browser_opens_the_comm_then_everything_in_order(displayed):
+    wb, comm, client_comm = displayed
+    for _ in range(3):
+        wb.step(1)
+    wb.request_form.prompt.value = "A change Panel pushes by itself"
+    assert not isinstance(comm._comm, _Wire), "the comm is not open: nothing has gone out"
+    client_comm._on_open({})  # the browser rendered the output and opened its comm
+    wire = comm._comm
+    assert isinstance(wire, _Wire)
+    assert _streamed_steps(wire, wb) == [1, 2, 3] == wb.dashboard.timeline.steps.source.data["step"]
+    sent = len(wire.sent)
+    wb.step(1)
+    assert _streamed_steps(wire, wb) == [1, 2, 3, 4]
+    assert sum('"PATCH-DOC"' in str(data) for data, _, _ in wire.sent[sent:]) == 1, "one draw, one message"
+
+
+def test_a_draw_sends_nothing_until_it_ends(displayed):
+    """Inside `drawing`, Panel's own pushes (a Markdown's text, a table's value) are held: the browser never
+    sees half a step."""
+    from workbench.views.sync import drawing
+
+    wb, comm, client_comm = displayed
+    client_comm._on_open({})
+    wire = comm._comm
+    sent = len(wire.sent)
+    with drawing(wb.layout):
+        wb.step_text.object = "step 41"
+        wb.title.object = "## a title"
+        assert len(wire.sent) == sent
+    assert sum('"PATCH-DOC"' in str(data) for data, _, _ in wire.sent[sent:]) == 1

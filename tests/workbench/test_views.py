@@ -281,3 +281,57 @@ def test_replay_moves_through_a_trace_with_the_slider(run, tmp_path):
     replay.step_button.clicks += 1
     assert replay.step_text.object == "step 3"
     assert replay.dashboard.timeline.steps.source.data["step"] == [1, 2, 3]
+
+
+# ---- scales that show the data -----------------------------------------------------------------------------------
+def _ticks_are_integers(axis) -> bool:
+    return getattr(axis.ticker, "min_interval", 0) >= 1
+
+
+def test_axes_fit_the_data_not_the_budget_or_the_cache_size(run):
+    """A budget of 2048 or a cache of 1455 blocks, drawn beside bars of 13 tokens or 30 used blocks, must not
+    set the scale: the y axes fit the data (the budget and the size are in the titles, their lines clipped)."""
+    dashboard = Dashboard(2048, 1455)
+    dashboard.tabs().get_root(Document())
+    dashboard.extend(run.records)
+    tokens = dashboard.timeline.tokens_figure
+    bars = [r for r in tokens.renderers if r.data_source is dashboard.timeline.segments.source]
+    assert tokens.y_range.renderers == bars and tokens.y_range.start == 0
+    assert "budget 2048" in tokens.title.text
+    kv = dashboard.metrics.kv_figure
+    assert kv.y_range.renderers and all(r.glyph.__class__.__name__ == "VArea" for r in kv.y_range.renderers)
+    assert kv.title.text.endswith(f"of {run.records[-1].kv.total} blocks")
+
+
+def test_counts_get_integer_ticks_and_rates_run_from_0_to_1(run):
+    dashboard = Dashboard(BUDGET, 11)
+    dashboard.tabs().get_root(Document())
+    timeline, metrics, prefix = dashboard.timeline, dashboard.metrics, dashboard.prefix
+    figures = [pane.object for pane in timeline.panel.objects]
+    for fig in figures:  # tokens per step; queue depths (no 0.5 request)
+        assert _ticks_are_integers(fig.xaxis[0]) and _ticks_are_integers(fig.yaxis[0]), fig.title.text
+    assert _ticks_are_integers(metrics.kv_figure.yaxis[0])
+    rate = prefix.panel.objects[0].objects[1].object
+    assert (rate.y_range.start, rate.y_range.end) == (0, 1.05) and _ticks_are_integers(rate.xaxis[0])
+    hits = prefix.panel.objects[0].objects[0].object
+    assert hits.xaxis[0].formatter.args["source"] is prefix.hits.source  # bars named by request, not -0.5
+
+
+def test_grammar_and_speculative_views_label_their_rows_and_explain_their_colours():
+    grammar, spec = rendered(GrammarView()), rendered(SpecDecodeView())
+    grammar_fig = grammar.empty.content.objects[0].object
+    assert grammar_fig.yaxis[0].visible and grammar_fig.yaxis[0].formatter.args["source"] is grammar.cells.source
+    assert any(type(r).__name__ == "ColorBar" for r in grammar_fig.right)
+    spec_fig = spec.empty.content.objects[1].objects[0].object
+    assert spec_fig.yaxis[0].formatter.args["source"] is spec.cells.source
+    spec.update(StepRecord(1, 0, 1, {"0": 3}, {"0": "verify"}, 0, 1, KVUsage(8, 1, 0, 7), {}, [
+        SpecProposed(1, "0", "ngram", (5, 6)),
+        SpecVerified(1, "0", (5, 6), (True, False), (0.9, 0.1), (1.0, 1.0), 7, False)]))
+    assert spec.cells.source.data["row"][0] == "step 1 · 0"
+    assert {item.label["field"] for item in spec_fig.legend[0].items} == {"outcome"}
+
+
+def test_the_requests_table_shows_its_text_early_and_wrapped():
+    table = RequestsView().table
+    assert list(table.value.columns).index("text") <= 3
+    assert table.formatters["text"] == {"type": "textarea"}

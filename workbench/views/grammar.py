@@ -3,12 +3,12 @@ at each position, and what compiling each grammar cost. Empty until the first gr
 from __future__ import annotations
 
 import panel as pn
-from bokeh.models import DataTable, HoverTool, NumberFormatter, TableColumn
+from bokeh.models import ColorBar, DataTable, HoverTool, NumberFormatter, TableColumn
 from bokeh.transform import log_cmap
 
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
-from workbench.views.base import View, new_figure
+from workbench.views.base import View, counts_on, label_ticks, new_figure
 from workbench.views.empty import EmptyState
 
 _VOCAB = 49152  # the colour scale's top: SmolLM2's vocabulary (a position that allows every token)
@@ -39,14 +39,17 @@ class GrammarView(View):
     def _figure(self):
         fig = new_figure("Allowed tokens per output position (guided requests)", height=280,
                          x_axis_label="output position", y_axis_label="request")
+        colors = log_cmap("num_allowed_tokens", "Viridis256", 1, _VOCAB)
         cells = fig.rect(x="x", y="y", width=0.95, height=0.9, source=self.cells.source, line_color=None,
-                         fill_color=log_cmap("num_allowed_tokens", "Viridis256", 1, _VOCAB))
+                         fill_color=colors)
         fig.text(x="x", y="y", text="text", source=self.cells.source, text_align="center", text_baseline="middle",
                  text_font_size="9px", text_color="white")
         fig.add_tools(HoverTool(renderers=[cells], tooltips=[
             ("request", "@request_id"), ("position", "@x"), ("allowed tokens", "@num_allowed_tokens"),
             ("token", "@sampled_token @text"), ("terminated", "@terminated"), ("forced next", "@jump_forward")]))
-        fig.yaxis.visible = False
+        label_ticks(fig.yaxis, self.cells.source, "y", "request_id")
+        counts_on(fig.xaxis)
+        fig.add_layout(ColorBar(color_mapper=colors["transform"], title="tokens allowed", width=10), "right")
         return fig
 
     @property

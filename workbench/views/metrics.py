@@ -8,7 +8,7 @@ from bokeh.models import HoverTool
 
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
-from workbench.views.base import View, legend_above, new_figure
+from workbench.views.base import View, counts_on, fit_to, legend_above, new_figure
 from workbench.views.colors import CACHED_FREE_COLOR
 
 # Fixed log-spaced bins (10 per decade, 0.1 ms to 1000 s): a new latency updates one bin, never a rebinning.
@@ -55,6 +55,7 @@ class MetricsView(View):
 
     def _throughput_figure(self):
         fig = new_figure("Throughput per step", x_axis_label="step", y_axis_label="tokens / s")
+        counts_on(fig.xaxis)
         fig.line(x="step", y="tokens_per_s", source=self.throughput.source, line_width=2, legend_label="scheduled")
         fig.line(x="step", y="output_tokens_per_s", source=self.throughput.source, line_width=2, color="#ff7f0e",
                  legend_label="output")
@@ -62,15 +63,22 @@ class MetricsView(View):
         return fig
 
     def _kv_figure(self):
-        fig = new_figure("KV cache usage", x_axis_label="step", y_axis_label="blocks")
-        fig.varea_stack(["used", "cached_free"], x="step", source=self.kv.source, color=["#1f77b4", CACHED_FREE_COLOR],
-                        legend_label=["used", "cached-free"])
+        """Blocks used and cached-free; the cache's size in the title and as a line the axis does not fit to (a
+        1455-block cache would flatten 30 used blocks)."""
+        fig = new_figure("KV cache usage (blocks)", x_axis_label="step", y_axis_label="blocks")
+        areas = fig.varea_stack(["used", "cached_free"], x="step", source=self.kv.source,
+                                color=["#1f77b4", CACHED_FREE_COLOR], legend_label=["used", "cached-free"])
         fig.line(x="step", y="total", source=self.kv.source, color="black", line_dash="dashed", legend_label="total")
+        fit_to(fig, *areas)
+        counts_on(fig.xaxis, fig.yaxis)
         legend_above(fig)
+        self.kv_figure = fig
         return fig
 
     def _histogram(self, title: str, buf, color: str):
         fig = new_figure(title, x_axis_type="log", x_axis_label="ms", y_axis_label="count")
+        fig.y_range.start = 0
+        counts_on(fig.yaxis)
         bars = fig.quad(left="left", right="right", bottom=0, top="count", source=buf.source, fill_color=color,
                         line_color="white")
         fig.add_tools(HoverTool(renderers=[bars], tooltips=[("ms", "@left{0.0[00]} - @right{0.0[00]}"),
@@ -92,6 +100,8 @@ class MetricsView(View):
         self.throughput.append(step=record.step, tokens_per_s=tokens / seconds,
                                output_tokens_per_s=delta.num_output_tokens / seconds)
         self.kv.append(step=record.step, used=record.kv.used, cached_free=record.kv.cached_free, total=record.kv.total)
+        if not self.kv_figure.title.text.endswith(f"of {record.kv.total} blocks"):
+            self.kv_figure.title.text = f"KV cache usage, of {record.kv.total} blocks"
         for buf, values in ((self.ttft, delta.ttfts_ms), (self.itl, delta.itls_ms)):
             for ms in values:
                 index = latency_bin(ms)

@@ -3,11 +3,11 @@ Empty until the first spec.* event (an engine with a speculative_config)."""
 from __future__ import annotations
 
 import panel as pn
-from bokeh.models import HoverTool
+from bokeh.models import HoverTool, Range1d
 
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
-from workbench.views.base import View, new_figure
+from workbench.views.base import View, counts_on, label_ticks, legend_above, new_figure
 from workbench.views.empty import EmptyState
 
 ACCEPTED, REJECTED, BONUS, RECOVERED = "#2ca02c", "#d62728", "#f2b701", "#9467bd"
@@ -23,8 +23,8 @@ class SpecDecodeView(View):
 
     def __init__(self, state: EngineState | None = None) -> None:
         super().__init__(state)
-        self.cells = self.buffer(["x", "y", "step", "request_id", "token_id", "outcome", "p_target", "p_draft",
-                                  "color"], name="spec_tokens")
+        self.cells = self.buffer(["x", "y", "step", "request_id", "row", "token_id", "outcome", "p_target",
+                                  "p_draft", "color"], name="spec_tokens")
         self.by_position = self.buffer(["position", "proposed", "accepted", "rate"], name="spec_acceptance")
         self._rows = 0
         self.methods = pn.pane.Markdown("", margin=(0, 10))
@@ -38,16 +38,19 @@ class SpecDecodeView(View):
         fig = new_figure("Draft tokens per step and request", height=300, x_axis_label="draft position",
                          y_axis_label="verification (newest at the bottom)")
         cells = fig.rect(x="x", y="y", width=0.9, height=0.85, source=self.cells.source, fill_color="color",
-                         line_color=None)
+                         line_color=None, legend_field="outcome")
         fig.add_tools(HoverTool(renderers=[cells], tooltips=[
             ("step", "@step"), ("request", "@request_id"), ("position", "@x"), ("token", "@token_id"),
             ("outcome", "@outcome"), ("p target / draft", "@p_target{0.000} / @p_draft{0.000}")]))
-        fig.yaxis.visible = False
+        label_ticks(fig.yaxis, self.cells.source, "y", "row")
+        counts_on(fig.xaxis)
+        legend_above(fig)
         return fig
 
     def _acceptance_figure(self):
         fig = new_figure("Acceptance rate by draft position", height=300, x_axis_label="draft position",
-                         y_axis_label="accepted / proposed")
+                         y_axis_label="accepted / proposed", y_range=Range1d(0, 1.05))
+        counts_on(fig.xaxis)
         bars = fig.vbar(x="position", top="rate", width=0.8, source=self.by_position.source, color=ACCEPTED)
         fig.add_tools(HoverTool(renderers=[bars], tooltips=[
             ("position", "@position"), ("accepted", "@accepted / @proposed"), ("rate", "@rate{0.00}")]))
@@ -75,7 +78,7 @@ class SpecDecodeView(View):
     def _verified(self, step: int, e) -> None:
         y = -self._rows
         self._rows += 1
-        row = dict(y=y, step=step, request_id=e.request_id)
+        row = dict(y=y, step=step, request_id=e.request_id, row=f"step {step} · {e.request_id}")
         for position, (token, ok, p_target, p_draft) in enumerate(zip(e.draft_token_ids, e.accepted, e.p_target,
                                                                      e.p_draft)):
             self.cells.append(x=position, token_id=token, outcome="accepted" if ok else "rejected", p_target=p_target,

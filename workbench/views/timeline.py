@@ -6,25 +6,37 @@ from bokeh.models import HoverTool
 
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
-from workbench.views.base import View, legend_above, new_figure
+from workbench.views.base import View, counts_on, fit_to, legend_above, new_figure
 
 PHASE_COLORS = {"prefill": "#1f77b4", "chunk": "#9467bd", "decode": "#2ca02c", "verify": "#d62728"}
 
 
 class SchedulerTimeline(View):
     """Owns the scheduler timeline: per step, the tokens each request got, stacked and coloured by phase
-    (prefill, chunk, decode, verify), the token budget as a line, and the waiting and running queue depths."""
+    (prefill, chunk, decode, verify), the token budget in the title and as a line (clipped: the axis fits the
+    bars), and the waiting and running queue depths."""
 
     title = "Scheduler timeline"
 
     def __init__(self, state: EngineState | None = None, budget: int | None = None) -> None:
         super().__init__(state)
-        self.budget = budget
         self.segments = self.buffer(["step", "bottom", "top", "request_id", "phase", "num_tokens", "color"],
                                     name="scheduler_timeline")
         self.steps = self.buffer(["step", "total", "budget", "num_waiting", "num_running"], name="scheduler_steps")
-        self._panel = pn.Column(pn.pane.Bokeh(self._tokens_figure()), pn.pane.Bokeh(self._queues_figure()),
+        self.tokens_figure = self._tokens_figure()
+        self._panel = pn.Column(pn.pane.Bokeh(self.tokens_figure), pn.pane.Bokeh(self._queues_figure()),
                                 sizing_mode="stretch_width")
+        self.budget = budget
+
+    @property
+    def budget(self) -> int | None:
+        return self._budget
+
+    @budget.setter
+    def budget(self, budget: int | None) -> None:
+        self._budget = budget
+        suffix = f" (budget {budget})" if budget else ""
+        self.tokens_figure.title.text = f"Tokens per step, by request and phase{suffix}"
 
     def _tokens_figure(self):
         fig = new_figure("Tokens per step, by request and phase", x_axis_label="step", y_axis_label="tokens")
@@ -32,6 +44,8 @@ class SchedulerTimeline(View):
                         source=self.segments.source, legend_field="phase")
         fig.step(x="step", y="budget", source=self.steps.source, mode="center", color="black",
                  line_dash="dashed", legend_label="token budget")
+        fit_to(fig, bars)
+        counts_on(fig.xaxis, fig.yaxis)
         fig.add_tools(HoverTool(renderers=[bars], tooltips=[
             ("step", "@step"), ("request", "@request_id"), ("phase", "@phase"), ("tokens", "@num_tokens")]))
         legend_above(fig)
@@ -39,12 +53,14 @@ class SchedulerTimeline(View):
         return fig
 
     def _queues_figure(self):
-        fig = new_figure("Queue depths", height=170, x_range=self._x_range, x_axis_label="step",
+        fig = new_figure("Queue depths", height=190, x_range=self._x_range, x_axis_label="step",
                          y_axis_label="requests")
         fig.step(x="step", y="num_waiting", source=self.steps.source, mode="center", color="#ff7f0e",
                  line_width=2, legend_label="waiting")
         fig.step(x="step", y="num_running", source=self.steps.source, mode="center", color="#2ca02c",
                  line_width=2, legend_label="running")
+        fig.y_range.start = 0
+        counts_on(fig.xaxis, fig.yaxis)
         legend_above(fig)
         return fig
 

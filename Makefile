@@ -21,7 +21,7 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBSTRIPOUT := "$(abspath $(BIN))/python" -m nbstripout --keep-id --extra-keys "$(foreach k,codemirror_mode \
 	file_extension mimetype nbconvert_exporter pygments_lexer version,metadata.language_info.$(k))"
 
-.PHONY: lab test bench strip
+.PHONY: lab test bench strip screenshots
 
 lab: $(EDITABLE) $(GIT_FILTER)
 	PANEL_INLINE=true $(BIN)/jupyter lab --ip 127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_tour.ipynb
@@ -29,6 +29,13 @@ lab: $(EDITABLE) $(GIT_FILTER)
 # No pipe and no `|| true`: pytest's exit code (5 when nothing was collected) is make's.
 test: $(EDITABLE) $(GIT_FILTER)
 	$(BIN)/python -m pytest -q --durations=15 tests/ $(PYTEST_ARGS)
+
+# The README's images, made on purpose (tests write only to temporary folders): the served dashboard and the tour
+# in JupyterLab, on the default model, taken by the browser tests (they need /usr/bin/chromium).
+screenshots: $(EDITABLE)
+	WORKBENCH_SCREENSHOTS=$(CURDIR)/docs/img $(BIN)/python -m pytest -q tests/workbench/test_browser.py \
+		tests/test_browser_lab.py
+	@ls -l docs/img/dashboard.png docs/img/tour.png
 
 bench: $(EDITABLE)
 	$(BIN)/workbench bench throughput

@@ -245,7 +245,11 @@ def test_run_all_then_step_shows_exactly_what_the_kernel_drew(lab_url, tmp_path)
             text_column.scroll_into_view_if_needed()
             box = text_column.bounding_box()
             assert box is not None and box["x"] + box["width"] <= 1280, box
-            if SCREENSHOT_DIR:
+            if SCREENSHOT_DIR:  # the dashboard at the top, the file browser folded away
+                page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()
+                title = page.get_by_text(re.compile(r"^Inference Workbench · "))
+                title.evaluate("element => element.scrollIntoView({block: 'start'})")
+                page.wait_for_timeout(1000)
                 page.screenshot(path=str(Path(SCREENSHOT_DIR) / "tour.png"))
         finally:
             browser.close()

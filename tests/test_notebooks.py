@@ -18,6 +18,7 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 KERNEL_NAME = "workbench-test"
 CELL_TIMEOUT_S = 600
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+PROGRESS_BAR = re.compile(r"\d+%\|")  # tqdm's text bar: noise in a lesson's output
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def kernel_spec_manager(tmp_path_factory) -> KernelSpecManager:
 def run_notebook(path: Path, kernel_spec_manager: KernelSpecManager) -> str | None:
     """Execute an in-memory copy of the notebook (the file is never written), cwd = its folder.
 
-    Returns the failing cell's source and traceback, or None when every cell ran.
+    Returns the failing cell's source and traceback, or a cell that printed a progress bar, or None.
     """
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=kernel_spec_manager)
@@ -46,6 +47,10 @@ def run_notebook(path: Path, kernel_spec_manager: KernelSpecManager) -> str | No
     except CellExecutionError as err:
         # The kernel colours its traceback; escape codes make CI logs unreadable.
         return ANSI_ESCAPE.sub("", str(err))
+    for index, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and PROGRESS_BAR.search(out.get("text", "")):
+                return f"cell {index} printed a progress bar: {out['text'][-200:]!r}"
     return None
 
 

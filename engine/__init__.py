@@ -6,11 +6,14 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.events import EngineSnapshot, Event, KVUsage, StepRecord
-from engine.request import RequestOutput, RequestStatus, SamplingParams, StructuredOutputsParams
+from engine.outputs import RequestOutput
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The engine classes pull in the model code (and transformers): import them on first use, so that the
 # scheduler, the block pool and the CLI start fast.
-_LAZY = {"LLM": "engine.llm_engine", "LLMEngine": "engine.llm_engine"}
+_LAZY = {"LLM": "engine.entrypoints.llm", "LLMEngine": "engine.llm_engine",
+         "PDCluster": "engine.entrypoints.pd_cluster", "resolve_model": "engine.model.loader"}
 
 
 def __getattr__(name: str) -> Any:
@@ -21,5 +24,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-    "RequestStatus", "StepRecord", "KVUsage", "Event", "EngineSnapshot",
+    "RequestStatus", "StepRecord", "KVUsage", "Event", "EngineSnapshot", "PDCluster", "resolve_model",
 ]

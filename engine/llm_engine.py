@@ -1,4 +1,4 @@
-"""LLMEngine: add_request / step / abort over the scheduler, KV cache manager and model runner; LLM on top."""
+"""LLMEngine: add_request / step / abort over the scheduler, KV cache manager and model runner."""
 from __future__ import annotations
 
 import itertools
@@ -8,15 +8,17 @@ from typing import Any, Sequence
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_hex
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.scheduler import Scheduler
+from engine.core.sched.scheduler import Scheduler
 from engine.events import (BlockSnapshot, EngineSnapshot, EventLog, RequestAdded, RequestSnapshot, RequestTokens,
                            StepRecord, StepTiming, Subscriber)
 from engine.model.loader import resolve_model
 from engine.model.runner import ModelRunner
 from engine.output_processor import IncrementalDetokenizer, make_output
-from engine.structured.manager import StructuredOutputManager
-from engine.structured.xgrammar_backend import validate_structured_outputs
-from engine.request import Request, RequestOutput, RequestStatus, SamplingParams, batch_prompts
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.structured_output.backend_xgrammar import validate_structured_outputs
+from engine.structured_output.manager import StructuredOutputManager
 
 
 class LLMEngine:
@@ -47,7 +49,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, self.events)
         self.connector = None
         if config.kv_transfer is not None:
-            from engine.kv_transfer import create_connector
+            from engine.kv_transfer.factory import create_connector
 
             self.connector = create_connector(config, shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                               self.events)
@@ -270,53 +272,3 @@ class LLMEngine:
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-
-
-class LLM:
-    """Offline batch inference over an LLMEngine: generate() and chat() run requests to completion."""
-
-    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(self, prompts: str | Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. `params`: one for all, or one per prompt."""
-        ids = []
-        try:
-            for prompt, p in batch_prompts(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
-        except (ValueError, TypeError):
-            for rid in ids:  # a bad prompt refuses the whole batch before any work is done
-                self.engine.abort(rid)
-                self.engine.pop_output(rid)
-            raise
-        return self._run(ids, use_tqdm)
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm.auto import tqdm
-
-        pending = set(ids)
-        # disable=None: a bar on an interactive terminal (and in a notebook, where tqdm.auto draws a widget), none
-        # when stderr is piped or redirected; use_tqdm=False turns it off everywhere.
-        with tqdm(total=len(ids), desc="generate", disable=None if use_tqdm else True, unit="req") as bar:
-            while pending:
-                record = self.engine.step()
-                done = {e.request_id for e in record.of_kind("request.finished")} & pending
-                pending -= done
-                bar.update(len(done))
-        return [self.engine.pop_output(rid) for rid in ids]
-
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            list(self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
-            for c in conversations
-        ]
-        return self.generate(prompts, params, use_tqdm)

@@ -1,7 +1,8 @@
 """Incremental detokenization, stop strings, and RequestOutputs: the engine's text side."""
 from __future__ import annotations
 
-from engine.request import Request, RequestOutput
+from engine.outputs import RequestOutput
+from engine.request import Request
 
 
 class IncrementalDetokenizer:

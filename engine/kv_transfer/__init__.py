@@ -1,12 +1,3 @@
-"""KV transfer between engine instances (disaggregated prefill/decode), as vLLM V1's KV connectors."""
-from engine.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVLoadError, ReqMeta
-from engine.kv_transfer.factory import create_connector
-
-__all__ = ["KVConnectorBase", "KVConnectorMetadata", "KVLoadError", "ReqMeta", "create_connector", "PDCluster"]
-
-
-def __getattr__(name: str):
-    if name == "PDCluster":  # multiprocessing machinery: loaded only when asked for
-        from engine.kv_transfer.pd import PDCluster
-        return PDCluster
-    raise AttributeError(name)
+"""KV transfer between engine instances (disaggregated prefill/decode), as vLLM V1's KV connectors: the interface
+(base.py), the connectors, and the factory that picks one by name. PDCluster, which runs instances in
+processes behind a router, is an entrypoint: engine.entrypoints.pd_cluster."""

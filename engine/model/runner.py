@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.core.scheduler import SchedulerOutput
+from engine.core.sched.scheduler import SchedulerOutput
 from engine.events import EventLog
 from engine.model.attention import AttentionMetadata
 from engine.model.block_table import BlockTable
 from engine.model.llama import load_model
-from engine.model.sampler import Sampler, SamplingMetadata
-from engine.spec.decoder import SpecDecoder
+from engine.sample.sampler import Sampler, SamplingMetadata
+from engine.spec_decode.decoder import SpecDecoder
 
 
 @dataclass
@@ -103,7 +103,7 @@ class ModelRunner:
             return ModelRunnerOutput({}, {}, forward_ms=(time.perf_counter() - t0) * 1e3)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if grammar_bitmask is not None:
-            from engine.structured.xgrammar_backend import apply_bitmask
+            from engine.structured_output.backend_xgrammar import apply_bitmask
 
             apply_bitmask(logits, grammar_bitmask, guided_rows)
         t1 = time.perf_counter()

@@ -5,9 +5,10 @@ from typing import Callable
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sched.scheduler import Scheduler, SchedulerOutput
 from engine.events import Event, EventLog
-from engine.request import Request, SamplingParams
+from engine.request import Request
+from engine.sampling_params import SamplingParams
 
 EOS = 2
 # A token that is neither EOS nor a stop token in any test.

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kv_transfer import PDCluster
+from engine import PDCluster
 
 KW = dict(block_size=16, num_kv_blocks=64, max_model_len=512)
 PROMPTS = ["The capital of France is a city of light, of river banks and of long avenues where",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kv_transfer import PDCluster
+from engine import PDCluster
 
 pytestmark = pytest.mark.slow
 

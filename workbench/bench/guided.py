@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from engine import LLM
-from engine.structured.xgrammar_backend import apply_bitmask
+from engine.structured_output.backend_xgrammar import apply_bitmask
 from workbench.bench.datasets import BenchRequest, json_schema_requests
 from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table, text_table
 from workbench.bench.serve import request_params

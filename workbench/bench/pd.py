@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from engine.events import StepRecord
-from engine.request import SamplingParams
+from engine.sampling_params import SamplingParams
 from workbench.bench.datasets import BenchRequest
 
 SAMPLE_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:"]
@@ -63,7 +63,7 @@ def write_traces(trace_dir: str, model: str, records: dict[str, list[StepRecord]
 
 
 def run_pd_command(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
-    from engine.kv_transfer import PDCluster
+    from engine import PDCluster
 
     prompts = SAMPLE_PROMPTS
     if args.prompts:
@@ -286,7 +286,7 @@ def run_pd(model: str = "smollm2-135m", connector: str = "shared_storage", runs:
     import torch
 
     from engine import LLM
-    from engine.kv_transfer import PDCluster
+    from engine import PDCluster
 
     if long_len + long_output_len > max_num_batched_tokens:
         raise ValueError(f"long_len: {long_len} prompt + {long_output_len} output tokens must fit "

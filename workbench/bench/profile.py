@@ -23,12 +23,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import kernels
 from engine import LLM, SamplingParams, StepRecord
-from engine.core.scheduler import Scheduler, SchedulerOutput
+from engine.core.sched.scheduler import Scheduler, SchedulerOutput
 from engine.events import EventLog
 from engine.llm_engine import LLMEngine
 from engine.model.llama import LlamaForCausalLM
 from engine.model.runner import ModelRunner
-from engine.model.sampler import Sampler
+from engine.sample.sampler import Sampler
 from engine.output_processor import IncrementalDetokenizer
 from workbench.bench.datasets import random_requests, token_id_range
 from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table, text_table

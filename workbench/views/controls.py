@@ -9,7 +9,7 @@ from typing import Any, Callable
 import panel as pn
 
 from engine.config import EngineConfig
-from engine.request import SamplingParams, StructuredOutputsParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 NO_GUIDE, JSON_SCHEMA, REGEX = "none", "JSON schema", "regex"
 NO_SPEC = "none"

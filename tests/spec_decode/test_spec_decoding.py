@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from engine.model import resolve_model
-from engine.spec.ngram import NgramProposer
+from engine.spec_decode.ngram_proposer import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 DRAFT = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 4}

@@ -11,7 +11,7 @@ import xgrammar as xgr
 from jsonschema import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
 
-from engine.request import StructuredOutputsParams
+from engine.sampling_params import StructuredOutputsParams
 
 
 def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:

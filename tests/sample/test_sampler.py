@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.model.sampler import Sampler, SamplingMetadata, apply_top_p
+from engine.sample.sampler import Sampler, SamplingMetadata, apply_top_p
 
 # Distinct logits over a small vocabulary, so every filter has a unique answer.
 LOGITS = [2.0, 1.5, 1.0, 0.6, 0.3, 0.0, -0.5, -1.2]

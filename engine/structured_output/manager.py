@@ -9,7 +9,7 @@ import torch
 
 from engine.events import EventLog, GrammarCompiled, GrammarStep
 from engine.request import Request, RequestStatus
-from engine.structured.xgrammar_backend import Grammar, XgrammarBackend, apply_bitmask, grammar_key
+from engine.structured_output.backend_xgrammar import Grammar, XgrammarBackend, apply_bitmask, grammar_key
 
 
 @dataclass

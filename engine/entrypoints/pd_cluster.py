@@ -30,7 +30,9 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Sequence
 
-from engine.request import RequestOutput, SamplingParams, batch_prompts
+from engine.entrypoints.llm import batch_prompts
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 
 CONNECTOR_NAMES = {"shared_storage": "SharedStorageConnector", "redis": "RedisConnector"}
 Prompt = str | Sequence[int]

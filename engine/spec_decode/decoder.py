@@ -7,9 +7,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.events import EventLog
-from engine.spec.draft_model import DraftInput, DraftModelProposer
-from engine.spec.ngram import NgramProposer
-from engine.spec.rejection_sampler import RejectionSampler
+from engine.spec_decode.draft_model import DraftInput, DraftModelProposer
+from engine.spec_decode.ngram_proposer import NgramProposer
+from engine.sample.rejection_sampler import RejectionSampler
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner

@@ -15,7 +15,7 @@ import torch
 
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import load_model
-from engine.model.sampler import exponential_noise
+from engine.sample.sampler import exponential_noise
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.model import resolve_model
-from engine.structured.xgrammar_backend import XgrammarBackend, grammar_key
+from engine.structured_output.backend_xgrammar import XgrammarBackend, grammar_key
 
 SCHEMAS = {
     "person": {

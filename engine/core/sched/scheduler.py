@@ -7,58 +7,19 @@ When the KV cache is short, a running request is preempted (its blocks freed, re
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
-from engine.core.request_queue import create_request_queue
+from engine.core.sched.output import ScheduledRequest, SchedulerOutput
+from engine.core.sched.request_queue import create_request_queue
 from engine.events import EventLog, RequestFinished, RequestPreempted, RequestScheduled, SpecProposed
 from engine.kv_transfer.base import KVLoadError
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from engine.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
-    from engine.structured.manager import StructuredOutputManager
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: which of its tokens run, where they start, and where its KV lives."""
-
-    request: Request
-    num_new_tokens: int  # drafts included
-    num_computed_tokens: int  # before this step
-    phase: str
-    block_ids: list[int]
-    samples: bool  # this step reaches the request's last known token, so a new token is sampled
-    spec_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step runs, in batch order, plus what the runner must forget."""
-
-    scheduled: list[ScheduledRequest]
-    preempted_req_ids: list[str]
-    finished_req_ids: set[str]
-    kv_connector_metadata: KVConnectorMetadata | None = None
-
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request_id: s.num_new_tokens for s in self.scheduled}
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    from engine.kv_transfer.base import KVConnectorBase
+    from engine.structured_output.manager import StructuredOutputManager
 
 
 class Scheduler:

@@ -1,0 +1,73 @@
+"""LLM: offline batch inference over an LLMEngine (vLLM's `vllm/entrypoints/llm.py`)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+def batch_prompts(prompts, params: SamplingParams | Sequence[SamplingParams] | None
+                  ) -> list[tuple[str | list[int], SamplingParams]]:
+    """One prompt (text or token ids) or a list of them, with one SamplingParams for all or one per prompt, as
+    (prompt, params) pairs: what LLM.generate and PDCluster.generate take."""
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        params = [params or SamplingParams()] * len(prompts)
+    elif len(params) != len(prompts):
+        raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+    return list(zip(prompts, params))
+
+
+class LLM:
+    """Offline batch inference over an LLMEngine: generate() and chat() run requests to completion."""
+
+    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. `params`: one for all, or one per prompt."""
+        ids = []
+        try:
+            for prompt, p in batch_prompts(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+        except (ValueError, TypeError):
+            for rid in ids:  # a bad prompt refuses the whole batch before any work is done
+                self.engine.abort(rid)
+                self.engine.pop_output(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        pending = set(ids)
+        # disable=None: a bar on an interactive terminal (and in a notebook, where tqdm.auto draws a widget), none
+        # when stderr is piped or redirected; use_tqdm=False turns it off everywhere.
+        with tqdm(total=len(ids), desc="generate", disable=None if use_tqdm else True, unit="req") as bar:
+            while pending:
+                record = self.engine.step()
+                done = {e.request_id for e in record.of_kind("request.finished")} & pending
+                pending -= done
+                bar.update(len(done))
+        return [self.engine.pop_output(rid) for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            list(self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+            for c in conversations
+        ]
+        return self.generate(prompts, params, use_tqdm)

@@ -1,0 +1,37 @@
+"""What a user gets back for a request: its tokens, text, finish reason and timings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times of one request (time.monotonic seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What a user gets back for a request: its tokens, its text and why it finished."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    stop_reason: int | str | None = None
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    metrics: RequestMetrics | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # for the next instance (P/D: what the decode side loads)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

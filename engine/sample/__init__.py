@@ -1,0 +1,1 @@
+"""Sampling: the vLLM-order sampler (sampler.py) and exact rejection sampling of draft tokens (rejection_sampler.py)."""

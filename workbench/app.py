@@ -19,9 +19,9 @@ import panel as pn
 
 from engine.config import EngineConfig
 from engine.events import StepRecord
+from workbench.controls import EngineForm, RequestForm, Stepper
 from workbench.views import Dashboard, ensure_extension
 from workbench.views.sync import connect, drawing
-from workbench.views.controls import EngineForm, RequestForm, Stepper
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine

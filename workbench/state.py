@@ -1,5 +1,7 @@
 """The engine's state as the dashboards see it, rebuilt from StepRecords alone (so a replayed trace needs no model):
-requests with their timings and text, and which request holds which KV block and what hash it carries."""
+requests with their timings and text, which request holds which KV block and what hash it carries, and what the
+grammar, speculative-decoding, KV-transfer and prefix-cache events told. Each event is handled once, here; the
+views read this state and each record's StepDelta, never the events."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -72,8 +74,164 @@ class BlockState:
 
 
 @dataclass
+class GrammarCompile:
+    """One grammar compiled for a request: its cost in ms (queueing included) and whether the cache held it."""
+
+    request_id: str
+    ms: float
+    cache_hit: bool
+
+
+@dataclass
+class GrammarPosition:
+    """One output position of a guided request: the tokens the grammar allowed there, the token sampled (its text
+    when the step gave the request that one token), whether the grammar ended, and the text it forces next."""
+
+    request_id: str
+    position: int
+    num_allowed_tokens: int
+    sampled_token: int
+    terminated: bool
+    jump_forward: str | None = None
+    text: str = ""
+
+
+@dataclass
+class GrammarState:
+    """Owns guided decoding as its events tell it: every grammar compile in order, and per guided request (in the
+    order of their first grammar step) the allowed-token count at each output position."""
+
+    compiles: list[GrammarCompile] = field(default_factory=list)
+    positions: dict[str, list[GrammarPosition]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """One spec.verified: the step and request; per draft position the draft token, accepted or not, p_target and
+    p_draft; then the token emitted after the accepted prefix (the bonus token when every draft was accepted)."""
+
+    step: int
+    request_id: str
+    draft_token_ids: tuple[int, ...]
+    accepted: tuple[bool, ...]
+    p_target: tuple[float, ...]
+    p_draft: tuple[float, ...]
+    emitted_token: int
+    bonus: bool
+
+    def positions(self) -> list[tuple[int, bool, float, float]]:
+        """(draft token, accepted, p_target, p_draft) per draft position."""
+        return list(zip(self.draft_token_ids, self.accepted, self.p_target, self.p_draft))
+
+
+@dataclass
+class SpecState:
+    """Owns speculative decoding as its events tell it: the proposer's method, every verification in order, and
+    per draft position the drafts verified (`proposed`) and accepted there."""
+
+    method: str = ""
+    verifications: list[Verification] = field(default_factory=list)
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def rate(self, position: int) -> float:
+        """Accepted over verified drafts at a draft position."""
+        return self.accepted[position] / self.proposed[position]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One KV transfer of one instance (kind kv_transfer.save or .load) or its failure (kv_transfer.fail, which
+    moves nothing and names the failure, the policy's action and the tokens recomputed); `end_ns` is the end of
+    its step, `instance_mb` the MB its instance had moved once it was done."""
+
+    kind: str
+    request_id: str
+    instance: str
+    connector: str
+    num_tokens: int
+    num_bytes: int
+    ms: float
+    mb_per_s: float
+    end_ns: int
+    instance_mb: float
+    failure: str = ""
+    policy_action: str = ""
+    num_recomputed_tokens: int = 0
+
+    @property
+    def mb(self) -> float:
+        return self.num_bytes / 1e6
+
+
+@dataclass
+class TransferState:
+    """Owns KV transfers between instances: every transfer in order, the MB each instance moved so far, and the
+    start of the step of the first transfer (the origin of their time axis)."""
+
+    transfers: list[Transfer] = field(default_factory=list)
+    mb_by_instance: dict[str, float] = field(default_factory=dict)
+    origin_ns: int | None = None
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One prefix-cache lookup of a request: tokens and blocks hit, against those looked up (the tokens the request
+    had then: its outputs too, after a preemption)."""
+
+    request_id: str
+    hit_tokens: int
+    queried_tokens: int
+    hit_blocks: int
+    queried_blocks: int
+
+
+@dataclass
+class ChainNode:
+    """A block hash ever cached: its parent's hash, the block it was last cached in, and whether it was evicted."""
+
+    block_hash: str
+    parent_hash: str | None
+    block_id: int
+    evicted: bool = False
+
+
+@dataclass
+class PrefixState:
+    """Owns the prefix cache as its events tell it: each request's last lookup (requests in the order of their first
+    one), hit and looked-up token totals (the cumulative hit rate, as PrefixCacheStats counts it), and every hash
+    ever cached, parents before children (`chains`: hash -> ChainNode)."""
+
+    lookups: dict[str, Lookup] = field(default_factory=dict)
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+    chains: dict[str, ChainNode] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else None
+
+
+def _chains(blocks: dict[int, BlockState]) -> dict[str, ChainNode]:
+    """The hashes the blocks hold as chain nodes, by block id, each after its ancestors (a snapshot's cache)."""
+    cached = {b.block_hash: ChainNode(b.block_hash, b.parent_hash, block_id) for block_id, b in blocks.items()
+              if b.block_hash is not None}
+    chains: dict[str, ChainNode] = {}
+    walked: set[str] = set()
+    for block_hash in sorted(cached, key=lambda h: cached[h].block_id):
+        chain = []  # this block and its ancestors not placed yet, child first (chains run to thousands)
+        while block_hash in cached and block_hash not in walked:
+            chain.append(block_hash)
+            walked.add(block_hash)
+            block_hash = cached[block_hash].parent_hash
+        for block_hash in reversed(chain):
+            chains[block_hash] = cached[block_hash]
+    return chains
+
+
+@dataclass
 class StepDelta:
-    """What one StepRecord changed in an EngineState: the views redraw only this."""
+    """What one StepRecord changed in an EngineState: the views redraw only this. Lists keep event order."""
 
     added: list[str] = field(default_factory=list)
     requests: set[str] = field(default_factory=set)
@@ -81,12 +239,23 @@ class StepDelta:
     ttfts_ms: list[float] = field(default_factory=list)
     itls_ms: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
+    finished: list[str] = field(default_factory=list)  # request ids, one per request.finished
+    token_texts: dict[str, str] = field(default_factory=dict)  # request id -> text of the one token it got
+    grammar_compiles: list[GrammarCompile] = field(default_factory=list)
+    grammar_steps: list[GrammarPosition] = field(default_factory=list)
+    spec_proposed: list[str] = field(default_factory=list)  # request ids, one per spec.proposed
+    verifications: list[Verification] = field(default_factory=list)
+    spec_positions: set[int] = field(default_factory=set)  # draft positions whose acceptance changed
+    transfers: list[Transfer] = field(default_factory=list)
+    lookups: list[Lookup] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)  # hashes cached (again, after an eviction, too)
+    evicted: list[str] = field(default_factory=list)  # hashes of `PrefixState.chains` evicted
 
 
 class EngineState:
     """Owns the event-derived model of the engine shared by the views: requests by id, KV blocks by id
-    (only those that ever changed; the rest are free), each request's block table, the KV size and the
-    last step applied."""
+    (only those that ever changed; the rest are free), each request's block table, the KV size, the last step
+    applied, and the feature states `grammar`, `spec`, `kv_transfer` and `prefix`."""
 
     def __init__(self) -> None:
         self.clear()
@@ -98,6 +267,10 @@ class EngineState:
         self.block_tables: dict[str, tuple[int, ...]] = {}
         self.total_blocks = 0
         self.step = 0
+        self.grammar = GrammarState()
+        self.spec = SpecState()
+        self.kv_transfer = TransferState()
+        self.prefix = PrefixState()
 
     def load(self, snapshot: EngineSnapshot) -> None:
         """Start from an engine's state between steps (a view attached mid-run, a trace begun mid-run)."""
@@ -114,6 +287,7 @@ class EngineState:
             self.block_tables[r.request_id] = tuple(r.block_ids)
             for block_id in r.block_ids:
                 self.blocks.setdefault(block_id, BlockState()).holders.append(r.request_id)
+        self.prefix.chains = _chains(self.blocks)
 
     def block(self, block_id: int) -> BlockState:
         return self.blocks.get(block_id) or BlockState()
@@ -137,6 +311,8 @@ class EngineState:
             if rid in self.requests:
                 self.requests[rid].phase = phase
                 delta.requests.add(rid)
+        for position in delta.grammar_steps:  # the step's tokens may come after its grammar steps
+            position.text = delta.token_texts.get(position.request_id, "")
         return delta
 
     # ---- event handlers ---------------------------------------------------------------------------
@@ -164,9 +340,12 @@ class EngineState:
         if req is not None:
             req.status, req.finish_reason, req.error = FINISHED, e.reason, e.error
             req.num_output_tokens = e.num_output_tokens
+        delta.finished.append(e.request_id)
 
     def _tokens(self, e, record: StepRecord, delta: StepDelta) -> None:
         delta.num_output_tokens += len(e.token_ids)
+        if len(e.token_ids) == 1:
+            delta.token_texts[e.request_id] = e.text
         req = self._touch(e.request_id, delta)
         if req is None:
             return
@@ -203,17 +382,74 @@ class EngineState:
         req = self._touch(e.request_id, delta)
         if req is not None:
             req.num_queried_tokens = req.num_tokens  # events apply in order: this step's tokens come later
+        lookup = Lookup(e.request_id, e.num_hit_tokens, req.num_queried_tokens if req is not None else 0,
+                        e.num_hit_blocks, e.num_queried_blocks)
+        self.prefix.lookups[e.request_id] = lookup
+        self.prefix.hit_tokens += lookup.hit_tokens
+        self.prefix.queried_tokens += lookup.queried_tokens
+        delta.lookups.append(lookup)
 
     def _cached(self, e, record: StepRecord, delta: StepDelta) -> None:
         block = self.blocks.setdefault(e.block_id, BlockState())
         block.block_hash, block.parent_hash = e.block_hash, e.parent_hash
         delta.blocks.add(e.block_id)
+        node = self.prefix.chains.get(e.block_hash)
+        if node is None:
+            self.prefix.chains[e.block_hash] = ChainNode(e.block_hash, e.parent_hash, e.block_id)
+        else:  # cached again after an eviction: the same place in its chain
+            node.block_id, node.evicted = e.block_id, False
+        delta.cached.append(e.block_hash)
 
     def _evicted(self, e, record: StepRecord, delta: StepDelta) -> None:
         block = self.blocks.get(e.block_id)
         if block is not None and block.block_hash == e.block_hash:
             block.block_hash = block.parent_hash = None
             delta.blocks.add(e.block_id)
+        node = self.prefix.chains.get(e.block_hash)
+        if node is not None:
+            node.evicted = True
+            delta.evicted.append(e.block_hash)
+
+    def _grammar_compiled(self, e, record: StepRecord, delta: StepDelta) -> None:
+        compiled = GrammarCompile(e.request_id, e.ms, e.cache_hit)
+        self.grammar.compiles.append(compiled)
+        delta.grammar_compiles.append(compiled)
+
+    def _grammar_step(self, e, record: StepRecord, delta: StepDelta) -> None:
+        positions = self.grammar.positions.setdefault(e.request_id, [])
+        positions.append(GrammarPosition(e.request_id, len(positions), e.num_allowed_tokens, e.sampled_token,
+                                         e.terminated, e.jump_forward))
+        delta.grammar_steps.append(positions[-1])
+
+    def _spec_proposed(self, e, record: StepRecord, delta: StepDelta) -> None:
+        self.spec.method = e.method
+        delta.spec_proposed.append(e.request_id)
+
+    def _spec_verified(self, e, record: StepRecord, delta: StepDelta) -> None:
+        spec = self.spec
+        verification = Verification(record.step, e.request_id, e.draft_token_ids, e.accepted, e.p_target, e.p_draft,
+                                    e.emitted_token, e.bonus)
+        for position, (_, ok, _, _) in enumerate(verification.positions()):
+            if position == len(spec.proposed):
+                spec.proposed.append(0)
+                spec.accepted.append(0)
+            spec.proposed[position] += 1
+            spec.accepted[position] += int(ok)
+            delta.spec_positions.add(position)
+        spec.verifications.append(verification)
+        delta.verifications.append(verification)
+
+    def _transfer(self, e, record: StepRecord, delta: StepDelta) -> None:
+        moved = self.kv_transfer
+        if moved.origin_ns is None:
+            moved.origin_ns = record.start_ns
+        outcome = _transfer_outcome(e)
+        mb = moved.mb_by_instance.get(e.instance, 0.0) + outcome["num_bytes"] / 1e6
+        moved.mb_by_instance[e.instance] = mb
+        transfer = Transfer(kind=e.kind, request_id=e.request_id, instance=e.instance, connector=e.connector,
+                            end_ns=record.end_ns, instance_mb=mb, **outcome)
+        moved.transfers.append(transfer)
+        delta.transfers.append(transfer)
 
     def _touch(self, rid: str, delta: StepDelta) -> RequestState | None:
         # a trace cut at its start can name requests whose request.added it never saw
@@ -221,6 +457,14 @@ class EngineState:
         if req is not None:
             delta.requests.add(rid)
         return req
+
+
+def _transfer_outcome(e) -> dict:
+    """What a kv_transfer.* event moved, or, for a failure, nothing and why."""
+    if e.kind == "kv_transfer.fail":
+        return dict(num_tokens=0, num_bytes=0, ms=0.0, mb_per_s=0.0, failure=e.failure,
+                    policy_action=e.policy_action, num_recomputed_tokens=e.num_recomputed_tokens)
+    return dict(num_tokens=e.num_tokens, num_bytes=e.num_bytes, ms=e.ms, mb_per_s=e.mb_per_s)
 
 
 _HANDLERS = {
@@ -234,4 +478,11 @@ _HANDLERS = {
     "prefix.lookup": EngineState._lookup,
     "kv.cached": EngineState._cached,
     "kv.evicted": EngineState._evicted,
+    "grammar.compiled": EngineState._grammar_compiled,
+    "grammar.step": EngineState._grammar_step,
+    "spec.proposed": EngineState._spec_proposed,
+    "spec.verified": EngineState._spec_verified,
+    "kv_transfer.save": EngineState._transfer,
+    "kv_transfer.load": EngineState._transfer,
+    "kv_transfer.fail": EngineState._transfer,
 }

@@ -2,15 +2,19 @@
 (shared prefixes, chunked prefill, a preemption, evictions), and check the data it would draw."""
 from __future__ import annotations
 
+import ast
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import panel as pn
 import pytest
 from bokeh.document import Document
 
-from engine import LLMEngine, SamplingParams, StepRecord
-from engine.events import GrammarCompiled, GrammarStep, KVUsage, SpecProposed, SpecVerified
+import workbench.views
+from engine import LLMEngine, SamplingParams, StepRecord, StructuredOutputsParams
+from engine.events import (GrammarCompiled, GrammarStep, KVTransferFail, KVTransferLoad, KVTransferSave, KVUsage,
+                           SpecProposed, SpecVerified)
 from workbench.state import EngineState
 from workbench.trace import write_trace
 from workbench.views import (Dashboard, GrammarView, KVBlockMap, MetricsView, PrefixCacheView, RequestsView,
@@ -335,3 +339,125 @@ def test_the_requests_table_shows_its_text_early_and_wrapped():
     table = RequestsView().table
     assert list(table.value.columns).index("text") <= 3
     assert table.formatters["text"] == {"type": "textarea"}
+
+
+# ---- one state: the views read it and the step's delta, never the events -------------------------------------------
+def test_no_view_reads_the_events_of_a_record():
+    """Every event is handled once, in EngineState.apply: no view module touches `.events` or `.of_kind(`."""
+    readers = []
+    for path in sorted(Path(workbench.views.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("events", "of_kind"):
+                readers.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert not readers, readers
+
+
+@pytest.fixture(scope="module")
+def guided() -> list[StepRecord]:
+    """An n-gram engine with guided requests: grammar.* and spec.* events besides the prefix cache's."""
+    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=32, max_num_batched_tokens=64,
+                       max_model_len=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    repeat = StructuredOutputsParams(regex="( a b c d){3}")  # the random tiny model repeats: drafts to verify
+    for guide, max_tokens in ((repeat, 12), (repeat, 12), (StructuredOutputsParams(regex="(yes|no)"), 6)):
+        engine.add_request("a b c d a b c d a b c d a b c", SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                          structured_outputs=guide))
+    records = []
+    while engine.has_unfinished_requests():
+        records.append(engine.step())
+    kinds = Counter(e.kind for r in records for e in r.events)
+    assert kinds["grammar.compiled"] and kinds["grammar.step"] and kinds["spec.verified"], kinds
+    return records
+
+
+def _events(records: list[StepRecord], kind: str) -> list:
+    return [e for r in records for e in r.of_kind(kind)]
+
+
+def test_state_holds_the_grammar_steps_the_grammar_view_draws(guided):
+    state, dashboard = EngineState(), Dashboard()
+    for record in guided:
+        state.apply(record)
+    dashboard.extend(guided)
+    steps = _events(guided, "grammar.step")
+    expected = {rid: [e.num_allowed_tokens for e in steps if e.request_id == rid]
+                for rid in dict.fromkeys(e.request_id for e in steps)}
+    assert {rid: [p.num_allowed_tokens for p in ps] for rid, ps in state.grammar.positions.items()} == expected
+    assert all([p.position for p in ps] == list(range(len(ps))) for ps in state.grammar.positions.values())
+    assert [(c.request_id, c.ms) for c in state.grammar.compiles] == [
+        (e.request_id, e.ms) for e in _events(guided, "grammar.compiled")]
+    cells = dashboard.grammar.cells.source.data
+    assert cells["num_allowed_tokens"] == [e.num_allowed_tokens for e in steps]
+    assert cells["request_id"] == [e.request_id for e in steps]
+
+
+def test_state_holds_the_verifications_the_spec_view_draws(guided):
+    state, dashboard = EngineState(), Dashboard()
+    for record in guided:
+        state.apply(record)
+    dashboard.extend(guided)
+    verified = _events(guided, "spec.verified")
+    assert [(v.request_id, v.draft_token_ids, v.accepted, v.emitted_token) for v in state.spec.verifications] == [
+        (e.request_id, e.draft_token_ids, e.accepted, e.emitted_token) for e in verified]
+    depth = max(len(e.draft_token_ids) for e in verified)
+    proposed = [sum(len(e.accepted) > i for e in verified) for i in range(depth)]
+    accepted = [sum(len(e.accepted) > i and e.accepted[i] for e in verified) for i in range(depth)]
+    assert (state.spec.proposed, state.spec.accepted) == (proposed, accepted)
+    assert state.spec.method == _events(guided, "spec.proposed")[-1].method == "ngram"
+    drawn = dashboard.spec.by_position.source.data
+    assert (drawn["proposed"], drawn["accepted"]) == (proposed, accepted)
+    assert drawn["rate"] == [a / p for a, p in zip(accepted, proposed)]
+
+
+def test_state_holds_the_lookups_and_chains_the_prefix_view_draws(run):
+    state, view = EngineState(), rendered(PrefixCacheView())
+    deltas = [state.apply(record) for record in run.records]
+    view.extend(run.records)
+    lookups = _events(run.records, "prefix.lookup")
+    last = {e.request_id: e for e in lookups}
+    assert {rid: (lu.hit_tokens, lu.hit_blocks) for rid, lu in state.prefix.lookups.items()} == {
+        rid: (e.num_hit_tokens, e.num_hit_blocks) for rid, e in last.items()}
+    assert state.prefix.hit_tokens == sum(e.num_hit_tokens for e in lookups)
+    assert state.prefix.hit_rate == view.rate.source.data["hit_rate"][-1]
+    evicted: dict[str, bool] = {}  # hash -> evicted, replaying the events in order
+    for e in (e for r in run.records for e in r.events if e.kind in ("kv.cached", "kv.evicted")):
+        if e.kind == "kv.cached" or e.block_hash in evicted:
+            evicted[e.block_hash] = e.kind == "kv.evicted"
+    assert {h: node.evicted for h, node in state.prefix.chains.items()} == evicted
+    assert list(state.prefix.chains) == list(evicted)  # in the order first cached: parents first
+    assert [h for d in deltas for h in d.cached] == [e.block_hash for e in _events(run.records, "kv.cached")]
+    nodes = view.nodes.source.data
+    assert [(h[:12], "evicted" if node.evicted else "cached") for h, node in state.prefix.chains.items()] == list(
+        zip(nodes["hash"], nodes["status"]))
+
+
+def test_state_holds_the_transfers_per_instance_the_transfer_view_draws():
+    common = dict(connector="SharedStorageConnector", key="k", num_blocks=2, num_tokens=20, ms=2.0, mb_per_s=1.0)
+    records = [_record(1, [KVTransferSave(1, request_id="a", instance="prefill-0", num_bytes=2_000_000, **common)]),
+               _record(2, [KVTransferLoad(2, request_id="a", instance="decode-0", num_bytes=3_000_000, **common),
+                           KVTransferFail(2, request_id="b", instance="decode-0", connector="RedisConnector",
+                                          failure="timeout", policy_action="recompute", num_recomputed_tokens=31)])]
+    dashboard = Dashboard()
+    dashboard.extend(records)
+    moved = dashboard.state.kv_transfer
+    assert moved.mb_by_instance == {"prefill-0": 2.0, "decode-0": 3.0} and moved.origin_ns == 0
+    assert [(t.kind, t.instance, t.mb, t.instance_mb, t.failure) for t in moved.transfers] == [
+        ("kv_transfer.save", "prefill-0", 2.0, 2.0, ""), ("kv_transfer.load", "decode-0", 3.0, 3.0, ""),
+        ("kv_transfer.fail", "decode-0", 0.0, 3.0, "timeout")]
+    assert dashboard.kv_transfer.points.source.data["mb"] == [t.instance_mb for t in moved.transfers]
+    assert dashboard.kv_transfer.rows.source.data["kind"] == ["save", "load", "fail"]
+
+
+def test_a_snapshot_state_holds_its_cached_chains_parents_first():
+    """A view attached mid-run draws the chains of `EngineState.load` (show_state): each hash after its parent."""
+    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=16, max_num_batched_tokens=64,
+                       max_model_len=256)
+    engine.add_request(list(range(100, 150)), SamplingParams(temperature=0.0, max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    dashboard = Dashboard()
+    dashboard.reset(snapshot=engine.snapshot())
+    chains = dashboard.state.prefix.chains
+    assert len(chains) == 3 and not any(node.evicted for node in chains.values())
+    order = list(chains)
+    assert all(node.parent_hash is None or order.index(node.parent_hash) < i for i, node in enumerate(chains.values()))
+    assert dashboard.prefix.nodes.source.data["hash"] == [h[:12] for h in order]

@@ -1,14 +1,10 @@
-"""The dashboard views, each a Panel component fed by StepRecords, and the Dashboard that feeds them all from
-one EngineState."""
+"""The dashboard views, each a Panel component that reads one EngineState and each record's StepDelta, and the
+Dashboard (workbench.views.dashboard) that feeds them all from one state."""
 from __future__ import annotations
 
-from typing import Iterable
-
-import panel as pn
-
-from engine.events import EngineSnapshot, StepRecord
 from workbench.state import EngineState
 from workbench.views.base import View, ensure_extension
+from workbench.views.dashboard import Dashboard
 from workbench.views.grammar import GrammarView
 from workbench.views.kv_blocks import KVBlockMap
 from workbench.views.kv_transfer import KVTransferView
@@ -17,69 +13,6 @@ from workbench.views.prefix import PrefixCacheView
 from workbench.views.requests import RequestsView
 from workbench.views.spec import SpecDecodeView
 from workbench.views.timeline import SchedulerTimeline
-
-
-class Dashboard:
-    """Owns one EngineState and every view drawn from it; feeds them records and lays them out as tabs."""
-
-    def __init__(self, budget: int | None = None, num_blocks: int | None = None) -> None:
-        self.state = EngineState()
-        self.timeline = SchedulerTimeline(self.state, budget)
-        self.kv_blocks = KVBlockMap(self.state, num_blocks)
-        self.prefix = PrefixCacheView(self.state)
-        self.requests = RequestsView(self.state)
-        self.metrics = MetricsView(self.state)
-        self.grammar = GrammarView(self.state)
-        self.spec = SpecDecodeView(self.state)
-        self.kv_transfer = KVTransferView(self.state)
-        self.views: list[View] = [self.timeline, self.kv_blocks, self.prefix, self.requests, self.metrics,
-                                  self.grammar, self.spec, self.kv_transfer]
-        self.requests.table.param.watch(self._select_request, "selection")
-
-    def _select_request(self, event) -> None:
-        """A row picked in the requests table draws that request's block table on the block map."""
-        if event.new:
-            rid = self.requests.table.value.iloc[event.new[0]]["request_id"]
-            if rid in self.kv_blocks.select.options:
-                self.kv_blocks.select.value = rid
-
-    def extend(self, records: Iterable[StepRecord]) -> None:
-        """Fold records into the state and queue each view's changes; then send them, one message per source."""
-        for record in records:
-            delta = self.state.apply(record)
-            for view in self.views:
-                view.render(record, delta)
-        for view in self.views:
-            view.flush()
-
-    def update(self, record: StepRecord) -> None:
-        self.extend([record])
-
-    def reset(self, budget: int | None = None, num_blocks: int | None = None,
-              snapshot: EngineSnapshot | None = None) -> None:
-        """Back to no step, or to an engine's `snapshot` (a view attached mid-run); `budget` and `num_blocks`
-        describe the engine drawn from now on (a snapshot knows its number of blocks)."""
-        if snapshot is None:
-            self.state.clear()
-        else:
-            self.state.load(snapshot)
-            num_blocks = snapshot.kv.total
-        self.timeline.budget = budget
-        for view in self.views:
-            view.reset()
-            view.show_state()
-            view.flush()
-        self.kv_blocks.show_blocks(num_blocks)
-
-    def tabs(self) -> pn.Tabs:
-        overview = pn.Column(
-            pn.Row(pn.Column(self.timeline, sizing_mode="stretch_width"),
-                   pn.Column(self.kv_blocks, sizing_mode="stretch_width"), sizing_mode="stretch_width"),
-            self.requests, sizing_mode="stretch_width")
-        return pn.Tabs(("Overview", overview), (self.prefix.title, self.prefix), (self.metrics.title, self.metrics),
-                       (self.grammar.title, self.grammar), (self.spec.title, self.spec),
-                       (self.kv_transfer.title, self.kv_transfer), sizing_mode="stretch_width")
-
 
 __all__ = ["Dashboard", "View", "SchedulerTimeline", "KVBlockMap", "PrefixCacheView", "RequestsView", "MetricsView",
            "GrammarView", "SpecDecodeView", "KVTransferView", "EngineState", "ensure_extension"]

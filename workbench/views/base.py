@@ -160,7 +160,8 @@ class View:
         return bundle
 
     def render(self, record: StepRecord, delta: StepDelta) -> None:
-        """Queue the changes one record made (the state has applied it already)."""
+        """Queue the changes one record made, read from `self.state` (which has applied it already) and `delta`;
+        never from `record.events` (the state handles each event once)."""
         raise NotImplementedError
 
     def flush(self) -> None:

@@ -7,7 +7,7 @@ from bokeh.models import ColorBar, DataTable, HoverTool, NumberFormatter, TableC
 from bokeh.transform import log_cmap
 
 from engine.events import StepRecord
-from workbench.state import EngineState, StepDelta
+from workbench.state import EngineState, GrammarPosition, StepDelta
 from workbench.views.base import View, counts_on, label_ticks, new_figure
 from workbench.views.empty import EmptyState
 
@@ -17,7 +17,7 @@ _VOCAB = 49152  # the colour scale's top: SmolLM2's vocabulary (a position that 
 class GrammarView(View):
     """Owns the grammar view: one lane per guided request, one cell per output position coloured by how many
     tokens the grammar allowed there (log scale) and labelled with the token sampled; and a table of grammar
-    compile times. Shows an empty state until the first grammar.* event."""
+    compile times, from the state's `grammar`. Shows an empty state until the first grammar.* event."""
 
     title = "Grammar"
 
@@ -26,8 +26,7 @@ class GrammarView(View):
         self.cells = self.buffer(["x", "y", "request_id", "num_allowed_tokens", "sampled_token", "text",
                                   "terminated", "jump_forward"], name="grammar_steps")
         self.compiled = self.buffer(["request_id", "ms", "cache_hit"], name="grammar_compiled")
-        self._lane: dict[str, int] = {}
-        self._position: dict[str, int] = {}
+        self._lane: dict[str, int] = {}  # request id -> its row, in the order of their first grammar step
         table = DataTable(source=self.compiled.source, height=120, width=360, index_position=None, columns=[
             TableColumn(field="request_id", title="request"),
             TableColumn(field="ms", title="compile ms", formatter=NumberFormatter(format="0.0")),
@@ -57,25 +56,20 @@ class GrammarView(View):
         return self.empty.panel
 
     def render(self, record: StepRecord, delta: StepDelta) -> None:
-        texts = {e.request_id: e.text for e in record.of_kind("request.tokens") if len(e.token_ids) == 1}
-        for e in record.events:
-            if e.kind == "grammar.compiled":
-                self.compiled.append(request_id=e.request_id, ms=e.ms, cache_hit=e.cache_hit)
-            elif e.kind == "grammar.step":
-                self._step(e, texts.get(e.request_id, ""))
-            else:
-                continue
+        for compiled in delta.grammar_compiles:
+            self.compiled.append(request_id=compiled.request_id, ms=compiled.ms, cache_hit=compiled.cache_hit)
+        for position in delta.grammar_steps:
+            self._step(position)
+        if delta.grammar_compiles or delta.grammar_steps:
             self.empty.fill()
 
-    def _step(self, e, text: str) -> None:
-        lane = self._lane.setdefault(e.request_id, len(self._lane))
-        position = self._position.get(e.request_id, 0)
-        self._position[e.request_id] = position + 1
-        self.cells.append(x=position, y=-lane, request_id=e.request_id, num_allowed_tokens=e.num_allowed_tokens,
-                          sampled_token=e.sampled_token, text=text, terminated=e.terminated,
-                          jump_forward=e.jump_forward or "")
+    def _step(self, p: GrammarPosition) -> None:
+        lane = self._lane.setdefault(p.request_id, len(self._lane))
+        self.cells.append(x=p.position, y=-lane, request_id=p.request_id, num_allowed_tokens=p.num_allowed_tokens,
+                          sampled_token=p.sampled_token, text=p.text, terminated=p.terminated,
+                          jump_forward=p.jump_forward or "")
 
     def reset(self) -> None:
         super().reset()
-        self._lane, self._position = {}, {}
+        self._lane = {}
         self.empty.clear()

@@ -7,7 +7,7 @@ import panel as pn
 from bokeh.models import DataTable, HoverTool, NumberFormatter, TableColumn
 
 from engine.events import StepRecord
-from workbench.state import EngineState, StepDelta
+from workbench.state import EngineState, StepDelta, Transfer
 from workbench.views.base import View, new_figure
 from workbench.views.empty import EmptyState
 
@@ -17,7 +17,7 @@ KIND_COLORS = {"kv_transfer.save": "#1f77b4", "kv_transfer.load": "#2ca02c", "kv
 class KVTransferView(View):
     """Owns the KV-transfer view: cumulative MB moved per instance against wall-clock seconds (from the first
     transfer), and a table of every transfer with its request, instance, tokens, bytes, ms, MB/s and, for a
-    failure, its type, the policy's action and the tokens recomputed."""
+    failure, its type, the policy's action and the tokens recomputed; all from the state's `kv_transfer`."""
 
     title = "KV transfer"
 
@@ -26,8 +26,6 @@ class KVTransferView(View):
         self.points = self.buffer(["t", "mb", "instance", "kind", "request_id", "color"], name="kv_transfer_bytes")
         self.rows = self.buffer(["request_id", "instance", "kind", "num_tokens", "mb", "ms", "mb_per_s",
                                  "failure", "policy_action", "num_recomputed_tokens"], name="kv_transfers")
-        self._origin_ns: int | None = None
-        self._mb: dict[str, float] = {}  # instance -> MB moved so far
         content = pn.Column(pn.pane.Bokeh(self._figure()), pn.pane.Bokeh(self._table()), sizing_mode="stretch_width")
         self.empty = EmptyState("No KV transfer yet: this view fills in when an instance with a kv_transfer_config "
                                 "saves or loads KV (see engine.kv_transfer.PDCluster).", content)
@@ -58,26 +56,18 @@ class KVTransferView(View):
         return self.empty.panel
 
     def render(self, record: StepRecord, delta: StepDelta) -> None:
-        for e in record.events:
-            if e.kind.startswith("kv_transfer."):
-                self._transfer(record, e)
-                self.empty.fill()
+        for transfer in delta.transfers:
+            self._transfer(transfer)
+        if delta.transfers:
+            self.empty.fill()
 
-    def _transfer(self, record: StepRecord, e) -> None:
-        if self._origin_ns is None:
-            self._origin_ns = record.start_ns
-        failed = e.kind == "kv_transfer.fail"
-        mb = 0.0 if failed else e.num_bytes / 1e6
-        self._mb[e.instance] = self._mb.get(e.instance, 0.0) + mb
-        self.points.append(t=(record.end_ns - self._origin_ns) / 1e9, mb=self._mb[e.instance], instance=e.instance,
-                           kind=e.kind, request_id=e.request_id, color=KIND_COLORS[e.kind])
-        self.rows.append(request_id=e.request_id, instance=e.instance, kind=e.kind.split(".")[1],
-                         num_tokens=0 if failed else e.num_tokens, mb=mb, ms=0.0 if failed else e.ms,
-                         mb_per_s=0.0 if failed else e.mb_per_s, failure=e.failure if failed else "",
-                         policy_action=e.policy_action if failed else "",
-                         num_recomputed_tokens=e.num_recomputed_tokens if failed else 0)
+    def _transfer(self, t: Transfer) -> None:
+        self.points.append(t=(t.end_ns - self.state.kv_transfer.origin_ns) / 1e9, mb=t.instance_mb,
+                           instance=t.instance, kind=t.kind, request_id=t.request_id, color=KIND_COLORS[t.kind])
+        self.rows.append(request_id=t.request_id, instance=t.instance, kind=t.kind.split(".")[1],
+                         num_tokens=t.num_tokens, mb=t.mb, ms=t.ms, mb_per_s=t.mb_per_s, failure=t.failure,
+                         policy_action=t.policy_action, num_recomputed_tokens=t.num_recomputed_tokens)
 
     def reset(self) -> None:
         super().reset()
-        self._origin_ns, self._mb = None, {}
         self.empty.clear()

@@ -111,7 +111,7 @@ class MetricsView(View):
                            ("seconds", seconds), ("ttft_ms", sum(delta.ttfts_ms)), ("ttfts", len(delta.ttfts_ms)),
                            ("itl_ms", sum(delta.itls_ms)), ("itls", len(delta.itls_ms))):
             totals[key] += value
-        totals["finished"] += sum(e.kind == "request.finished" for e in record.events)
+        totals["finished"] += len(delta.finished)
         totals["requests"] += len(delta.added)
 
     def flush(self) -> None:

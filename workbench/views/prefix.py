@@ -5,16 +5,23 @@ import panel as pn
 from bokeh.models import HoverTool, Range1d
 
 from engine.events import StepRecord
-from workbench.state import EngineState, StepDelta
+from workbench.state import ChainNode, EngineState, Lookup, StepDelta
 from workbench.views.base import View, counts_on, label_ticks, legend_above, new_figure
 
 CACHED_NODE, EVICTED_NODE = "#31a354", "#bdbdbd"
 
 
+def _status(node: ChainNode) -> dict:
+    if node.evicted:
+        return {"block_id": node.block_id, "status": "evicted", "color": EVICTED_NODE}
+    return {"block_id": node.block_id, "status": "cached", "color": CACHED_NODE}
+
+
 class PrefixCacheView(View):
     """Owns the prefix-cache view: per request, the tokens its lookup hit against the tokens it asked for;
     the hit rate (cumulative, as the engine's PrefixCacheStats counts it: hit tokens over looked-up tokens)
-    per step; and the cached chains, each block hash drawn at its depth and linked to its parent's hash."""
+    per step; and the cached chains, each block hash drawn at its depth and linked to its parent's hash. The facts
+    are the state's `prefix`; the view owns only where it drew them."""
 
     title = "Prefix cache"
 
@@ -25,11 +32,10 @@ class PrefixCacheView(View):
         self.rate = self.buffer(["step", "hit_rate", "step_hit_rate"], name="prefix_hit_rate")
         self.nodes = self.buffer(["x", "y", "hash", "parent", "block_id", "status", "color"], name="prefix_chains")
         self.edges = self.buffer(["x0", "y0", "x1", "y1"], name="prefix_chain_links")
-        self._hit_row: dict[str, int] = {}
+        self._hit_row: dict[str, int] = {}  # request id -> its bar (the layout; the facts are the state's)
         self._node: dict[str, int] = {}  # block hash -> row in nodes
         self._has_child: set[str] = set()
         self._lanes = 0
-        self._hit_tokens = self._queried_tokens = 0
         self._panel = pn.Column(pn.Row(pn.pane.Bokeh(self._hits_figure()), pn.pane.Bokeh(self._rate_figure()),
                                        sizing_mode="stretch_width"),
                                 pn.pane.Bokeh(self._chains_figure()), sizing_mode="stretch_width")
@@ -76,50 +82,36 @@ class PrefixCacheView(View):
         return self._panel
 
     def render(self, record: StepRecord, delta: StepDelta) -> None:
-        step_hits = step_queried = 0
-        for e in record.events:
-            if e.kind == "prefix.lookup":
-                queried = self._lookup(e)
-                step_hits, step_queried = step_hits + e.num_hit_tokens, step_queried + queried
-            elif e.kind == "kv.cached":
-                self._cached(e.block_hash, e.parent_hash, e.block_id)
-            elif e.kind == "kv.evicted" and e.block_hash in self._node:
-                self.nodes.set(self._node[e.block_hash], status="evicted", color=EVICTED_NODE)
-        self._hit_tokens += step_hits
-        self._queried_tokens += step_queried
-        if self._queried_tokens:
-            self.rate.append(step=record.step, hit_rate=self._hit_tokens / self._queried_tokens,
+        for lookup in delta.lookups:
+            self._lookup(lookup)
+        for block_hash in delta.cached:
+            if block_hash not in self._node:
+                self._place(self.state.prefix.chains[block_hash])
+        for block_hash in dict.fromkeys([*delta.cached, *delta.evicted]):
+            self._show(block_hash)
+        prefix = self.state.prefix
+        if prefix.queried_tokens:
+            step_hits = sum(lookup.hit_tokens for lookup in delta.lookups)
+            step_queried = sum(lookup.queried_tokens for lookup in delta.lookups)
+            self.rate.append(step=record.step, hit_rate=prefix.hit_rate,
                              step_hit_rate=step_hits / step_queried if step_queried else None)
 
-    def _lookup(self, e) -> int:
-        req = self.state.requests.get(e.request_id)
-        queried = req.num_queried_tokens if req is not None else 0
-        row = dict(request_id=e.request_id, hit_tokens=e.num_hit_tokens, queried_tokens=queried,
-                   hit_blocks=e.num_hit_blocks, queried_blocks=e.num_queried_blocks)
-        if e.request_id in self._hit_row:
-            self.hits.set(self._hit_row[e.request_id], **row)
+    def _lookup(self, lookup: Lookup) -> None:
+        row = dict(request_id=lookup.request_id, hit_tokens=lookup.hit_tokens, queried_tokens=lookup.queried_tokens,
+                   hit_blocks=lookup.hit_blocks, queried_blocks=lookup.queried_blocks)
+        if lookup.request_id in self._hit_row:
+            self.hits.set(self._hit_row[lookup.request_id], **row)
         else:
-            self._hit_row[e.request_id] = self.hits.append(x=len(self.hits), **row)
-        return queried
+            self._hit_row[lookup.request_id] = self.hits.append(x=len(self.hits), **row)
 
     def show_state(self) -> None:
-        """The chains cached now, parents before children."""
-        cached = {b.block_hash: (b.parent_hash, block_id) for block_id, b in self.state.blocks.items()
-                  if b.block_hash is not None}
-        drawn: set[str] = set()
-        for block_hash in sorted(cached, key=lambda h: cached[h][1]):
-            chain = []  # this block and its ancestors not drawn yet, child first (chains run to thousands)
-            while block_hash in cached and block_hash not in drawn:
-                chain.append(block_hash)
-                drawn.add(block_hash)
-                block_hash = cached[block_hash][0]
-            for block_hash in reversed(chain):
-                self._cached(block_hash, *cached[block_hash])
+        """The chains the state holds (a snapshot's cache), parents before children."""
+        for node in self.state.prefix.chains.values():
+            self._place(node)
 
-    def _cached(self, block_hash: str, parent_hash: str | None, block_id: int) -> None:
-        if block_hash in self._node:  # cached again after an eviction: same place in its chain
-            self.nodes.set(self._node[block_hash], block_id=block_id, status="cached", color=CACHED_NODE)
-            return
+    def _place(self, node: ChainNode) -> None:
+        """A new node: at the end of its parent's lane, or first in a new lane (a root, or a second child)."""
+        parent_hash = node.parent_hash
         parent = self._node.get(parent_hash) if parent_hash else None
         if parent is not None:
             px, py = self.nodes.get(parent, "x"), self.nodes.get(parent, "y")
@@ -131,11 +123,15 @@ class PrefixCacheView(View):
         if parent is not None:
             self._has_child.add(parent_hash)
             self.edges.append(x0=px, y0=py, x1=x, y1=y)
-        self._node[block_hash] = self.nodes.append(x=x, y=y, hash=block_hash[:12],
-                                                     parent=(parent_hash or "")[:12], block_id=block_id,
-                                                     status="cached", color=CACHED_NODE)
+        self._node[node.block_hash] = self.nodes.append(x=x, y=y, hash=node.block_hash[:12],
+                                                          parent=(parent_hash or "")[:12], **_status(node))
+
+    def _show(self, block_hash: str) -> None:
+        """A drawn node's block and status as the state has them now (cached again, or evicted)."""
+        if block_hash in self._node:
+            self.nodes.set(self._node[block_hash], **_status(self.state.prefix.chains[block_hash]))
 
     def reset(self) -> None:
         super().reset()
         self._hit_row, self._node, self._has_child = {}, {}, set()
-        self._lanes = self._hit_tokens = self._queried_tokens = 0
+        self._lanes = 0

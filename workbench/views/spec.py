@@ -6,7 +6,7 @@ import panel as pn
 from bokeh.models import HoverTool, Range1d
 
 from engine.events import StepRecord
-from workbench.state import EngineState, StepDelta
+from workbench.state import EngineState, StepDelta, Verification
 from workbench.views.base import View, counts_on, label_ticks, legend_above, new_figure
 from workbench.views.empty import EmptyState
 
@@ -17,7 +17,8 @@ class SpecDecodeView(View):
     """Owns the speculative-decoding view: one row per (step, request) verification, a cell per draft position
     (green accepted, red rejected; hover gives p_target and p_draft), then the token the step emitted after
     the accepted prefix (gold: the bonus token, all drafts accepted; purple: the recovered token after a
-    rejection); and the acceptance rate by draft position. Shows an empty state until the first spec.* event."""
+    rejection); and the acceptance rate by draft position, from the state's `spec`. Shows an empty state until
+    the first spec.* event."""
 
     title = "Speculative decoding"
 
@@ -61,39 +62,34 @@ class SpecDecodeView(View):
         return self.empty.panel
 
     def render(self, record: StepRecord, delta: StepDelta) -> None:
-        for e in record.events:
-            if e.kind == "spec.proposed":
-                self._method(e.method)
-            elif e.kind == "spec.verified":
-                self._verified(record.step, e)
-            else:
-                continue
-            self.empty.fill()
-
-    def _method(self, method: str) -> None:
-        text = f"method: {method}"
-        if self.methods.object != text:
+        if not (delta.spec_proposed or delta.verifications):
+            return
+        self.empty.fill()
+        text = f"method: {self.state.spec.method}"
+        if self.state.spec.method and self.methods.object != text:
             self.methods.object = text
+        for verification in delta.verifications:
+            self._verified(verification)
+        for position in sorted(delta.spec_positions):
+            self._count(position)
 
-    def _verified(self, step: int, e) -> None:
+    def _verified(self, v: Verification) -> None:
         y = -self._rows
         self._rows += 1
-        row = dict(y=y, step=step, request_id=e.request_id, row=f"step {step} · {e.request_id}")
-        for position, (token, ok, p_target, p_draft) in enumerate(zip(e.draft_token_ids, e.accepted, e.p_target,
-                                                                     e.p_draft)):
+        row = dict(y=y, step=v.step, request_id=v.request_id, row=f"step {v.step} · {v.request_id}")
+        for position, (token, ok, p_target, p_draft) in enumerate(v.positions()):
             self.cells.append(x=position, token_id=token, outcome="accepted" if ok else "rejected", p_target=p_target,
                               p_draft=p_draft, color=ACCEPTED if ok else REJECTED, **row)
-            self._count(position, ok)
-        self.cells.append(x=len(e.draft_token_ids), token_id=e.emitted_token,
-                          outcome="bonus" if e.bonus else "recovered", p_target=None, p_draft=None,
-                          color=BONUS if e.bonus else RECOVERED, **row)
+        self.cells.append(x=len(v.draft_token_ids), token_id=v.emitted_token,
+                          outcome="bonus" if v.bonus else "recovered", p_target=None, p_draft=None,
+                          color=BONUS if v.bonus else RECOVERED, **row)
 
-    def _count(self, position: int, ok: bool) -> None:
+    def _count(self, position: int) -> None:
+        spec = self.state.spec
         while len(self.by_position) <= position:
             self.by_position.append(position=len(self.by_position), proposed=0, accepted=0, rate=0.0)
-        proposed = self.by_position.get(position, "proposed") + 1
-        accepted = self.by_position.get(position, "accepted") + ok
-        self.by_position.set(position, proposed=proposed, accepted=accepted, rate=accepted / proposed)
+        self.by_position.set(position, proposed=spec.proposed[position], accepted=spec.accepted[position],
+                             rate=spec.rate(position))
 
     def reset(self) -> None:
         super().reset()

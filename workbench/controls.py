@@ -1,4 +1,5 @@
-"""The Workbench's controls: the add-request form, the engine knobs, and the worker that steps the engine."""
+"""The Workbench's controls (not views: they draw no record): the add-request form, the engine knobs, and the
+worker that steps the engine (Play)."""
 from __future__ import annotations
 
 import json

@@ -8,30 +8,18 @@ trace for Perfetto.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from workbench.bench.args import DEFAULT_MODEL, add_common_args, non_negative_int, positive_int
 from workbench.bench.report import DEFAULT_DOCS_PATH
 
-DEFAULT_MODEL = "smollm2-135m"
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = "int"  # argparse names the type in its error messages
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
+BENCH_DIR = Path(__file__).resolve().parent / "bench"
 
 
 def _port(text: str) -> int:
@@ -41,225 +29,103 @@ def _port(text: str) -> int:
     return value
 
 
-def _common(parser: argparse.ArgumentParser, runs: bool = True, budget: bool = True) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
-    if runs:
-        parser.add_argument("--runs", type=_positive_int, default=3, help="timed runs per side; medians (default: 3)")
-    if budget:
-        parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
-                            help="the engine's token budget per step (default: %(default)s)")
-    parser.add_argument("--num-kv-blocks", type=_positive_int, default=None,
-                        help="KV cache size in blocks (default: sized from the engine's kv_cache_memory)")
-    parser.add_argument("--write-docs", action="store_true", help="rewrite this benchmark's section of the docs")
-    parser.add_argument("--docs-path", default=str(DEFAULT_DOCS_PATH), help="the docs file (default: %(default)s)")
+# ---- `workbench bench NAME`: the benchmarks, found in workbench/bench/ ------------------------------------------
+@dataclass(frozen=True)
+class Benchmark:
+    """A `workbench bench NAME` subcommand: the module workbench/bench/NAME.py, which has `add_cli_args(parser)`
+    (its flags) and `main(args)` (runs it, returns its result), plus `format_text(result)` and
+    `format_markdown(result, command)`. `help` is its HELP, or else its docstring's first line; `in_all` is its
+    IN_ALL, (place, extra flags) in `workbench bench all`, or None where `bench all` leaves it out."""
+
+    name: str
+    help: str
+    in_all: tuple[int, list[str]] | None = None
 
 
-def _add_throughput(sub: Any) -> None:
-    p = sub.add_parser("throughput", help="engine vs transformers generate on a mixed workload")
-    _common(p)
-    p.add_argument("--num-requests", type=_positive_int, default=32)
-    p.add_argument("--input-len-range", type=_positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len-range", type=_positive_int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
-    p.add_argument("--hf-batch-size", type=_positive_int, default=8, help="transformers static batch size")
-    p.add_argument("--no-baseline", action="store_true", help="time the engine only")
-    p.set_defaults(bench="throughput", kwargs=lambda a: dict(
-        num_requests=a.num_requests, input_len_range=tuple(a.input_len_range),
-        output_len_range=tuple(a.output_len_range), runs=a.runs, baseline=not a.no_baseline,
-        batch_size=a.hf_batch_size))
+def _literals(tree: ast.Module, names: tuple[str, ...]) -> dict[str, Any]:
+    """The module-level assignments of `names` in `tree`, evaluated as literals."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.update({t.id: ast.literal_eval(node.value) for t in targets
+                          if isinstance(t, ast.Name) and t.id in names})
+    return found
 
 
-def _add_prefix(sub: Any) -> None:
-    p = sub.add_parser("prefix", help="TTFT and throughput with prefix caching on vs off")
-    _common(p)
-    p.add_argument("--num-prefixes", type=_positive_int, default=5)
-    p.add_argument("--prefix-len", type=_positive_int, default=512)
-    p.add_argument("--suffix-len", type=_positive_int, default=128)
-    p.add_argument("--num-requests", type=_positive_int, default=64)
-    p.add_argument("--output-len", type=_positive_int, default=16)
-    p.add_argument("--block-size", type=_positive_int, default=16)
-    p.set_defaults(bench="prefix", kwargs=lambda a: dict(
-        num_prefixes=a.num_prefixes, prefix_len=a.prefix_len, suffix_len=a.suffix_len,
-        num_requests=a.num_requests, output_len=a.output_len, runs=a.runs, block_size=a.block_size))
+def discover_benchmarks(folder: Path = BENCH_DIR) -> list[Benchmark]:
+    """Every module of `folder` that defines `add_cli_args` and `main`, in its `bench all` place, then the others
+    by name. Read from the source, not imported: the CLI starts without torch, and a benchmark is imported only
+    when its subcommand is parsed."""
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        if {"add_cli_args", "main"} <= {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}:
+            constants = _literals(tree, ("HELP", "IN_ALL"))
+            help_ = constants.get("HELP") or (ast.get_docstring(tree) or "").strip().split("\n")[0]
+            found.append(Benchmark(path.stem, help_, constants.get("IN_ALL")))
+    return sorted(found, key=lambda b: (b.in_all is None, b.in_all[0] if b.in_all else 0, b.name))
 
 
-def _add_profile(sub: Any) -> None:
-    p = sub.add_parser("profile", help="where a decode step's time goes (cProfile, torch.profiler)")
-    _common(p, runs=False)
-    p.add_argument("--num-requests", type=_positive_int, default=32)
-    p.add_argument("--prompt-len", type=_positive_int, default=256)
-    p.add_argument("--steps", type=_positive_int, default=5, help="steps per method (plain, cProfile, torch)")
-    p.add_argument("--warmup", type=_non_negative_int, default=2)
-    p.add_argument("--top-ops", type=_non_negative_int, default=10, help="aten ops to list (0: skip torch.profiler)")
-    p.set_defaults(bench="profile", kwargs=lambda a: dict(
-        num_requests=a.num_requests, prompt_len=a.prompt_len, steps=a.steps, warmup=a.warmup, top_ops=a.top_ops))
+BENCHMARKS = discover_benchmarks()
+# `bench all`: every CPU benchmark (kernels needs CUDA), each with its defaults plus these flags, in this order.
+ALL_BENCHES = {b.name: b.in_all[1] for b in BENCHMARKS if b.in_all is not None}
 
 
-def _add_kernels(sub: Any) -> None:
-    p = sub.add_parser("kernels", help="the Triton kernels on a CUDA GPU: checks, timings, engine vs transformers")
-    _common(p)
-    p.add_argument("--batch-size", type=_positive_int, default=256, help="decode sequences (default: %(default)s)")
-    p.add_argument("--context-len", type=_positive_int, default=4096, help="decode context (default: %(default)s)")
-    p.add_argument("--num-requests", type=_positive_int, default=256, help="engine throughput workload")
-    p.add_argument("--no-throughput", action="store_true", help="kernels only: skip engine vs transformers")
-    p.set_defaults(bench="kernels", kwargs=lambda a: dict(
-        batch_size=a.batch_size, context_len=a.context_len, runs=a.runs, num_requests=a.num_requests,
-        throughput=not a.no_throughput))
+class _BenchParser(argparse.ArgumentParser):
+    """The parser of one `workbench bench NAME`: its module's `add_cli_args` adds the flags the first time it parses
+    or shows help, so that building the whole parser imports no benchmark."""
+
+    def __init__(self, *args: Any, module: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._module = module
+
+    def _load(self) -> None:
+        if self._module is not None:
+            module, self._module = self._module, None
+            importlib.import_module(module).add_cli_args(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        self._load()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._load()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._load()
+        return super().format_help()
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _dataset_args(a: argparse.Namespace) -> dict[str, Any]:
-    """The flags of the chosen dataset that were given, under its generator's argument names."""
-    flags = {"random": {"input_len": a.random_input_len, "output_len": a.random_output_len,
-                        "range_ratio": a.random_range_ratio},
-             "prefix_repetition": {"prefix_len": a.prefix_repetition_prefix_len,
-                                   "suffix_len": a.prefix_repetition_suffix_len,
-                                   "num_prefixes": a.prefix_repetition_num_prefixes,
-                                   "output_len": a.prefix_repetition_output_len},
-             "json_schema": {"output_len": a.json_output_len}, "editing": {}}[a.dataset_name]
-    return {k: v for k, v in flags.items() if v is not None}
-
-
-def _add_bench_serve(sub: Any) -> None:
-    from workbench.bench.datasets import DATASETS
-
-    p = sub.add_parser("serve", help="online serving: requests at a rate; TTFT, TPOT, ITL, E2E, goodput (vLLM keys)")
-    _common(p, runs=False)
-    p.add_argument("--dataset-name", choices=DATASETS, default="random")
-    p.add_argument("--num-prompts", type=_positive_int, default=64)
-    p.add_argument("--request-rate", type=_positive_float, default=float("inf"), help="req/s; inf: all at once")
-    p.add_argument("--burstiness", type=_positive_float, default=1.0, help="Gamma shape; 1: Poisson (default)")
-    p.add_argument("--max-concurrency", type=_positive_int, default=None)
-    p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS", help="SLOs, e.g. ttft:1000 tpot:100")
-    p.add_argument("--result-file", default=None, help="write the results as JSON here")
-    p.add_argument("--baseline", action="store_true", help="also serve the schedule with transformers generate")
-    p.add_argument("--hf-batch-size", type=_positive_int, default=8, help="transformers static batch size")
-    for flag in ("--random-input-len", "--random-output-len", "--prefix-repetition-prefix-len",
-                 "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes",
-                 "--prefix-repetition-output-len", "--json-output-len"):
-        p.add_argument(flag, type=_positive_int, default=None, help="(default: the dataset's)")
-    p.add_argument("--random-range-ratio", type=float, default=None, help="in [0, 1) (default: 0)")
-    p.set_defaults(bench="serve", kwargs=lambda a: dict(
-        dataset=a.dataset_name, num_requests=a.num_prompts, dataset_args=_dataset_args(a),
-        request_rate=a.request_rate, burstiness=a.burstiness, max_concurrency=a.max_concurrency,
-        goodput=_goodput(a.goodput), baseline=a.baseline, hf_batch_size=a.hf_batch_size, result_file=a.result_file))
-
-
-def _goodput(items: list[str]) -> dict[str, float]:
-    from workbench.bench.serve import parse_goodput
-
-    return parse_goodput(items)
-
-
-def _add_sweep(sub: Any) -> None:
-    p = sub.add_parser("sweep", help="TTFT, ITL, throughput as max_num_batched_tokens varies, with a long prompt")
-    _common(p, budget=False)
-    p.add_argument("--budgets", type=_positive_int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048])
-    p.add_argument("--num-requests", type=_positive_int, default=24)
-    p.add_argument("--input-len", type=_positive_int, default=64)
-    p.add_argument("--output-len", type=_positive_int, default=64)
-    p.add_argument("--long-prompt-len", type=_positive_int, default=1500)
-    p.add_argument("--request-rate", type=_positive_float, default=8.0, help="req/s (default: %(default)s)")
-    p.add_argument("--plot", default=None, help="PNG to write, if matplotlib is installed "
-                   "(default with --write-docs: img/sweep.png beside the docs)")
-    p.set_defaults(bench="sweep", kwargs=lambda a: dict(
-        budgets=a.budgets, num_requests=a.num_requests, input_len=a.input_len, output_len=a.output_len,
-        long_prompt_len=a.long_prompt_len, request_rate=a.request_rate, runs=a.runs,
-        plot_path=a.plot or (str(Path(a.docs_path).parent / "img" / "sweep.png") if a.write_docs else None)))
-
-
-def _add_guided(sub: Any) -> None:
-    p = sub.add_parser("guided", help="per-step cost of guided decoding (bitmask fill + apply) vs the forward")
-    _common(p, runs=False)
-    p.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--steps", type=_positive_int, default=8, help="steps measured per batch size")
-    p.add_argument("--output-len", type=_positive_int, default=256, help="cap on each JSON output")
-    p.set_defaults(bench="guided", kwargs=lambda a: dict(batch_sizes=a.batch_sizes, steps=a.steps,
-                                                         output_len=a.output_len))
-
-
-def _add_roofline(sub: Any) -> None:
-    p = sub.add_parser("roofline", help="a decode step against the machine's bandwidth and matmul floor")
-    _common(p)
-    p.add_argument("--batch-sizes", type=_positive_int, nargs="+", default=[1, 8, 64])
-    p.add_argument("--prompt-len", type=_positive_int, default=128)
-    p.add_argument("--steps", type=_positive_int, default=10, help="decode steps timed per batch size")
-    p.add_argument("--bandwidth-mib", type=_positive_int, default=1024, help="array size for the bandwidth test")
-    p.add_argument("--matmul-n", type=_positive_int, default=2048, help="square matmul size for the compute peak")
-    p.set_defaults(bench="roofline", kwargs=lambda a: dict(
-        batch_sizes=a.batch_sizes, prompt_len=a.prompt_len, steps=a.steps, runs=a.runs,
-        bandwidth_bytes=a.bandwidth_mib << 20, matmul_n=a.matmul_n))
-
-
-def _add_spec(sub: Any) -> None:
-    p = sub.add_parser("spec", help="speculative decoding: tokens/s with and without drafts, batch 1 and 8")
-    _common(p)
-    p.add_argument("--k", type=_positive_int, default=4, help="draft tokens per step (default: %(default)s)")
-    p.add_argument("--draft-model", default=None, help="the draft model (default: the target itself)")
-    p.add_argument("--num-requests", type=_positive_int, default=8)
-    p.add_argument("--output-len", type=_positive_int, default=96)
-    p.set_defaults(bench="spec", kwargs=lambda a: dict(k=a.k, draft_model=a.draft_model, runs=a.runs,
-                                                       num_requests=a.num_requests, output_len=a.output_len))
-
-
-def _add_bench_pd(sub: Any) -> None:
-    p = sub.add_parser("pd", help="disaggregated prefill/decode: decode ITL while long prompts arrive, vs one engine")
-    _common(p)
-    p.add_argument("--connector", choices=("shared_storage", "redis"), default="shared_storage",
-                   help="the P/D run's store (default: %(default)s); both connectors' rates are measured")
-    p.add_argument("--num-short", type=_positive_int, default=4, help="short requests decoding from t=0")
-    p.add_argument("--short-len", type=_positive_int, default=64, help="their prompt tokens (default: %(default)s)")
-    p.add_argument("--output-len", type=_positive_int, default=128, help="their output tokens (default: %(default)s)")
-    p.add_argument("--num-long", type=_non_negative_int, default=4, help="long prompts (default: %(default)s)")
-    p.add_argument("--long-len", type=_positive_int, default=1024, help="their tokens (default: %(default)s)")
-    p.add_argument("--long-output-len", type=_positive_int, default=4, help="(default: %(default)s)")
-    p.add_argument("--long-interval", type=_positive_float, default=3.0, help="s between long prompts (default: 3)")
-    p.add_argument("--chunk-budget", type=_positive_int, default=256,
-                   help="max_num_batched_tokens of the chunked-prefill engine (default: %(default)s)")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
-    p.set_defaults(bench="pd", kwargs=lambda a: dict(
-        connector=a.connector, runs=a.runs, num_short=a.num_short, short_len=a.short_len, output_len=a.output_len,
-        num_long=a.num_long, long_len=a.long_len, long_output_len=a.long_output_len, long_interval=a.long_interval,
-        chunk_budget=a.chunk_budget, json_path=a.json))
-
-
-# `bench all`: every CPU benchmark (kernels needs CUDA), each with its defaults plus these flags.
-ALL_BENCHES = {"throughput": [], "prefix": [], "profile": [],
-               "serve": ["--request-rate", "1", "--baseline", "--goodput", "ttft:1000", "tpot:100"],
-               "sweep": [], "guided": [], "roofline": [], "spec": ["--runs", "2"], "pd": []}
-
-
-def _add_gains(sub: Any) -> None:
-    p = sub.add_parser("gains", help="one table of prefix caching, guided and speculative decoding gains, from the "
-                                     "results those benchmarks kept (nothing is re-run)")
-    p.add_argument("--write-docs", action="store_true", help="rewrite the gains section of the docs")
-    p.add_argument("--docs-path", default=str(DEFAULT_DOCS_PATH),
-                   help="the docs file; results are read from bench/ beside it (default: %(default)s)")
-    p.set_defaults(bench="gains")
-
-
-def run_gains(args: argparse.Namespace, command: str, out: Callable[[str], None] = print) -> None:
-    from workbench.bench import gains
-    from workbench.bench.report import write_section
-
-    records = gains.load_records(Path(args.docs_path).parent / "bench")
-    rows = gains.gain_rows(records)
-    out(gains.format_text(rows))
-    if args.write_docs:
-        write_section(args.docs_path, "gains", gains.format_markdown(rows, records, command))
-        out(f"wrote the gains section of {args.docs_path}")
-
-
-def _add_all(sub: Any) -> None:
-    p = sub.add_parser("all", help="every CPU benchmark in turn: " + ", ".join(ALL_BENCHES))
-    _common(p, runs=False, budget=False)
+def _add_bench(commands: Any) -> None:
+    bench = commands.add_parser("bench", help="benchmarks of the engine")
+    benches = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK", parser_class=_BenchParser)
+    for b in BENCHMARKS:
+        benches.add_parser(b.name, help=b.help, module=f"workbench.bench.{b.name}").set_defaults(bench=b.name)
+    p = benches.add_parser("all", help="every CPU benchmark in turn: " + ", ".join(ALL_BENCHES))
+    add_common_args(p, runs=False, budget=False)
     p.set_defaults(bench="all")
+
+
+def run_bench(args: argparse.Namespace, command: str, out: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the benchmark `args` names (its module's `main`), print its table, and with --write-docs rewrite its docs
+    section and keep its result beside (unless the module says KEEPS_RESULT = False)."""
+    module = importlib.import_module(f"workbench.bench.{args.bench}")
+    result = module.main(args)
+    out(module.format_text(result))
+    if args.write_docs:
+        from workbench.bench.report import write_result, write_section
+
+        write_section(args.docs_path, args.bench, module.format_markdown(result, command))
+        kept = ""
+        if getattr(module, "KEEPS_RESULT", True):  # the numbers behind the section, for tables of several (gains)
+            kept = f" and {write_result(Path(args.docs_path).parent / 'bench', args.bench, result, command)}"
+        out(f"wrote the {args.bench} section of {args.docs_path}{kept}")
+    return result
+
+
+run_gains = run_bench  # `bench gains` reports as every benchmark does
 
 
 def run_all(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
@@ -293,11 +159,7 @@ def run_all(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    bench = commands.add_parser("bench", help="benchmarks of the engine")
-    benches = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK")
-    for add in (_add_throughput, _add_prefix, _add_profile, _add_bench_serve, _add_sweep, _add_guided, _add_roofline,
-                _add_spec, _add_bench_pd, _add_kernels, _add_gains, _add_all):
-        add(benches)
+    _add_bench(commands)
     _add_run(commands)
     _add_export(commands)
     _add_serve(commands)
@@ -306,36 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_bench(args: argparse.Namespace, command: str, out: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the benchmark `args` names, print its table, and write its docs section if asked."""
-    module = importlib.import_module(f"workbench.bench.{args.bench}")
-    run = getattr(module, f"run_{args.bench}")
-    engine_kwargs = {} if args.num_kv_blocks is None else {"num_kv_blocks": args.num_kv_blocks}
-    budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if "max_num_batched_tokens" in args else {}
-    result = run(model=args.model, seed=args.seed, engine_kwargs=engine_kwargs,
-                 log=lambda line: print(line, file=sys.stderr), **budget, **args.kwargs(args))
-    out(module.format_text(result))
-    if args.write_docs:
-        from workbench.bench.report import write_result, write_section
-
-        write_section(args.docs_path, args.bench, module.format_markdown(result, command))
-        # the numbers behind the section, for tables built from several benchmarks (bench gains)
-        kept = write_result(Path(args.docs_path).parent / "bench", args.bench, result, command)
-        out(f"wrote the {args.bench} section of {args.docs_path} and {kept}")
-    return result
-
-
 def _add_run(commands: Any) -> None:
     p = commands.add_parser("run", help="run prompts headless to completion and record a step trace")
     p.add_argument("--prompts", required=True, help="a file with one prompt per line ('-': standard input)")
     p.add_argument("--trace", required=True, help="the JSONL step trace to write")
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
     engine = p.add_argument_group("engine (default: EngineConfig's)")
-    engine.add_argument("--block-size", type=_positive_int)
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int, help="the token budget per step")
-    engine.add_argument("--long-prefill-token-threshold", type=_non_negative_int)
-    engine.add_argument("--num-kv-blocks", type=_positive_int)
-    engine.add_argument("--max-num-seqs", type=_positive_int)
+    engine.add_argument("--block-size", type=positive_int)
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, help="the token budget per step")
+    engine.add_argument("--long-prefill-token-threshold", type=non_negative_int)
+    engine.add_argument("--num-kv-blocks", type=positive_int)
+    engine.add_argument("--max-num-seqs", type=positive_int)
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
     sampling = p.add_argument_group("sampling, for every prompt (default: SamplingParams')")
@@ -343,7 +186,7 @@ def _add_run(commands: Any) -> None:
     sampling.add_argument("--top-p", type=float)
     sampling.add_argument("--top-k", type=int)
     sampling.add_argument("--min-p", type=float)
-    sampling.add_argument("--max-tokens", type=_positive_int)
+    sampling.add_argument("--max-tokens", type=positive_int)
     sampling.add_argument("--seed", type=int)
     sampling.add_argument("--ignore-eos", action="store_true")
 
@@ -418,17 +261,17 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--port", type=_port, default=5006, help="(default: %(default)s)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
     engine = p.add_argument_group("engine (default: EngineConfig's)")
-    engine.add_argument("--block-size", type=_positive_int)
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int, help="the token budget per step")
-    engine.add_argument("--long-prefill-token-threshold", type=_non_negative_int)
-    engine.add_argument("--num-kv-blocks", type=_positive_int, default=256,
+    engine.add_argument("--block-size", type=positive_int)
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, help="the token budget per step")
+    engine.add_argument("--long-prefill-token-threshold", type=non_negative_int)
+    engine.add_argument("--num-kv-blocks", type=positive_int, default=256,
                         help="KV cache size in blocks, small so the block map reads well (default: %(default)s)")
-    engine.add_argument("--max-num-seqs", type=_positive_int)
+    engine.add_argument("--max-num-seqs", type=positive_int)
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
     queued = p.add_argument_group("requests queued in each new session")
     queued.add_argument("--prompt", action="append", default=[], help="a prompt to queue (repeatable)")
-    queued.add_argument("--max-tokens", type=_positive_int, default=32, help="(default: %(default)s)")
+    queued.add_argument("--max-tokens", type=positive_int, default=32, help="(default: %(default)s)")
     queued.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
 
 
@@ -467,14 +310,14 @@ def replay(args: argparse.Namespace) -> None:
 
 def _add_pd(commands: Any) -> None:
     p = commands.add_parser("pd", help="disaggregated prefill/decode: N prefill + M decode engine processes")
-    p.add_argument("--prefill", type=_positive_int, default=1, help="prefill instances (default: %(default)s)")
-    p.add_argument("--decode", type=_positive_int, default=1, help="decode instances (default: %(default)s)")
+    p.add_argument("--prefill", type=positive_int, default=1, help="prefill instances (default: %(default)s)")
+    p.add_argument("--decode", type=positive_int, default=1, help="decode instances (default: %(default)s)")
     p.add_argument("--connector", choices=("shared_storage", "redis"), default="shared_storage")
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
     p.add_argument("--prompts", help="a file with one prompt per line (default: a few samples)")
-    p.add_argument("--max-tokens", type=_positive_int, default=32)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--num-kv-blocks", type=_positive_int)
+    p.add_argument("--num-kv-blocks", type=positive_int)
     p.add_argument("--trace-dir", help="write one step trace per instance here")
     p.add_argument("--stream", action="store_true", help="print each step's new text as the decode instances give it")
 
@@ -487,8 +330,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             if args.bench == "all":
                 run_all(args)
-            elif args.bench == "gains":
-                run_gains(args, "workbench " + shlex.join(argv))
             else:
                 run_bench(args, "workbench " + shlex.join(argv))
         elif args.command == "run":

@@ -6,12 +6,19 @@ docs/BENCHMARKS.md; `workbench bench all --write-docs` ends with it.
 """
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
-from workbench.bench.report import DEFAULT_RESULTS_DIR, markdown_table, read_result, text_table
+from workbench.bench.args import add_docs_args
+from workbench.bench.report import (DEFAULT_RESULTS_DIR, Line, Part, docs_only, markdown_report, markdown_table,
+                                    read_result, text_report, text_table)
 
+HELP = ("one table of prefix caching, guided and speculative decoding gains, from the results those benchmarks kept "
+        "(nothing is re-run)")
+KEEPS_RESULT = False  # built from the results others keep, it keeps none of its own
 FEATURES = ("prefix", "guided", "spec")  # the benchmarks whose kept results feed the table
 
 
@@ -95,19 +102,35 @@ def _cells(rows: list[Gain], code: bool) -> list[list[object]]:
              f"`{g.command}`" if code else g.command] for g in rows]
 
 
-def format_text(rows: list[Gain]) -> str:
-    return text_table(_HEADERS, _cells(rows, code=False))
-
-
-def format_markdown(rows: list[Gain], records: dict[str, dict[str, Any]], command: str) -> str:
+def _parts(result: dict[str, Any]) -> list[Part]:
+    """The table: in the docs each row's command as code, after where the results come from."""
+    rows, records = result["rows"], result["records"]
     dates = ", ".join(f"{name} {records[name]['machine'].get('date', 'undated')}"
                       + (f" ({records[name]['source']})" if "source" in records[name] else "") for name in FEATURES)
-    return "\n\n".join([
-        "## Gains: prefix caching, guided decoding, speculative decoding",
-        f"`{command}`",
-        ("Built from the results each benchmark keeps under docs/bench/ (nothing re-run here); each row's command "
-         "produced its numbers, on the machine its own section describes. Gain > 1 is better with the feature "
-         "(for times: without / with; for rates: with / without). Guided decoding is a cost: its row sets the "
-         "step against the same step less the mask fill and apply. Results from: " + dates + "."),
-        markdown_table(_HEADERS, _cells(rows, code=True)),
-    ])
+    return [docs_only("Built from the results each benchmark keeps under docs/bench/ (nothing re-run here); each row's "
+                      "command produced its numbers, on the machine its own section describes. Gain > 1 is better "
+                      "with the feature (for times: without / with; for rates: with / without). Guided decoding is a "
+                      "cost: its row sets the step against the same step less the mask fill and apply. Results "
+                      "from: " + dates + "."),
+            Line(text_table(_HEADERS, _cells(rows, code=False)), markdown_table(_HEADERS, _cells(rows, code=True)))]
+
+
+def format_text(result: dict[str, Any]) -> str:
+    return text_report(_parts(result))
+
+
+def format_markdown(result: dict[str, Any], command: str) -> str:
+    """The docs section; no machine: each row's ran where its own section says."""
+    return markdown_report("Gains: prefix caching, guided decoding, speculative decoding", command, _parts(result),
+                           machine={})
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_docs_args(parser, write_help="rewrite the gains section of the docs",
+                  path_help="the docs file; results are read from bench/ beside it (default: %(default)s)")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench gains`: the rows from the results kept in bench/ beside the docs, and those records."""
+    records = load_records(Path(args.docs_path).parent / "bench")
+    return {"rows": gain_rows(records), "records": records}

@@ -7,6 +7,7 @@ the matchers' state and changes nothing), and the apply by masking a logits tens
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -15,9 +16,13 @@ import torch
 
 from engine import LLM
 from engine.structured_output.backend_xgrammar import apply_bitmask
+from workbench.bench.args import add_common_args, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, json_schema_requests
-from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table, text_table
+from workbench.bench.report import Part, Table, described, formatters
 from workbench.bench.serve import request_params
+
+HELP = "per-step cost of guided decoding (bitmask fill + apply) vs the forward"
+IN_ALL = (6, [])  # `workbench bench all` runs it: (place, flags)
 
 
 def _time_guidance(llm: LLM, request_ids: list[str]) -> tuple[float, float]:
@@ -81,6 +86,26 @@ def run_guided(model: str = "smollm2-135m", batch_sizes: Sequence[int] = (1, 8, 
     }
 
 
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser, runs=False)
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--steps", type=positive_int, default=8, help="steps measured per batch size")
+    parser.add_argument("--output-len", type=positive_int, default=256, help="cap on each JSON output")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench guided`: run_guided with the command line's settings."""
+    return run_with_flags(run_guided, args)
+
+
+_WORKLOAD = ("{model}: B JSON-schema requests (seed {seed}, greedy, at most {output_len} tokens) decoding together; "
+             "medians over up to {steps} steps in which all B decode")
+_DOCS = _WORKLOAD + (". Fill: `StructuredOutputManager.grammar_bitmask` for the B requests (xgrammar "
+                     "`fill_next_token_bitmask` per row, plus counting the allowed tokens for the grammar.step event); "
+                     "apply: `apply_token_bitmask_inplace` on [B, vocab] fp32 logits. Forward: the step's model + LM "
+                     "head time, which includes the apply; step: the whole engine step, which includes the fill. "
+                     "max_num_batched_tokens={max_num_batched_tokens}.{note}")
+
 _HEADERS = ("batch", "steps", "fill ms", "fill us / request", "apply ms", "guidance ms", "forward ms", "step ms",
             "guidance / forward")
 
@@ -94,26 +119,8 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
     return rows
 
 
-def _workload(result: dict[str, Any]) -> str:
-    s = result["settings"]
-    return (f"{result['model']}: B JSON-schema requests (seed {s['seed']}, greedy, at most {s['output_len']} tokens) "
-            f"decoding together; medians over up to {s['steps']} steps in which all B decode")
+def _parts(result: dict[str, Any]) -> list[Part]:
+    return [described(result, _WORKLOAD, _DOCS), Table(_HEADERS, _rows(result))]
 
 
-def format_text(result: dict[str, Any]) -> str:
-    return "\n".join([_workload(result), text_table(_HEADERS, _rows(result))])
-
-
-def format_markdown(result: dict[str, Any], command: str) -> str:
-    s = result["settings"]
-    return "\n\n".join([
-        "## Guided decoding: what the grammar costs per step",
-        f"`{command}`",
-        (f"{_workload(result)}. Fill: `StructuredOutputManager.grammar_bitmask` for the B requests (xgrammar "
-         "`fill_next_token_bitmask` per row, plus counting the allowed tokens for the grammar.step event); apply: "
-         "`apply_token_bitmask_inplace` on [B, vocab] fp32 logits. Forward: the step's model + LM head time, which "
-         "includes the apply; step: the whole engine step, which includes the fill. max_num_batched_tokens="
-         f"{s['max_num_batched_tokens']}.") + engine_settings_note(s["engine_kwargs"]),
-        markdown_table(_HEADERS, _rows(result)),
-        machine_markdown(machine_info()),
-    ])
+format_text, format_markdown = formatters("Guided decoding: what the grammar costs per step", _parts)

@@ -8,14 +8,17 @@ sampling; then the whole engine's throughput on the model against transformers `
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from workbench.bench.report import machine_info, machine_markdown, markdown_table, text_table
+from workbench.bench.args import add_common_args, positive_int, run_with_flags
+from workbench.bench.report import Line, Part, Table, docs_only, machine_info, markdown_report, text_report
 
+HELP = "the Triton kernels on a CUDA GPU: checks, timings, engine vs transformers"
 NO_CUDA = "bench kernels needs a CUDA GPU (torch.cuda.is_available() is False)"
 BF16_REL_ERROR = 2e-2  # max |triton - reference| / max |reference|, reference in fp32 on the same bf16 inputs
 DECODE_BANDWIDTH_GOAL = 0.6
@@ -278,6 +281,19 @@ def run_kernels(model: str = "smollm2-135m", seed: int = 0, max_num_batched_toke
     return result
 
 
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    parser.add_argument("--batch-size", type=positive_int, default=256, help="decode sequences (default: %(default)s)")
+    parser.add_argument("--context-len", type=positive_int, default=4096, help="decode context (default: %(default)s)")
+    parser.add_argument("--num-requests", type=positive_int, default=256, help="engine throughput workload")
+    parser.add_argument("--no-throughput", action="store_true", help="kernels only: skip engine vs transformers")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench kernels`: run_kernels with the command line's settings (a ValueError without CUDA)."""
+    return run_with_flags(run_kernels, args, throughput=not args.no_throughput)
+
+
 _CHECK_HEADERS = ("kernel", "case", "rel. error", "bound", "ok")
 _TIME_HEADERS = ("kernel", "workload", "median ms", "achieved", "of copy bw", "torch reference ms")
 
@@ -299,37 +315,38 @@ def _throughput_line(tp: dict[str, Any]) -> str:
             f"ratio {tp['ratio']:.2f}x")
 
 
-def format_text(result: dict[str, Any]) -> str:
-    lines = [f"GPU: {result['gpu']}", text_table(_CHECK_HEADERS, _check_rows(result))]
+_METHOD = ("Each Triton kernel is first checked against its torch reference (bf16 inputs; the reference in fp32; "
+           "max |error| / max |reference|), then timed: median of many runs after warm-up "
+           "(`triton.testing.do_bench`, L2 flushed). Decode bandwidth counts each sequence's K and V read once; "
+           f"the goal is {DECODE_BANDWIDTH_GOAL:.0%} of the device-to-device copy bandwidth.")
+
+
+def _timing_parts(result: dict[str, Any]) -> list[Part]:
     if result["timings"] is None:
-        return "\n".join([*lines, "timings skipped: a kernel failed its check"])
-    lines += [f"device-to-device copy: {result['copy_gbs']:.0f} GB/s", text_table(_TIME_HEADERS, _time_rows(result))]
-    if result["throughput"]:
-        lines.append(_throughput_line(result["throughput"]))
-    return "\n".join(lines)
+        return [Line("timings skipped: a kernel failed its check", "**Timings skipped: a kernel failed its check.**")]
+    copy = f"{result['copy_gbs']:.0f} GB/s"
+    return [Line(f"device-to-device copy: {copy}", f"Device-to-device copy (1 GiB, read + write): **{copy}**."),
+            Table(_TIME_HEADERS, _time_rows(result))]
+
+
+def _parts(result: dict[str, Any]) -> list[Part]:
+    parts = [Line(f"GPU: {result['gpu']}", ""), docs_only(_METHOD), Table(_CHECK_HEADERS, _check_rows(result)),
+             *_timing_parts(result)]
+    if result["throughput"]:  # printed only after timings, as it runs only after them
+        line = _throughput_line(result["throughput"])
+        parts.append(Line(line if result["timings"] is not None else "",
+                          f"**{line}** (prompts 32..512, outputs 16..128 tokens, greedy, EOS ignored, medians)."))
+    return parts
+
+
+def format_text(result: dict[str, Any]) -> str:
+    return text_report(_parts(result))
 
 
 def format_markdown(result: dict[str, Any], command: str) -> str:
-    parts = [
-        f"## Kernels on {result['gpu']}",
-        f"`{command}`",
-        ("Each Triton kernel is first checked against its torch reference (bf16 inputs; the reference in fp32; "
-         "max |error| / max |reference|), then timed: median of many runs after warm-up "
-         "(`triton.testing.do_bench`, L2 flushed). Decode bandwidth counts each sequence's K and V read once; "
-         f"the goal is {DECODE_BANDWIDTH_GOAL:.0%} of the device-to-device copy bandwidth."),
-        markdown_table(_CHECK_HEADERS, _check_rows(result)),
-    ]
-    if result["timings"] is None:
-        parts.append("**Timings skipped: a kernel failed its check.**")
-    else:
-        parts += [f"Device-to-device copy (1 GiB, read + write): **{result['copy_gbs']:.0f} GB/s**.",
-                  markdown_table(_TIME_HEADERS, _time_rows(result))]
-    if result["throughput"]:
-        parts.append(f"**{_throughput_line(result['throughput'])}** (prompts 32..512, outputs 16..128 tokens, "
-                     "greedy, EOS ignored, medians).")
-    info = {"gpu": result["gpu"], **machine_info()}
-    info["triton"] = _triton_version()
-    return "\n\n".join([*parts, machine_markdown(info)])
+    """The section names the GPU in its title and with the machine, and Triton's version."""
+    machine = {"gpu": result["gpu"], **machine_info(), "triton": _triton_version()}
+    return markdown_report(f"Kernels on {result['gpu']}", command, _parts(result), machine)
 
 
 def _triton_version() -> str:

@@ -20,6 +20,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -27,8 +28,12 @@ import numpy as np
 
 from engine.events import StepRecord
 from engine.sampling_params import SamplingParams
+from workbench.bench.args import add_common_args, non_negative_int, positive_float, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest
+from workbench.bench.report import Line, Part, Table, described, docs_only, formatters, machine_info, text_only
 
+HELP = "disaggregated prefill/decode: decode ITL while long prompts arrive, vs one engine"
+IN_ALL = (9, [])  # `workbench bench all` runs it: (place, flags)
 SAMPLE_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:"]
 
 
@@ -275,6 +280,88 @@ def available_connectors(first: str) -> list[str]:
     return [first] + [c for c in ("shared_storage", "redis") if c != first and (c != "redis" or redis_ok)]
 
 
+def _workloads(tokenizer, s: dict[str, Any]) -> tuple[list[Arrival], list[list[Arrival]]]:
+    """The warm-up workload (a short and a long request at once) and each run's, from the settings; run r has its
+    own seeded prompts, so no run hits an earlier one's prefix cache or store."""
+    def workload(n_short: int, out_len: int, n_long: int, interval: float, seed: int) -> list[Arrival]:
+        return pd_workload(tokenizer, n_short, s["short_len"], out_len, n_long, s["long_len"], s["long_output_len"],
+                           interval, seed)
+
+    runs = [workload(s["num_short"], s["output_len"], s["num_long"], s["long_interval"], s["seed"] + 2 * run)
+            for run in range(s["runs"])]
+    return workload(1, 2, 1, 0.0, s["seed"] + 2 * s["runs"]), runs
+
+
+def _engine_kwargs(s: dict[str, Any]) -> dict[str, Any]:
+    """What every setup's engines share: max_model_len (the budget: a whole prompt fits one step), seed, and the
+    other engine settings given."""
+    return {"max_model_len": s["max_num_batched_tokens"], "seed": s["seed"], **s["engine_kwargs"]}
+
+
+def _engines(model: str, s: dict[str, Any]) -> dict[str, Any]:
+    """The two one-engine setups, in this process: without chunked prefill, and with it under chunk_budget."""
+    from engine import LLM
+
+    return {"engine": LLM(model, enable_chunked_prefill=False, max_num_batched_tokens=s["max_num_batched_tokens"],
+                          **_engine_kwargs(s)),
+            "chunked": LLM(model, max_num_batched_tokens=s["chunk_budget"], **_engine_kwargs(s))}
+
+
+def _mean_breakdown(records: dict[str, list[StepRecord]], timelines: Sequence[Timeline]) -> dict[str, float]:
+    """One run's TTFT breakdown through P/D, the mean over its long prompts ({} without any)."""
+    run_parts = [ttft_breakdown(records, t) for t in timelines if t.long]
+    return {k: statistics.fmean(p[k] for p in run_parts) for k in (*PARTS, "ttft")} if run_parts else {}
+
+
+def _run_setups(serve: dict[str, Callable[[list[Arrival]], list[Timeline]]], cluster,
+                workloads: list[list[Arrival]], log: Callable[[str], None]) -> tuple[dict[str, list], list[dict]]:
+    """Each run's workload through every setup in turn: per setup the metrics of each run, and the TTFT breakdown
+    of each run through `cluster` (the synchronous P/D setup)."""
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in serve}
+    parts: list[dict[str, float]] = []
+    for run, workload in enumerate(workloads):
+        for name, fn in serve.items():
+            timelines = fn(workload)
+            samples[name].append(setup_metrics(timelines))
+            if name == "pd":
+                parts.append(_mean_breakdown(cluster.records(), timelines))
+            log(f"run {run + 1}/{len(workloads)} {SETUPS[name]}: ITL p99 {samples[name][-1]['itl_p99_ms']:.1f} ms, "
+                f"long TTFT mean {samples[name][-1]['long_ttft_mean_ms']:.1f} ms")
+    return samples, parts
+
+
+def _measure_setups(model: str, s: dict[str, Any], log: Callable[[str], None]) -> tuple[dict[str, Any], int]:
+    """Every setup serves the warm-up, then the runs' workloads: the setups' medians, P/D's TTFT breakdown and its
+    transfers; and the torch threads of each P/D process."""
+    from engine import PDCluster
+
+    llms = _engines(model, s)
+    warmup, workloads = _workloads(llms["engine"].tokenizer, s)
+    kwargs = {"model": model, "connector": s["connector"], "max_num_batched_tokens": s["max_num_batched_tokens"],
+              **_engine_kwargs(s)}
+    # the same pair with asynchronous transfers: a decode's load runs beside the steps of the requests decoding
+    with PDCluster(**kwargs) as cluster, \
+            PDCluster(**kwargs, kv_connector_extra_config={"async_transfers": True}) as async_cluster:
+        serve = {"engine": partial(serve_engine, llms["engine"]), "chunked": partial(serve_engine, llms["chunked"]),
+                 "pd": partial(serve_cluster, cluster), "pd_async": partial(serve_cluster, async_cluster)}
+        for fn in serve.values():  # warm-up: the first calls pay for allocations
+            fn(warmup)
+        samples, parts = _run_setups(serve, cluster, workloads, log)
+        return ({"setups": {name: _medians(v) for name, v in samples.items()},
+                 "breakdown": _medians(parts) if parts and parts[0] else {},
+                 "transfers": transfer_summary(cluster.records())}, cluster.torch_threads)
+
+
+def _connector_rates(model: str, first: str, prompt_len: int, runs: int,
+                     log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Each available connector's save and load rates for one long prompt's KV."""
+    rates = []
+    for name in available_connectors(first):
+        rates.append(connector_throughput(model, name, prompt_len=prompt_len, runs=runs))
+        log(f"{name}: save {rates[-1]['save MB/s']:.0f} MB/s, load {rates[-1]['load MB/s']:.0f} MB/s")
+    return rates
+
+
 def run_pd(model: str = "smollm2-135m", connector: str = "shared_storage", runs: int = 3, num_short: int = 4,
            short_len: int = 64, output_len: int = 128, num_long: int = 4, long_len: int = 1024,
            long_output_len: int = 4, long_interval: float = 3.0, chunk_budget: int = 256,
@@ -285,70 +372,44 @@ def run_pd(model: str = "smollm2-135m", connector: str = "shared_storage", runs:
     save and load rates for one long prompt. Writes the result as JSON to `json_path` when given."""
     import torch
 
-    from engine import LLM
-    from engine import PDCluster
-
     if long_len + long_output_len > max_num_batched_tokens:
         raise ValueError(f"long_len: {long_len} prompt + {long_output_len} output tokens must fit "
                          f"max_num_batched_tokens ({max_num_batched_tokens}): without chunking a prompt runs whole")
-    engine_kwargs = dict(engine_kwargs or {})
-    common = {"max_model_len": max_num_batched_tokens, "seed": seed, **engine_kwargs}
-    llms = {"engine": LLM(model, enable_chunked_prefill=False, max_num_batched_tokens=max_num_batched_tokens,
-                          **common),
-            "chunked": LLM(model, max_num_batched_tokens=chunk_budget, **common)}
-    tokenizer = llms["engine"].tokenizer
-
-    def workload(n_short: int, out_len: int, n_long: int, interval: float, run_seed: int) -> list[Arrival]:
-        return pd_workload(tokenizer, n_short, short_len, out_len, n_long, long_len, long_output_len, interval,
-                           run_seed)
-
-    samples: dict[str, list[dict[str, float]]] = {name: [] for name in SETUPS}
-    parts: list[dict[str, float]] = []
-    cluster_kwargs = {"model": model, "connector": connector, "max_num_batched_tokens": max_num_batched_tokens,
-                      **common}
-    # the same pair with asynchronous transfers: a decode's load runs beside the steps of the requests decoding
-    with PDCluster(**cluster_kwargs) as cluster, \
-            PDCluster(**cluster_kwargs, kv_connector_extra_config={"async_transfers": True}) as async_cluster:
-        serve = {"engine": lambda w: serve_engine(llms["engine"], w),
-                 "chunked": lambda w: serve_engine(llms["chunked"], w), "pd": lambda w: serve_cluster(cluster, w),
-                 "pd_async": lambda w: serve_cluster(async_cluster, w)}
-        for fn in serve.values():  # warm-up: the first calls pay for allocations
-            fn(workload(1, 2, 1, 0.0, seed + 2 * runs))
-        for run in range(runs):
-            w = workload(num_short, output_len, num_long, long_interval, seed + 2 * run)
-            for name, fn in serve.items():
-                timelines = fn(w)
-                samples[name].append(setup_metrics(timelines))
-                if name == "pd":
-                    records = cluster.records()
-                    run_parts = [ttft_breakdown(records, t) for t in timelines if t.long]
-                    parts.append({k: statistics.fmean(p[k] for p in run_parts) for k in (*PARTS, "ttft")}
-                                 if run_parts else {})
-                log(f"run {run + 1}/{runs} {SETUPS[name]}: ITL p99 {samples[name][-1]['itl_p99_ms']:.1f} ms, "
-                    f"long TTFT mean {samples[name][-1]['long_ttft_mean_ms']:.1f} ms")
-        transfers = transfer_summary(cluster.records())
-        pd_threads = cluster.torch_threads
-    del llms
-    rates = []
-    for name in available_connectors(connector):
-        rates.append(connector_throughput(model, name, prompt_len=long_len, runs=runs))
-        log(f"{name}: save {rates[-1]['save MB/s']:.0f} MB/s, load {rates[-1]['load MB/s']:.0f} MB/s")
-    result = {
-        "model": model,
-        "settings": {"connector": connector, "runs": runs, "num_short": num_short, "short_len": short_len,
-                     "output_len": output_len, "num_long": num_long, "long_len": long_len,
-                     "long_output_len": long_output_len, "long_interval": long_interval,
-                     "max_num_batched_tokens": max_num_batched_tokens, "chunk_budget": chunk_budget, "seed": seed,
-                     "engine_kwargs": engine_kwargs, "engine_torch_threads": torch.get_num_threads(),
-                     "pd_torch_threads": pd_threads},
-        "setups": {name: _medians(s) for name, s in samples.items()},
-        "breakdown": _medians(parts) if parts and parts[0] else {},
-        "transfers": transfers,
-        "connectors": rates,
-    }
+    settings = {"connector": connector, "runs": runs, "num_short": num_short, "short_len": short_len,
+                "output_len": output_len, "num_long": num_long, "long_len": long_len,
+                "long_output_len": long_output_len, "long_interval": long_interval,
+                "max_num_batched_tokens": max_num_batched_tokens, "chunk_budget": chunk_budget, "seed": seed,
+                "engine_kwargs": dict(engine_kwargs or {})}
+    measured, pd_threads = _measure_setups(model, settings, log)
+    rates = _connector_rates(model, connector, long_len, runs, log)
+    settings.update(engine_torch_threads=torch.get_num_threads(), pd_torch_threads=pd_threads)
+    result = {"model": model, "settings": settings, **measured, "connectors": rates}
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return result
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    parser.add_argument("--connector", choices=("shared_storage", "redis"), default="shared_storage",
+                        help="the P/D run's store (default: %(default)s); both connectors' rates are measured")
+    parser.add_argument("--num-short", type=positive_int, default=4, help="short requests decoding from t=0")
+    parser.add_argument("--short-len", type=positive_int, default=64, help="their prompt tokens (default: %(default)s)")
+    parser.add_argument("--output-len", type=positive_int, default=128,
+                        help="their output tokens (default: %(default)s)")
+    parser.add_argument("--num-long", type=non_negative_int, default=4, help="long prompts (default: %(default)s)")
+    parser.add_argument("--long-len", type=positive_int, default=1024, help="their tokens (default: %(default)s)")
+    parser.add_argument("--long-output-len", type=positive_int, default=4, help="(default: %(default)s)")
+    parser.add_argument("--long-interval", type=positive_float, default=3.0,
+                        help="s between long prompts (default: 3)")
+    parser.add_argument("--chunk-budget", type=positive_int, default=256,
+                        help="max_num_batched_tokens of the chunked-prefill engine (default: %(default)s)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench pd`: run_pd with the command line's settings."""
+    return run_with_flags(run_pd, args, json_path=args.json)
 
 
 _ITL = ("itl_mean_ms", "itl_median_ms", "itl_p90_ms", "itl_p99_ms", "itl_max_ms", "long_ttft_mean_ms",
@@ -358,23 +419,25 @@ _ITL_HEADERS = ("setup", "ITL mean ms", "ITL median ms", "ITL p90 ms", "ITL p99 
 _PART_HEADERS = ("prefill ms", "transfer (save + load) ms", "router to decode ms", "decode queue ms",
                  "first decode step ms", "TTFT ms")
 _RATE_KEYS = ("connector", "MB", "save ms", "load ms", "save MB/s", "load MB/s")
+_BREAKDOWN = ("P/D with synchronous transfers: the long prompts' TTFT in parts that add up to it (ms, mean per "
+              "prompt; asynchronous transfers overlap the steps, so their parts would not add up): prefill = arrival "
+              "to the end of the prefill step that answered, less the save; transfer = save + load "
+              "(kv_transfer events); router to decode = the answer to the decode process taking the request "
+              "(it takes requests between its steps); decode queue = taken to first scheduled; first decode "
+              "step = its forward, less the load.")
 
 
-def _tables(result: dict[str, Any], table: Callable) -> dict[str, str]:
-    """The setups' table, and where measured, the TTFT breakdown, the in-run transfers and the connectors' rates."""
+def _setups_table(result: dict[str, Any]) -> Table:
     s = result["settings"]
     budgets = {"engine": f" (budget {s['max_num_batched_tokens']})", "chunked": f" (budget {s['chunk_budget']})",
                "pd": f" ({s['connector']})", "pd_async": f" ({s['connector']})"}
-    out = {"setups": table(_ITL_HEADERS, [[SETUPS[n] + budgets[n], *(m[k] for k in _ITL)]
-                                          for n, m in result["setups"].items()])}
-    if result["breakdown"]:
-        out["breakdown"] = table(_PART_HEADERS, [[result["breakdown"][k] for k in (*PARTS, "ttft")]])
-    if result["transfers"]:
-        out["transfers"] = _transfer_line(result)
-    if result["connectors"]:
-        headers = ("connector", f"MB per {s['long_len']}-token prompt", "save ms", "load ms", "save MB/s", "load MB/s")
-        out["connectors"] = table(headers, [[r[k] for k in _RATE_KEYS] for r in result["connectors"]])
-    return out
+    return Table(_ITL_HEADERS, [[SETUPS[n] + budgets[n], *(m[k] for k in _ITL)] for n, m in result["setups"].items()])
+
+
+def _connectors_table(result: dict[str, Any]) -> Table:
+    headers = ("connector", f"MB per {result['settings']['long_len']}-token prompt", "save ms", "load ms",
+               "save MB/s", "load MB/s")
+    return Table(headers, [[r[k] for k in _RATE_KEYS] for r in result["connectors"]])
 
 
 def summary_line(result: dict[str, Any]) -> str:
@@ -394,50 +457,32 @@ def _transfer_line(result: dict[str, Any]) -> str:
             + f"; {fails} failed transfer(s).")
 
 
-def _workload(result: dict[str, Any]) -> str:
-    s = result["settings"]
-    return (f"{result['model']}: {s['num_short']} short requests ({s['short_len']}-token prompts, {s['output_len']} "
-            f"output tokens) start decoding at t=0; {s['num_long']} long prompts ({s['long_len']} tokens, "
-            f"{s['long_output_len']} output tokens) arrive every {s['long_interval']:g} s from t="
-            f"{s['long_interval']:g} s. Random token ids (seeded, a new set per run), greedy, EOS ignored; medians "
-            f"over {s['runs']} alternating run(s)")
+_WORKLOAD = ("{model}: {num_short} short requests ({short_len}-token prompts, {output_len} output tokens) start "
+             "decoding at t=0; {num_long} long prompts ({long_len} tokens, {long_output_len} output tokens) arrive "
+             "every {long_interval:g} s from t={long_interval:g} s. Random token ids (seeded, a new set per run), "
+             "greedy, EOS ignored; medians over {runs} alternating run(s)")
+_DOCS = _WORKLOAD + (". ITL: gaps between the steps that gave a short request tokens, over all short requests (step "
+                     "ends: wall clock, read in the decode process for P/D). Long TTFT: arrival to the end of the step "
+                     "that gave the first token. One engine runs in this process with {engine_torch_threads} torch "
+                     "threads; P/D runs a prefill and a decode process with {pd_torch_threads} torch thread(s) each, "
+                     "on the same cores: this machine has {cores} cores, so P/D gets no extra hardware here, only the "
+                     "separation of prefill from decode steps.{note}")
 
 
-def format_text(result: dict[str, Any]) -> str:
-    from workbench.bench.report import text_table
+def _parts(result: dict[str, Any]) -> list[Part]:
+    """The setups first; in the docs the summary follows them, in the terminal it comes last."""
+    summary = summary_line(result)
+    parts = [described(result, _WORKLOAD, _DOCS, cores=machine_info()["cores"]), _setups_table(result),
+             docs_only(f"**{summary}**")]
+    if result["breakdown"]:
+        parts += [docs_only(_BREAKDOWN), Table(_PART_HEADERS, [[result["breakdown"][k] for k in (*PARTS, "ttft")]])]
+    if result["transfers"]:
+        parts.append(Line(_transfer_line(result)))
+    if result["connectors"]:
+        parts += [docs_only("Connectors alone (one process saves, then loads back, one long prompt's KV; median of "
+                            f"{result['settings']['runs']}):"), _connectors_table(result)]
+    return [*parts, text_only(summary)]
 
-    return "\n".join([_workload(result), *_tables(result, text_table).values(), summary_line(result)])
 
-
-def format_markdown(result: dict[str, Any], command: str) -> str:
-    from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table
-
-    s = result["settings"]
-    tables = _tables(result, markdown_table)
-    parts = [
-        "## Disaggregated prefill/decode: decode latency while long prompts arrive",
-        f"`{command}`",
-        (f"{_workload(result)}. ITL: gaps between the steps that gave a short request tokens, over all short "
-         "requests (step ends: wall clock, read in the decode process for P/D). Long TTFT: arrival to the end of "
-         "the step that gave the first token. One engine runs in this process with "
-         f"{s['engine_torch_threads']} torch threads; P/D runs a prefill and a decode process with "
-         f"{s['pd_torch_threads']} torch thread(s) each, on the same cores: this machine has "
-         f"{machine_info()['cores']} cores, so P/D gets no extra hardware here, only the separation of prefill "
-         f"from decode steps.") + engine_settings_note(s["engine_kwargs"]),
-        tables["setups"],
-        f"**{summary_line(result)}**",
-    ]
-    if "breakdown" in tables:
-        parts += [("P/D with synchronous transfers: the long prompts' TTFT in parts that add up to it (ms, mean per "
-                   "prompt; asynchronous transfers overlap the steps, so their parts would not add up): prefill = arrival "
-                   "to the end of the prefill step that answered, less the save; transfer = save + load "
-                   "(kv_transfer events); router to decode = the answer to the decode process taking the request "
-                   "(it takes requests between its steps); decode queue = taken to first scheduled; first decode "
-                   "step = its forward, less the load."), tables["breakdown"]]
-    if "transfers" in tables:
-        parts.append(tables["transfers"])
-    if "connectors" in tables:
-        parts += [("Connectors alone (one process saves, then loads back, one long prompt's KV; median of "
-                   f"{s['runs']}):"), tables["connectors"]]
-    parts.append(machine_markdown(machine_info()))
-    return "\n\n".join(parts)
+format_text, format_markdown = formatters("Disaggregated prefill/decode: decode latency while long prompts arrive",
+                                          _parts)

@@ -6,16 +6,20 @@ prefix work shows.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from engine import LLM
+from workbench.bench.args import add_common_args, add_positive_ints, run_with_flags
 from workbench.bench.datasets import BenchRequest, shared_prefix_requests, token_id_range
-from workbench.bench.report import (engine_settings_note, machine_info, machine_markdown, markdown_table,
-                                    percentile, text_table)
+from workbench.bench.report import Part, Table, bold, described, formatters, percentile
 from workbench.bench.throughput import cold_start, greedy_params
+
+HELP = "TTFT and throughput with prefix caching on vs off"
+IN_ALL = (2, [])  # `workbench bench all` runs it: (place, flags)
 
 MODES = {"on": True, "off": False}
 
@@ -112,6 +116,17 @@ def run_prefix(model: str = "smollm2-135m", num_prefixes: int = 5, prefix_len: i
     }
 
 
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    add_positive_ints(parser, num_prefixes=5, prefix_len=512, suffix_len=128, num_requests=64, output_len=16,
+                      block_size=16)
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench prefix`: run_prefix with the command line's settings."""
+    return run_with_flags(run_prefix, args)
+
+
 _HEADERS = ("prefix caching", "TTFT mean ms", "TTFT median ms", "TTFT p90 ms", "output tok/s", "total tok/s",
             "hit rate", "preemptions", "peak KV blocks")
 
@@ -128,27 +143,16 @@ def speedup_line(result: dict[str, Any]) -> str:
             f"({result['ttft_mean_speedup']:.2f}x faster), total throughput {result['throughput_speedup']:.2f}x")
 
 
-def _workload(result: dict[str, Any]) -> str:
-    s = result["settings"]
-    return (f"{result['model']}: {s['num_requests']} requests = one of {s['num_prefixes']} shared "
-            f"{s['prefix_len']}-token prefixes + a {s['suffix_len']}-token random suffix, {s['output_len']} output "
-            f"tokens each, all arriving at t=0; median of {s['runs']} alternating runs")
+_WORKLOAD = ("{model}: {num_requests} requests = one of {num_prefixes} shared {prefix_len}-token prefixes + a "
+             "{suffix_len}-token random suffix, {output_len} output tokens each, all arriving at t=0; median of {runs} "
+             "alternating runs")
+_DOCS = _WORKLOAD + (". Greedy, EOS ignored; block_size={block_size}, max_num_batched_tokens="
+                     "{max_num_batched_tokens}, seed {seed}. TTFT = first token time - arrival time. Hit rate = "
+                     "prefix-cache hit tokens / queried prompt tokens.{note}")
 
 
-def format_text(result: dict[str, Any]) -> str:
-    return "\n".join([_workload(result), text_table(_HEADERS, _rows(result)), speedup_line(result)])
+def _parts(result: dict[str, Any]) -> list[Part]:
+    return [described(result, _WORKLOAD, _DOCS), Table(_HEADERS, _rows(result)), bold(speedup_line(result))]
 
 
-def format_markdown(result: dict[str, Any], command: str) -> str:
-    s = result["settings"]
-    return "\n\n".join([
-        "## Prefix caching: on vs off",
-        f"`{command}`",
-        (f"{_workload(result)}. Greedy, EOS ignored; block_size={s['block_size']}, "
-         f"max_num_batched_tokens={s['max_num_batched_tokens']}, seed {s['seed']}. TTFT = first token time - "
-         "arrival time. Hit rate = prefix-cache hit tokens / queried prompt tokens.")
-        + engine_settings_note(s["engine_kwargs"]),
-        markdown_table(_HEADERS, _rows(result)),
-        f"**{speedup_line(result)}**",
-        machine_markdown(machine_info()),
-    ])
+format_text, format_markdown = formatters("Prefix caching: on vs off", _parts)

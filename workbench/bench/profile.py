@@ -12,6 +12,7 @@ decode workload and of one chunk of a chunked prefill.
 """
 from __future__ import annotations
 
+import argparse
 import cProfile
 import statistics
 import time
@@ -30,8 +31,12 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.runner import ModelRunner
 from engine.sample.sampler import Sampler
 from engine.output_processor import IncrementalDetokenizer
+from workbench.bench.args import add_common_args, add_positive_ints, non_negative_int, positive_int, run_with_flags
 from workbench.bench.datasets import random_requests, token_id_range
-from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table, text_table
+from workbench.bench.report import Line, Part, Table, described, docs_only, formatters
+
+HELP = "where a decode step's time goes (cProfile, torch.profiler)"
+IN_ALL = (3, [])  # `workbench bench all` runs it: (place, flags)
 
 # The functions whose cumulative time makes up the split; the rows below are built from their differences.
 _FUNCS = {
@@ -179,6 +184,62 @@ def _torch_ops(eng: LLMEngine, steps: int, top: int) -> list[tuple[str, float, i
     return [(e.key, e.self_cpu_time_total / 1e3 / steps, e.count // steps) for e in ops]
 
 
+def _plain_steps(eng: LLMEngine, steps: int, warmup: int) -> list[StepRecord]:
+    """`steps` steps without any profiler, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        eng.step()
+    return [eng.step() for _ in range(steps)]
+
+
+def _median_step_ms(records: list[StepRecord]) -> float:
+    return statistics.median((r.end_ns - r.start_ns) / 1e6 for r in records)
+
+
+def _cprofile_ms(eng: LLMEngine, steps: int) -> dict[str, float]:
+    """`steps` steps under cProfile: cumulative ms per step of each function in _FUNCS."""
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        profiler.enable()
+        eng.step()
+        profiler.disable()
+    return _cumulative_ms(profiler, steps)
+
+
+def _step_costs(plain: list[StepRecord], ms: dict[str, float]) -> dict[str, Any]:
+    """The plain step time, the stage split and what the events cost, from the plain steps and cProfile's times."""
+    events_profiled = ms["emit"] + ms["begin"] + ms["drain"] + ms["step_record"]
+    stages = stage_split(ms)
+    overhead = [(name, v) for name, v in stages if name not in MODEL_ROWS]
+    return {
+        "step_ms": _median_step_ms(plain),
+        "profiled_step_ms": ms["step"],
+        "stages": stages,
+        "largest_non_model": max(overhead, key=lambda kv: kv[1])[0],
+        "events_per_step": statistics.fmean(len(r.events) for r in plain),
+        "events_ms_profiled": events_profiled,
+        "events_share_profiled": events_profiled / ms["step"],
+        "events_ms_replayed": statistics.median(replay_events_ms(r) for r in plain),
+    }
+
+
+def _input_prep(llm: LLM, ids: list[str], chunked_prompt_len: int, seed: int,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """Input preparation alone: at the running decodes `ids` (then aborted), and at a chunk of a chunked prefill."""
+    eng = llm.engine
+    decode_output = capture_scheduler_output(eng)
+    if len(decode_output.scheduled) != len(ids):
+        raise RuntimeError(f"profile: {len(decode_output.scheduled)} of {len(ids)} requests still decode")
+    decode_ms = input_prep_ms(eng.runner, decode_output)
+    for rid in ids:
+        eng.abort(rid)
+        eng.pop_output(rid)
+    tokens, context, prefill_ms = _chunked_prefill_input_prep(llm, chunked_prompt_len, seed)
+    log(f"input preparation: {decode_ms:.3f} ms at {len(ids)} decodes, {prefill_ms:.3f} ms at a "
+        f"{tokens}-token chunk")
+    return {"decode_ms": decode_ms, "decode_requests": len(ids), "prefill_ms": prefill_ms, "prefill_tokens": tokens,
+            "prefill_context": context}
+
+
 def run_profile(model: str = "smollm2-135m", num_requests: int = 32, prompt_len: int = 256, steps: int = 5,
                 warmup: int = 2, top_ops: int = 10, seed: int = 0, max_num_batched_tokens: int = 2048,
                 engine_kwargs: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -192,48 +253,33 @@ def run_profile(model: str = "smollm2-135m", num_requests: int = 32, prompt_len:
     # the first requests decode while the last ones still prefill: enough tokens that none finishes before the end
     prefill_steps = -(-num_requests * prompt_len // max_num_batched_tokens) + 1
     ids = _start_decode_workload(llm, num_requests, prompt_len, prefill_steps + warmup + 3 * steps + 2, seed)
-    for _ in range(warmup):
-        eng.step()
-    plain = [eng.step() for _ in range(steps)]
-    step_ms = statistics.median((r.end_ns - r.start_ns) / 1e6 for r in plain)
-    log(f"plain decode step: {step_ms:.1f} ms")
-    profiler = cProfile.Profile()
-    for _ in range(steps):
-        profiler.enable()
-        eng.step()
-        profiler.disable()
-    ms = _cumulative_ms(profiler, steps)
+    plain = _plain_steps(eng, steps, warmup)
+    log(f"plain decode step: {_median_step_ms(plain):.1f} ms")
+    ms = _cprofile_ms(eng, steps)
     ops = _torch_ops(eng, steps, top_ops) if top_ops else []
-    decode_output = capture_scheduler_output(eng)
-    if len(decode_output.scheduled) != num_requests:
-        raise RuntimeError(f"profile: {len(decode_output.scheduled)} of {num_requests} requests still decode")
-    decode_prep_ms = input_prep_ms(eng.runner, decode_output)
-    for rid in ids:
-        eng.abort(rid)
-        eng.pop_output(rid)
-    prefill_tokens, prefill_context, prefill_prep_ms = _chunked_prefill_input_prep(llm, chunked_prompt_len, seed)
-    log(f"input preparation: {decode_prep_ms:.3f} ms at {num_requests} decodes, {prefill_prep_ms:.3f} ms at a "
-        f"{prefill_tokens}-token chunk")
-    events_profiled = ms["emit"] + ms["begin"] + ms["drain"] + ms["step_record"]
-    stages = stage_split(ms)
-    overhead = [(name, v) for name, v in stages if name not in MODEL_ROWS]
+    input_prep = _input_prep(llm, ids, chunked_prompt_len, seed, log)
     return {
         "model": model,
         "settings": {"num_requests": num_requests, "prompt_len": prompt_len, "steps": steps, "warmup": warmup,
                      "seed": seed, "max_num_batched_tokens": max_num_batched_tokens, "engine_kwargs": engine_kwargs},
-        "step_ms": step_ms,
-        "profiled_step_ms": ms["step"],
-        "stages": stages,
-        "largest_non_model": max(overhead, key=lambda kv: kv[1])[0],
-        "events_per_step": statistics.fmean(len(r.events) for r in plain),
-        "events_ms_profiled": events_profiled,
-        "events_share_profiled": events_profiled / ms["step"],
-        "events_ms_replayed": statistics.median(replay_events_ms(r) for r in plain),
+        **_step_costs(plain, ms),
         "torch_ops": ops,
-        "input_prep": {"decode_ms": decode_prep_ms, "decode_requests": num_requests,
-                       "prefill_ms": prefill_prep_ms, "prefill_tokens": prefill_tokens,
-                       "prefill_context": prefill_context},
+        "input_prep": input_prep,
     }
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser, runs=False)
+    add_positive_ints(parser, num_requests=32, prompt_len=256)
+    parser.add_argument("--steps", type=positive_int, default=5, help="steps per method (plain, cProfile, torch)")
+    parser.add_argument("--warmup", type=non_negative_int, default=2)
+    parser.add_argument("--top-ops", type=non_negative_int, default=10,
+                        help="aten ops to list (0: skip torch.profiler)")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench profile`: run_profile with the command line's settings."""
+    return run_with_flags(run_profile, args)
 
 
 def _stage_rows(result: dict[str, Any]) -> list[list[object]]:
@@ -274,33 +320,19 @@ def input_prep_line(result: dict[str, Any]) -> str:
             f"{prep['prefill_tokens']}-token prefill chunk (context {prep['prefill_context']})")
 
 
-def _workload(result: dict[str, Any]) -> str:
-    s = result["settings"]
-    return (f"{result['model']}: {s['num_requests']} requests mid-decode ({s['prompt_len']}-token prompts), "
-            f"{s['steps']} steps per method after {s['warmup']} warm-up steps")
+_WORKLOAD = ("{model}: {num_requests} requests mid-decode ({prompt_len}-token prompts), {steps} steps per method "
+             "after {warmup} warm-up steps")
+_DOCS = _WORKLOAD + (".{note} Plain step (no profiler): {step_ms:.1f} ms. Split by cProfile cumulative times (each row "
+                     "exclusive; the profiler adds its own overhead to Python-heavy rows):")
 
 
-def format_text(result: dict[str, Any]) -> str:
-    parts = [_workload(result), text_table(_STAGE_HEADERS, _stage_rows(result)),
-             largest_line(result), input_prep_line(result), events_line(result)]
+def _parts(result: dict[str, Any]) -> list[Part]:
+    largest, prep, events = largest_line(result), input_prep_line(result), events_line(result)
+    parts = [described(result, _WORKLOAD, _DOCS), Table(_STAGE_HEADERS, _stage_rows(result)),
+             Line(largest, f"**{largest}.**"), Line(prep, prep + "."), Line(events, events + ".")]
     if result["torch_ops"]:
-        parts.append(text_table(_OP_HEADERS, _op_rows(result)))
-    return "\n".join(parts)
+        parts += [docs_only("Heaviest aten ops:"), Table(_OP_HEADERS, _op_rows(result))]
+    return parts
 
 
-def format_markdown(result: dict[str, Any], command: str) -> str:
-    parts = [
-        "## Step profile: where a decode step's time goes",
-        f"`{command}`",
-        (f"{_workload(result)}.{engine_settings_note(result['settings']['engine_kwargs'])} Plain step (no "
-         f"profiler): {result['step_ms']:.1f} ms. Split by cProfile cumulative times (each row exclusive; the "
-         "profiler adds its own overhead to Python-heavy rows):"),
-        markdown_table(_STAGE_HEADERS, _stage_rows(result)),
-        f"**{largest_line(result)}.**",
-        input_prep_line(result) + ".",
-        events_line(result) + ".",
-    ]
-    if result["torch_ops"]:
-        parts += ["Heaviest aten ops:", markdown_table(_OP_HEADERS, _op_rows(result))]
-    parts.append(machine_markdown(machine_info()))
-    return "\n\n".join(parts)
+format_text, format_markdown = formatters("Step profile: where a decode step's time goes", _parts)

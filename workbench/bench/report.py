@@ -1,4 +1,5 @@
-"""Benchmark reporting: the machine description, plain-text and Markdown tables, and docs sections that each
+"""Benchmark reporting: the machine description, plain-text and Markdown tables, the reports a benchmark states
+once as parts (lines and tables) and gets both in the terminal and as its docs section, and docs sections that each
 benchmark rewrites on its own (delimited by HTML comment markers)."""
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import json
 import os
 import platform
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 DEFAULT_DOCS_PATH = Path("docs") / "BENCHMARKS.md"
 DEFAULT_RESULTS_DIR = Path("docs") / "bench"  # one committed JSON per benchmark: the numbers behind its section
@@ -75,6 +77,93 @@ def _is_number(text: str) -> bool:
 
 def machine_markdown(info: dict[str, str]) -> str:
     return "\n".join(f"- {k}: {v}" for k, v in info.items())
+
+
+@dataclass(frozen=True)
+class Line:
+    """A paragraph of a report: `text` in the terminal, `docs` in the docs section (None: the same text). An empty
+    one is left out of that output."""
+
+    text: str
+    docs: str | None = None
+
+    def as_text(self) -> str:
+        return self.text
+
+    def as_markdown(self) -> str:
+        return self.text if self.docs is None else self.docs
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table of a report: fixed-width in the terminal, Markdown in the docs."""
+
+    headers: Sequence[str]
+    rows: Sequence[Sequence[object]]
+
+    def as_text(self) -> str:
+        return text_table(self.headers, self.rows)
+
+    def as_markdown(self) -> str:
+        return markdown_table(self.headers, self.rows)
+
+
+Part = Line | Table
+
+
+def text_only(text: str) -> Line:
+    """A paragraph of the terminal output only."""
+    return Line(text, "")
+
+
+def docs_only(docs: str) -> Line:
+    """A paragraph of the docs section only."""
+    return Line("", docs)
+
+
+def bold(text: str) -> Line:
+    """A summary line: plain in the terminal, bold in the docs."""
+    return Line(text, f"**{text}**")
+
+
+def text_report(parts: Iterable[Part]) -> str:
+    """What a benchmark prints: its parts' terminal text, one a line."""
+    return "\n".join(text for text in (p.as_text() for p in parts) if text)
+
+
+def markdown_report(title: str, command: str, parts: Iterable[Part], machine: dict[str, str] | None = None) -> str:
+    """A benchmark's docs section: `## title`, the command that produced it, its parts, and the machine it ran on
+    (`machine`, by default machine_info(); `{}`: none), one paragraph each."""
+    machine = machine_info() if machine is None else machine
+    paragraphs = [f"## {title}", f"`{command}`", *(p.as_markdown() for p in parts), machine_markdown(machine)]
+    return "\n\n".join(p for p in paragraphs if p)
+
+
+def describe(template: str, result: dict[str, Any], **values: Any) -> str:
+    """`template` (str.format) filled in from a benchmark's result: `{name}` is the setting of that name, else the
+    result's own entry (`{model}`, `{seed}`, `{input_len_range[0]}`, `{request_rate:g}`); `{note}` is the
+    engine_settings_note of its engine_kwargs; `values` add or override names."""
+    settings = result.get("settings") or {}
+    note = engine_settings_note(settings.get("engine_kwargs") or {})
+    return template.format(**{**result, **settings, "note": note, **values})
+
+
+def described(result: dict[str, Any], text: str, docs: str, **values: Any) -> Line:
+    """A paragraph from two `describe` templates: `text` in the terminal, `docs` in the docs section."""
+    return Line(describe(text, result, **values), describe(docs, result, **values))
+
+
+def formatters(title: str, parts: Callable[[dict[str, Any]], list[Part]]) -> tuple[
+        Callable[[dict[str, Any]], str], Callable[[dict[str, Any], str], str]]:
+    """A benchmark's `format_text(result)` (what it prints) and `format_markdown(result, command)` (its docs
+    section, under `## title`), both from the one list of parts it states for a result."""
+    def format_text(result: dict[str, Any]) -> str:
+        return text_report(parts(result))
+
+    def format_markdown(result: dict[str, Any], command: str) -> str:
+        return markdown_report(title, command, parts(result))
+
+    return format_text, format_markdown
 
 
 def engine_settings_note(engine_kwargs: dict[str, object]) -> str:

@@ -8,6 +8,7 @@ same weights serve more tokens, until compute binds.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections import Counter
@@ -18,8 +19,12 @@ import torch
 from torch import nn
 
 from engine import LLM, SamplingParams
+from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import random_requests, token_id_range
-from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table, text_table
+from workbench.bench.report import Part, Table, described, formatters
+
+HELP = "a decode step against the machine's bandwidth and matmul floor"
+IN_ALL = (7, [])  # `workbench bench all` runs it: (place, flags)
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,20 @@ def run_roofline(model: str = "smollm2-135m", batch_sizes: Sequence[int] = (1, 8
     }
 
 
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 64])
+    add_positive_ints(parser, prompt_len=128)
+    parser.add_argument("--steps", type=positive_int, default=10, help="decode steps timed per batch size")
+    parser.add_argument("--bandwidth-mib", type=positive_int, default=1024, help="array size for the bandwidth test")
+    parser.add_argument("--matmul-n", type=positive_int, default=2048, help="square matmul size for the compute peak")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench roofline`: run_roofline with the command line's settings."""
+    return run_with_flags(run_roofline, args, bandwidth_bytes=args.bandwidth_mib << 20)
+
+
 _HEADERS = ("batch", "context", "MB read", "GFLOP", "memory floor ms", "compute floor ms", "floor ms",
             "linears alone ms", "forward ms", "step ms", "forward / floor")
 
@@ -172,31 +191,27 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
             for r in result["rows"]]
 
 
-def _machine_line(result: dict[str, Any]) -> str:
-    bw, s = result["bandwidth"], result["settings"]
-    return (f"{result['model']} ({s['dtype']}): {result['num_params'] / 1e6:.1f} M parameters, "
-            f"{result['weight_bytes'] / 1e6:.0f} MB of weights read per decode step, "
-            f"{result['flops_per_token'] / 1e6:.0f} MFLOP per token in linear layers. Machine: "
-            f"{bw['read'] / 1e9:.1f} GB/s read ({bw['copy'] / 1e9:.1f} GB/s copy), fp32 matmul "
-            f"{result['matmul_flops'] / 1e9:.0f} GFLOP/s ({s['matmul_n']}^3)")
+_MACHINE = ("{model} ({dtype}): {params_m:.1f} M parameters, {weight_mb:.0f} MB of weights read per decode step, "
+            "{mflop:.0f} MFLOP per token in linear layers. Machine: {read_gbs:.1f} GB/s read ({copy_gbs:.1f} GB/s "
+            "copy), fp32 matmul {gflops:.0f} GFLOP/s ({matmul_n}^3)")
+_DOCS = _MACHINE + (". Bandwidth: best of {runs} sums over (and copies of) a {array_mib} MiB array. A step of B "
+                    "sequences reads every weight once plus their K/V (MB read) and computes 2 FLOPs per linear weight "
+                    "per token plus attention (GFLOP); floor = max(bytes / read bandwidth, FLOPs / matmul peak). "
+                    "Linears alone: the model's linear shapes timed at B rows without the model around them. Engine: "
+                    "B requests of {prompt_len}-token prompts in steady decode, median of {steps} steps (forward = "
+                    "model + LM head; step = the whole engine step).{note}")
 
 
-def format_text(result: dict[str, Any]) -> str:
-    return "\n".join([_machine_line(result), text_table(_HEADERS, _rows(result))])
+def _machine_values(result: dict[str, Any]) -> dict[str, float]:
+    """The model's and the machine's numbers in the units the text gives them."""
+    return {"params_m": result["num_params"] / 1e6, "weight_mb": result["weight_bytes"] / 1e6,
+            "mflop": result["flops_per_token"] / 1e6, "read_gbs": result["bandwidth"]["read"] / 1e9,
+            "copy_gbs": result["bandwidth"]["copy"] / 1e9, "gflops": result["matmul_flops"] / 1e9,
+            "array_mib": result["settings"]["bandwidth_bytes"] >> 20}
 
 
-def format_markdown(result: dict[str, Any], command: str) -> str:
-    s = result["settings"]
-    return "\n\n".join([
-        "## The limit: a decode step against the machine's floor",
-        f"`{command}`",
-        (f"{_machine_line(result)}. Bandwidth: best of {s['runs']} sums over (and copies of) a "
-         f"{s['bandwidth_bytes'] >> 20} MiB array. A step of B sequences reads every weight once plus their K/V "
-         "(MB read) and computes 2 FLOPs per linear weight per token plus attention (GFLOP); floor = max(bytes / "
-         "read bandwidth, FLOPs / matmul peak). Linears alone: the model's linear shapes timed at B rows without "
-         f"the model around them. Engine: B requests of {s['prompt_len']}-token prompts in steady decode, median "
-         f"of {s['steps']} steps (forward = model + LM head; step = the whole engine step).")
-        + engine_settings_note(s["engine_kwargs"]),
-        markdown_table(_HEADERS, _rows(result)),
-        machine_markdown(machine_info()),
-    ])
+def _parts(result: dict[str, Any]) -> list[Part]:
+    return [described(result, _MACHINE, _DOCS, **_machine_values(result)), Table(_HEADERS, _rows(result))]
+
+
+format_text, format_markdown = formatters("The limit: a decode step against the machine's floor", _parts)

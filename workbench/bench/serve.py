@@ -11,6 +11,7 @@ transformers logits processor, with the schema compiled as the engine compiles i
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -25,10 +26,14 @@ import torch
 
 from engine import LLM, RequestOutput, SamplingParams, StepRecord, StructuredOutputsParams
 from engine.model import resolve_model
-from workbench.bench.datasets import DATASET_DEFAULTS, BenchRequest, sample_dataset
-from workbench.bench.report import (engine_settings_note, machine_info, machine_markdown, markdown_table,
-                                    percentile, text_table)
+from workbench.bench.args import add_common_args, positive_float, positive_int, run_with_flags
+from workbench.bench.datasets import DATASET_DEFAULTS, DATASETS, BenchRequest, sample_dataset
+from workbench.bench.report import Part, Table, bold, described, formatters, machine_info, percentile
 from workbench.bench.throughput import HFBaseline, cold_start
+
+HELP = "online serving: requests at a rate; TTFT, TPOT, ITL, E2E, goodput (vLLM keys)"
+# `workbench bench all` runs it: (place, flags)
+IN_ALL = (4, ["--request-rate", "1", "--baseline", "--goodput", "ttft:1000", "tpot:100"])
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (90, 99)  # the median is reported as median_*_ms, as vLLM does
@@ -338,6 +343,45 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
     return result
 
 
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser, runs=False)
+    parser.add_argument("--dataset-name", choices=DATASETS, default="random")
+    parser.add_argument("--num-prompts", type=positive_int, default=64)
+    parser.add_argument("--request-rate", type=positive_float, default=float("inf"), help="req/s; inf: all at once")
+    parser.add_argument("--burstiness", type=positive_float, default=1.0, help="Gamma shape; 1: Poisson (default)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None)
+    parser.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS", help="SLOs, e.g. ttft:1000 tpot:100")
+    parser.add_argument("--result-file", default=None, help="write the results as JSON here")
+    parser.add_argument("--baseline", action="store_true", help="also serve the schedule with transformers generate")
+    parser.add_argument("--hf-batch-size", type=positive_int, default=8, help="transformers static batch size")
+    for flag in ("--random-input-len", "--random-output-len", "--prefix-repetition-prefix-len",
+                 "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes",
+                 "--prefix-repetition-output-len", "--json-output-len"):
+        parser.add_argument(flag, type=positive_int, default=None, help="(default: the dataset's)")
+    parser.add_argument("--random-range-ratio", type=float, default=None, help="in [0, 1) (default: 0)")
+
+
+_DATASET_FLAGS = {"random": {"input_len": "random_input_len", "output_len": "random_output_len",
+                             "range_ratio": "random_range_ratio"},
+                  "prefix_repetition": {"prefix_len": "prefix_repetition_prefix_len",
+                                        "suffix_len": "prefix_repetition_suffix_len",
+                                        "num_prefixes": "prefix_repetition_num_prefixes",
+                                        "output_len": "prefix_repetition_output_len"},
+                  "json_schema": {"output_len": "json_output_len"}, "editing": {}}
+
+
+def dataset_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of the chosen dataset that were given, under its generator's argument names."""
+    given = {arg: getattr(args, flag) for arg, flag in _DATASET_FLAGS[args.dataset_name].items()}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench serve`: run_serve with the command line's settings (vLLM's flag names)."""
+    return run_with_flags(run_serve, args, dataset=args.dataset_name, num_requests=args.num_prompts,
+                          dataset_args=dataset_args(args), goodput=parse_goodput(args.goodput))
+
+
 def _ratios(ours: dict[str, Any], theirs: dict[str, Any] | None) -> dict[str, float] | None:
     if theirs is None:
         return None
@@ -378,15 +422,27 @@ def _headers(result: dict[str, Any]) -> list[str]:
     return ["metric", "engine", f"transformers (static batches of {result['settings']['hf_batch_size']})"]
 
 
-def _workload(result: dict[str, Any]) -> str:
+_WORKLOAD = ("{model}: {num_requests} requests of the {dataset} dataset{args}, arriving at {rate} ({shape}, seed "
+             "{seed}){cap}{slo}; greedy")
+_DOCS = _WORKLOAD + (". Requests arrive in-process while the engine steps (max_num_batched_tokens="
+                     "{max_num_batched_tokens}); TTFT and E2E latency from each request's arrival, TPOT = (E2E - TTFT) "
+                     "/ (output tokens - 1), ITL = gaps between the steps that gave a request tokens. Keys and "
+                     "definitions as vLLM's `benchmark_serving`.{baseline_note}{note}")
+_BASELINE_NOTE = (" transformers: the same arrivals through `generate` in static batches, arrival order (a batch "
+                  "starts when its last request has arrived and the previous one is done), each step timed by a "
+                  "streamer.")
+
+
+def _workload_values(result: dict[str, Any]) -> dict[str, str]:
+    """The workload's phrases that depend on its settings: rate and its shape, dataset arguments, cap, SLOs."""
     s = result["settings"]
-    rate = "all at once" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g} req/s"
-    shape = "Poisson" if s["burstiness"] == 1 else f"Gamma, burstiness {s['burstiness']:g}"
-    extra = ", ".join(f"{k}={v}" for k, v in s["dataset_args"].items())
-    cap = f", max concurrency {s['max_concurrency']}" if s["max_concurrency"] else ""
-    slo = (", goodput SLOs " + ", ".join(f"{k} <= {v:g} ms" for k, v in s["goodput"].items())) if s["goodput"] else ""
-    return (f"{result['model']}: {s['num_requests']} requests of the {s['dataset']} dataset"
-            f"{f' ({extra})' if extra else ''}, arriving at {rate} ({shape}, seed {s['seed']}){cap}{slo}; greedy")
+    given = ", ".join(f"{k}={v}" for k, v in s["dataset_args"].items())
+    slos = ", ".join(f"{k} <= {v:g} ms" for k, v in s["goodput"].items())
+    return {"rate": "all at once" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g} req/s",
+            "shape": "Poisson" if s["burstiness"] == 1 else f"Gamma, burstiness {s['burstiness']:g}",
+            "args": f" ({given})" if given else "", "slo": f", goodput SLOs {slos}" if slos else "",
+            "cap": f", max concurrency {s['max_concurrency']}" if s["max_concurrency"] else "",
+            "baseline_note": _BASELINE_NOTE if result["baseline"] else ""}
 
 
 def ratio_line(result: dict[str, Any]) -> str:
@@ -397,23 +453,9 @@ def ratio_line(result: dict[str, Any]) -> str:
             f"{r['mean_ttft_ms']:.2f}x lower, mean E2E latency {r['mean_e2el_ms']:.2f}x lower")
 
 
-def format_text(result: dict[str, Any]) -> str:
-    return "\n".join([_workload(result), text_table(_headers(result), _rows(result)), ratio_line(result)])
+def _parts(result: dict[str, Any]) -> list[Part]:
+    return [described(result, _WORKLOAD, _DOCS, **_workload_values(result)), Table(_headers(result), _rows(result)),
+            bold(ratio_line(result))]
 
 
-def format_markdown(result: dict[str, Any], command: str) -> str:
-    s = result["settings"]
-    return "\n\n".join([
-        "## Serving: latency and throughput under a request rate",
-        f"`{command}`",
-        (f"{_workload(result)}. Requests arrive in-process while the engine steps "
-         f"(max_num_batched_tokens={s['max_num_batched_tokens']}); TTFT and E2E latency from each request's "
-         "arrival, TPOT = (E2E - TTFT) / (output tokens - 1), ITL = gaps between the steps that gave a request "
-         "tokens. Keys and definitions as vLLM's `benchmark_serving`.")
-        + (" transformers: the same arrivals through `generate` in static batches, arrival order (a batch starts when "
-           "its last request has arrived and the previous one is done), each step timed by a streamer."
-           if result["baseline"] else "") + engine_settings_note(s["engine_kwargs"]),
-        markdown_table(_headers(result), _rows(result)),
-        f"**{ratio_line(result)}**",
-        machine_markdown(machine_info()),
-    ])
+format_text, format_markdown = formatters("Serving: latency and throughput under a request rate", _parts)

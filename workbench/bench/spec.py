@@ -7,13 +7,18 @@ drafting for itself: every greedy draft is accepted, so it shows the mechanism's
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from typing import Any, Callable, Sequence
 
 from engine import LLM, SamplingParams
+from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, chat_prompt_ids, editing_requests
-from workbench.bench.report import machine_info, machine_markdown, markdown_table, text_table
+from workbench.bench.report import Part, Table, describe, docs_only, formatters
+
+HELP = "speculative decoding: tokens/s with and without drafts, batch 1 and 8"
+IN_ALL = (8, ["--runs", "2"])  # `workbench bench all` runs it: (place, flags)
 
 _CHAT = ("Tell me about the history of tea.", "What makes a good teacher?", "Describe a walk in a forest.",
          "Why is the sky blue?", "Give advice to a new programmer.", "What is a black hole?",
@@ -80,6 +85,18 @@ def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = 
     return {"model": model, "k": k, "draft_model": draft_model or model, "runs": runs, "rows": rows}
 
 
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    parser.add_argument("--k", type=positive_int, default=4, help="draft tokens per step (default: %(default)s)")
+    parser.add_argument("--draft-model", default=None, help="the draft model (default: the target itself)")
+    add_positive_ints(parser, num_requests=8, output_len=96)
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench spec`: run_spec with the command line's settings."""
+    return run_with_flags(run_spec, args)
+
+
 def _stats(llm: LLM) -> tuple[int, int, int]:
     s = llm.engine.spec_stats
     return (0, 0, 0) if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
@@ -100,20 +117,15 @@ def _table_rows(result: dict[str, Any]) -> list[list[object]]:
              r["mean_acceptance_length"] if r["method"] != "none" else "-"] for r in result["rows"]]
 
 
-def format_text(result: dict[str, Any]) -> str:
-    return text_table(_HEADERS, _table_rows(result))
+_DOCS = ("Model {model}, fp32, greedy (identical tokens with and without drafts: checked), k={k} draft tokens; n-gram "
+         "lookup windows 5..2; draft model {draft_model} (drafting for itself accepts every greedy draft: the ceiling "
+         "of the mechanism, paying a full draft forward per token). Batch 1: two requests one after the other; batch "
+         "8: eight together. Median of {runs} alternating runs. Editing prompts ask to rewrite a code passage "
+         "(input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown.")
 
 
-def format_markdown(result: dict[str, Any], command: str) -> str:
-    return "\n\n".join([
-        "## Speculative decoding",
-        f"`{command}`",
-        (f"Model {result['model']}, fp32, greedy (identical tokens with and without drafts: checked), "
-         f"k={result['k']} draft tokens; n-gram lookup windows 5..2; draft model {result['draft_model']} "
-         "(drafting for itself accepts every greedy draft: the ceiling of the mechanism, paying a full draft "
-         f"forward per token). Batch 1: two requests one after the other; batch 8: eight together. Median of "
-         f"{result['runs']} alternating runs. Editing prompts ask to rewrite a code passage (input-grounded); chat "
-         "prompts are free questions. Speedup below 1x is a slowdown."),
-        markdown_table(_HEADERS, _table_rows(result)),
-        machine_markdown(machine_info()),
-    ])
+def _parts(result: dict[str, Any]) -> list[Part]:
+    return [docs_only(describe(_DOCS, result)), Table(_HEADERS, _table_rows(result))]
+
+
+format_text, format_markdown = formatters("Speculative decoding", _parts)

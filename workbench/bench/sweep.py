@@ -8,16 +8,20 @@ throughput is higher, and every running request sees those steps as ITL spikes.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import statistics
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engine import LLM
+from workbench.bench.args import add_common_args, add_positive_ints, positive_float, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, random_dataset, token_id_range
-from workbench.bench.report import (engine_settings_note, machine_info, machine_markdown, markdown_table,
-                                    percentile, text_table)
+from workbench.bench.report import Part, Table, described, docs_only, formatters, percentile
 from workbench.bench.serve import RequestResult, request_arrivals, run_serve_once
+
+HELP = "TTFT, ITL, throughput as max_num_batched_tokens varies, with a long prompt"
+IN_ALL = (5, [])  # `workbench bench all` runs it: (place, flags)
 
 DEFAULT_BUDGETS = (32, 64, 128, 256, 512, 1024, 2048)
 SCENARIOS = {"short only": False, "with long prompt": True}
@@ -92,6 +96,22 @@ def run_sweep(model: str = "smollm2-135m", budgets: Sequence[int] = DEFAULT_BUDG
     return result
 
 
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser, budget=False)
+    parser.add_argument("--budgets", type=positive_int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048])
+    add_positive_ints(parser, num_requests=24, input_len=64, output_len=64, long_prompt_len=1500)
+    parser.add_argument("--request-rate", type=positive_float, default=8.0, help="req/s (default: %(default)s)")
+    parser.add_argument("--plot", default=None, help="PNG to write, if matplotlib is installed "
+                        "(default with --write-docs: img/sweep.png beside the docs)")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench sweep`: run_sweep with the command line's settings; with --write-docs the plot goes beside
+    the docs unless --plot says where."""
+    docs_plot = str(Path(args.docs_path).parent / "img" / "sweep.png") if args.write_docs else None
+    return run_with_flags(run_sweep, args, plot_path=args.plot or docs_plot)
+
+
 def plot_sweep(result: dict[str, Any], path: str | Path) -> None:
     """ITL p99, the long prompt's TTFT and output throughput against the budget (log scale), one line per
     scenario, saved as a PNG."""
@@ -128,30 +148,19 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
              p["itl_max_ms"], p["output_throughput"], p["total_token_throughput"]] for p in result["points"]]
 
 
-def _workload(result: dict[str, Any]) -> str:
-    s = result["settings"]
-    return (f"{result['model']}: {s['num_requests']} requests of {s['input_len']} prompt + {s['output_len']} output "
-            f"tokens arriving at {s['request_rate']:g} req/s (Poisson, seed {s['seed']}); with long prompt: one "
-            f"{s['long_prompt_len']}-token prompt arrives among them (at the middle); medians over {s['runs']} run(s)")
+_WORKLOAD = ("{model}: {num_requests} requests of {input_len} prompt + {output_len} output tokens arriving at "
+             "{request_rate:g} req/s (Poisson, seed {seed}); with long prompt: one {long_prompt_len}-token prompt "
+             "arrives among them (at the middle); medians over {runs} run(s)")
+_DOCS = _WORKLOAD + (". Greedy, EOS ignored, chunked prefill on. One engine per `max_num_batched_tokens`. TTFT from "
+                     "arrival; ITL = gaps between the steps that gave a request tokens, over all requests. A small "
+                     "budget splits the long prefill into chunks that share steps with the running decodes (low ITL, "
+                     "late first token for the long prompt, more steps); a large one runs it in few big steps "
+                     "(throughput, ITL spikes).{note}")
 
 
-def format_text(result: dict[str, Any]) -> str:
-    return "\n".join([_workload(result), text_table(_HEADERS, _rows(result))])
+def _parts(result: dict[str, Any]) -> list[Part]:
+    plot = f"![token-budget sweep](img/{Path(result['plot']).name})" if result["plot"] else ""
+    return [described(result, _WORKLOAD, _DOCS), Table(_HEADERS, _rows(result)), docs_only(plot)]
 
 
-def format_markdown(result: dict[str, Any], command: str) -> str:
-    s = result["settings"]
-    parts = [
-        "## Token-budget sweep: chunked prefill's trade-off",
-        f"`{command}`",
-        (f"{_workload(result)}. Greedy, EOS ignored, chunked prefill on. One engine per `max_num_batched_tokens`. "
-         "TTFT from arrival; ITL = gaps between the steps that gave a request tokens, over all requests. A small "
-         "budget splits the long prefill into chunks that share steps with the running decodes (low ITL, late "
-         "first token for the long prompt, more steps); a large one runs it in few big steps (throughput, ITL "
-         "spikes).") + engine_settings_note(s["engine_kwargs"]),
-        markdown_table(_HEADERS, _rows(result)),
-    ]
-    if result["plot"]:
-        parts.append(f"![token-budget sweep](img/{Path(result['plot']).name})")
-    parts.append(machine_markdown(machine_info()))
-    return "\n\n".join(parts)
+format_text, format_markdown = formatters("Token-budget sweep: chunked prefill's trade-off", _parts)

@@ -8,6 +8,7 @@ ones in its batch are the waste continuous batching removes.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass
@@ -18,8 +19,12 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model import resolve_model
+from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, random_requests, token_id_range
-from workbench.bench.report import engine_settings_note, machine_info, machine_markdown, markdown_table, text_table
+from workbench.bench.report import Part, Table, bold, described, formatters
+
+HELP = "engine vs transformers generate on a mixed workload"
+IN_ALL = (1, [])  # `workbench bench all` runs it: (place, flags)
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,22 @@ def run_throughput(model: str = "smollm2-135m", num_requests: int = 32, input_le
     return result
 
 
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    add_positive_ints(parser, num_requests=32)
+    parser.add_argument("--input-len-range", type=positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len-range", type=positive_int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    parser.add_argument("--hf-batch-size", type=positive_int, default=8, help="transformers static batch size")
+    parser.add_argument("--no-baseline", action="store_true", help="time the engine only")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`workbench bench throughput`: run_throughput with the command line's settings."""
+    return run_with_flags(run_throughput, args, input_len_range=tuple(args.input_len_range),
+                          output_len_range=tuple(args.output_len_range), baseline=not args.no_baseline,
+                          batch_size=args.hf_batch_size)
+
+
 def _rows(result: dict[str, Any]) -> list[list[object]]:
     rows = [["engine (continuous batching)", result["engine"]["elapsed_s"], result["engine"]["output_tok_s"],
              result["engine"]["total_tok_s"]]]
@@ -167,28 +188,18 @@ def ratio_line(result: dict[str, Any]) -> str:
     return f"ratio engine / transformers (output tok/s): {result['ratio']:.2f}x"
 
 
-def format_text(result: dict[str, Any]) -> str:
-    s = result["settings"]
-    head = (f"{result['model']}: {s['num_requests']} requests, prompts {s['input_len_range']}, outputs "
-            f"{s['output_len_range']} ({result['num_prompt_tokens']} prompt + {result['num_output_tokens']} output "
-            f"tokens), median of {s['runs']}")
-    return "\n".join([head, text_table(_HEADERS, _rows(result)), ratio_line(result)])
+_HEAD = ("{model}: {num_requests} requests, prompts {input_len_range}, outputs {output_len_range} ({num_prompt_tokens} "
+         "prompt + {num_output_tokens} output tokens), median of {runs}")
+_DOCS = ("Model {model}, fp32; {num_requests} requests, seed {seed}, prompt lengths {input_len_range[0]}.."
+         "{input_len_range[1]}, output lengths {output_len_range[0]}..{output_len_range[1]} (greedy, EOS ignored): "
+         "{num_prompt_tokens} prompt and {num_output_tokens} output tokens. Engine: all requests at once, "
+         "max_num_batched_tokens={max_num_batched_tokens}. transformers: `generate` in arrival-order batches of "
+         "{hf_batch_size}, left-padded, min_new_tokens = max_new_tokens = the batch's longest output; only requested "
+         "tokens count. Median of {runs} alternating runs.{note}")
 
 
-def format_markdown(result: dict[str, Any], command: str) -> str:
-    s = result["settings"]
-    return "\n\n".join([
-        "## Throughput: engine vs transformers",
-        f"`{command}`",
-        (f"Model {result['model']}, fp32; {s['num_requests']} requests, seed {s['seed']}, prompt lengths "
-         f"{s['input_len_range'][0]}..{s['input_len_range'][1]}, output lengths {s['output_len_range'][0]}.."
-         f"{s['output_len_range'][1]} (greedy, EOS ignored): {result['num_prompt_tokens']} prompt and "
-         f"{result['num_output_tokens']} output tokens. Engine: all requests at once, "
-         f"max_num_batched_tokens={s['max_num_batched_tokens']}. transformers: `generate` in arrival-order "
-         f"batches of {s['hf_batch_size']}, left-padded, min_new_tokens = max_new_tokens = the batch's longest "
-         "output; only requested tokens count. Median of "
-         f"{s['runs']} alternating runs.") + engine_settings_note(s["engine_kwargs"]),
-        markdown_table(_HEADERS, _rows(result)),
-        f"**{ratio_line(result)}**",
-        machine_markdown(machine_info()),
-    ])
+def _parts(result: dict[str, Any]) -> list[Part]:
+    return [described(result, _HEAD, _DOCS), Table(_HEADERS, _rows(result)), bold(ratio_line(result))]
+
+
+format_text, format_markdown = formatters("Throughput: engine vs transformers", _parts)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_hex
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.sched.phases import PhaseTracker
 from engine.core.sched.scheduler import Scheduler
 from engine.events import (BlockSnapshot, EngineSnapshot, EventLog, RequestAdded, RequestSnapshot, RequestTokens,
                            StepRecord, StepTiming, Subscriber)
@@ -54,6 +55,7 @@ class LLMEngine:
             self.connector = create_connector(config, shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                               self.events)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.events, self.structured, self.connector)
+        self.phase_tracker = PhaseTracker(self.events)  # names what each scheduled request does, for the StepRecord
         self.step_count = 0
         self._subscribers: list[Subscriber] = []
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -140,6 +142,44 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def run(self, request_ids: str | Iterable[str] | None = None, max_steps: int | None = None) -> list[StepRecord]:
+        """Step until the given requests (default: every unfinished request) have finished, or `max_steps` steps
+        have run; return those steps' StepRecords in order. Each step is an ordinary step(): every subscriber
+        (a Workbench's dashboard) sees it, and other requests share its batch. Outputs stay in the engine: take
+        them with get_output/pop_output. Ids the engine does not hold (never added, or taken by pop_output) raise
+        ValueError naming `request_ids`; `max_steps` must be a positive int or None."""
+        if max_steps is not None:
+            if isinstance(max_steps, bool) or not isinstance(max_steps, int):
+                raise TypeError(f"max_steps: expected int or None, got {type(max_steps).__name__}")
+            if max_steps < 1:
+                raise ValueError(f"max_steps: must be at least 1, got {max_steps}")
+        requests = None if request_ids is None else self._held_requests(request_ids)
+        records: list[StepRecord] = []
+        while max_steps is None or len(records) < max_steps:
+            if requests is None and not self.has_unfinished_requests():
+                break
+            if requests is not None and all(r.is_finished for r in requests):
+                break
+            records.append(self.step())
+        return records
+
+    def _held_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
+        """The engine's requests for the ids run() was given (one id or several), checked."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        try:
+            ids = list(request_ids)
+        except TypeError:
+            raise TypeError("request_ids: expected a request id, an iterable of them, or None, "
+                            f"got {type(request_ids).__name__}") from None
+        bad = next((rid for rid in ids if not isinstance(rid, str)), None)
+        if bad is not None:
+            raise TypeError(f"request_ids: ids are str, got {type(bad).__name__} ({bad!r})")
+        unknown = [rid for rid in ids if rid not in self._requests]
+        if unknown:
+            raise ValueError(f"request_ids: {unknown} not held by this engine (never added, or taken by pop_output)")
+        return [self._requests[rid] for rid in ids]
+
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (finished or not)."""
         request = self._requests[request_id]
@@ -162,6 +202,37 @@ class LLMEngine:
 
     def unsubscribe(self, callback: Subscriber) -> None:
         self._subscribers.remove(callback)
+
+    # ---- numbers a lesson or a view reads ----------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's output layer: token ids are 0 .. vocab_size - 1, and a guided request's bitmask has
+        one bit per id (it may exceed len(tokenizer): padded embeddings)."""
+        return self.runner.vocab_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of KV one block holds across all layers: 2 (K and V) x block_size x KV heads x head size x bytes
+        per element, per layer, x layers."""
+        return self.runner.bytes_per_block
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the KV cache, block 0 (the null block, never allocated) included: the config's
+        `num_kv_blocks`, or as many as `kv_cache_memory` holds. Usable blocks: num_kv_blocks - 1."""
+        return self.runner.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A request's block table now: the ids of the physical blocks holding its KV, in token order (entry i
+        holds tokens i*block_size .. i*block_size + block_size - 1). Empty while it waits, after a preemption and
+        once finished. Ids the engine does not hold (never added, or taken by pop_output) raise ValueError
+        naming `request_id`."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id: expected str, got {type(request_id).__name__}")
+        if request_id not in self._requests:
+            raise ValueError(f"request_id: {request_id!r} not held by this engine "
+                             "(never added, or taken by pop_output)")
+        return self.kv_cache_manager.get_block_ids(request_id)
 
     @property
     def spec_stats(self):
@@ -203,6 +274,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if self.connector is not None:
             self._start_load_kv(sched_out)
+        # after the loads: a chunk they withdrew never runs, so it gets no phase (its recompute is the prefill)
+        phases = self.phase_tracker.label(sched_out)
         bitmask = self.structured.grammar_bitmask(
             [(s.request_id, s.spec_token_ids) for s in sched_out.scheduled if s.samples])
         t1 = time.perf_counter()
@@ -220,7 +293,7 @@ class LLMEngine:
                          sample_ms=timing["sample"], total_ms=timing["total"])
         record = StepRecord(
             step=self.step_count, start_ns=start_ns, end_ns=time.time_ns(),
-            scheduled=sched_out.num_scheduled_tokens, phases={s.request_id: s.phase for s in sched_out.scheduled},
+            scheduled=sched_out.num_scheduled_tokens, phases=phases,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
             kv=self.kv_cache_manager.usage(), timing=timing, events=self.events.drain(),
         )

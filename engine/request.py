@@ -75,8 +75,6 @@ class Request:
         self.spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] for draft-model drafts
         self.block_hashes: list = []
         self.num_preemptions = 0
-        self.num_prefill_chunks = 0  # chunks scheduled since the last (re)start of its prefill
-        self.prefill_len = 0  # tokens that prefill covers (the prompt, plus outputs after a preemption)
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None

@@ -1,5 +1,6 @@
 """Repository hygiene: notebooks committed stripped (through the git filter `make` sets up), no large files,
-imports that point one way, set-up files that name only files the repository has."""
+imports that point one way (between packages, around the scheduler, and in no cycle), set-up files that name only
+files the repository has."""
 
 import ast
 import json
@@ -20,6 +21,12 @@ FORBIDDEN_IMPORTS = {
     "engine": {"panel", "bokeh", "workbench"},
     "kernels": {"engine", "workbench"},
 }
+# The scheduler decides; its output is what the others read. Only the engine drives the scheduler itself.
+SCHEDULER = "engine.core.sched.scheduler"
+SCHEDULER_OUTPUT = "engine.core.sched.output"
+SCHEDULER_USERS = {"engine.llm_engine"}
+OUTPUT_ONLY = ("engine.model", "engine.kv_transfer")  # the model runner, the connectors
+CYCLE_FREE = ("engine", "workbench", "kernels")
 
 
 def unstripped_cells(notebook: Path | bytes) -> list[int]:
@@ -47,6 +54,94 @@ def forbidden_imports(package_dir: Path, forbidden: set[str]) -> list[str]:
                 continue
             where = f"{path.relative_to(package_dir.parent)}:{node.lineno}"
             found += [f"{where} {name}" for name in names if name.split(".")[0] in forbidden]
+    return found
+
+
+def module_name(path: Path, root: Path) -> str:
+    """engine/core/sched/scheduler.py -> engine.core.sched.scheduler; a package's __init__.py -> the package."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(tree: ast.AST, package: str, modules: set[str]) -> set[str]:
+    """The modules of `modules` that any import statement in `tree` names, wherever it stands (in a function,
+    under `if TYPE_CHECKING:`): `import X` -> X; `from X import Y` -> X.Y where that is a module, else X."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, one level up per extra dot
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    return found & modules
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """{module: the modules it imports} over every module of `packages` (folders under root)."""
+    files = {module_name(path, root): path for package in packages for path in sorted((root / package).rglob("*.py"))}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        graph[name] = imported_modules(tree, package, set(files)) - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each group of modules that import one another, directly or not (a strongly connected component of more
+    than one module, by Tarjan's algorithm, iteratively), as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            module, targets = work[-1]
+            target = next(targets, None)
+            if target is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[module])
+                if low[module] == index[module]:  # the root of a component: pop it off the stack
+                    component = stack[stack.index(module):]
+                    del stack[stack.index(module):]
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+            elif target not in index:
+                index[target] = low[target] = len(index)
+                stack.append(target)
+                work.append((target, iter(sorted(graph[target]))))
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+    return sorted(cycles)
+
+
+def _inside(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def scheduler_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'importer -> module' for each import of engine/ that breaks the scheduler's rules: only SCHEDULER_USERS
+    import the scheduler module; the model runner and the connectors import of the scheduler's package only
+    its output."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        if not _inside(module, ("engine",)):
+            continue
+        for target in sorted(targets):
+            if target == SCHEDULER and module not in SCHEDULER_USERS:
+                found.append(f"{module} -> {target}")
+            elif (_inside(module, OUTPUT_ONLY) and _inside(target, ("engine.core.sched",))
+                  and target != SCHEDULER_OUTPUT):
+                found.append(f"{module} -> {target}")
     return found
 
 
@@ -170,6 +265,50 @@ def test_no_large_files():
 @pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))
 def test_imports_point_one_way(package):
     assert not forbidden_imports(ROOT / package, FORBIDDEN_IMPORTS[package])
+
+
+def test_only_the_engine_drives_the_scheduler_and_the_others_read_its_output():
+    assert not scheduler_imports(import_graph(ROOT, ("engine",)))
+
+
+def test_no_import_cycles():
+    """Counting imports inside functions and under TYPE_CHECKING: a cycle there is a cycle of the design."""
+    graph = import_graph(ROOT, CYCLE_FREE)
+    cycles = import_cycles(graph)
+    edges = [f"{m} -> {t}" for cycle in cycles for m in cycle for t in sorted(graph[m]) if t in cycle]
+    assert not cycles, f"modules that import one another: {cycles} (imports: {edges})"
+
+
+def test_import_checks_catch_violations(tmp_path):
+    """A fake engine: a runner that imports the scheduler (in a function, relatively) and the request queue,
+    a connector that reads only the output, cycles through a TYPE_CHECKING import and through a package's
+    __init__."""
+    files = {
+        "engine/__init__.py": "from engine.llm_engine import LLMEngine\n",
+        "engine/llm_engine.py": "from engine.core.sched.scheduler import Scheduler\n",
+        "engine/core/__init__.py": "",
+        "engine/core/sched/__init__.py": "",
+        "engine/core/sched/scheduler.py": "from engine.core.sched.output import SchedulerOutput\n",
+        "engine/core/sched/request_queue.py": "",
+        "engine/core/sched/output.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                        "    from engine.model import runner\n"),
+        "engine/model/__init__.py": "",
+        "engine/model/runner.py": ("import engine.core.sched.request_queue\n"
+                                   "def f():\n    from ..core.sched import scheduler\n"),
+        "engine/kv_transfer/__init__.py": "from .base import Connector\n",
+        "engine/kv_transfer/base.py": ("def f():\n    import engine.kv_transfer\n"
+                                       "    from engine.core.sched import output\n"),
+    }
+    for name, source in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(source)
+    graph = import_graph(tmp_path, ("engine",))
+    assert graph["engine.model.runner"] == {"engine.core.sched.request_queue", SCHEDULER}
+    assert scheduler_imports(graph) == ["engine.model.runner -> engine.core.sched.request_queue",
+                                        "engine.model.runner -> engine.core.sched.scheduler"]
+    assert import_cycles(graph) == [
+        ["engine.core.sched.output", "engine.core.sched.scheduler", "engine.model.runner"],
+        ["engine.kv_transfer", "engine.kv_transfer.base"]]
 
 
 def test_checks_catch_violations(tmp_path):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.core.sched.scheduler import SchedulerOutput
+    from engine.core.sched.output import SchedulerOutput
     from engine.request import Request
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V of one layer, [num_blocks, block_size, kv heads, head dim]

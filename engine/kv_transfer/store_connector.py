@@ -28,7 +28,7 @@ from engine.kv_transfer.base import KVCache, KVConnectorBase, KVConnectorMetadat
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.core.sched.scheduler import SchedulerOutput
+    from engine.core.sched.output import SchedulerOutput
     from engine.request import Request
 
 MANIFEST_VERSION = 1

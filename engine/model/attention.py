@@ -1,4 +1,5 @@
-"""Per-step attention metadata, shared by every layer of the model."""
+"""Per-step attention metadata, shared by every layer of the model, and the paged KV cache tensors it
+addresses."""
 
 from __future__ import annotations
 
@@ -23,3 +24,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [S] int32: total context per sequence, new tokens included
     query_start_loc: torch.Tensor  # [S+1] int32: cumulative new-token counts, starting at 0
 
+
+def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pair per layer, each [num_blocks, block_size, kv heads, head dim]."""
+    shape = (num_blocks, block_size, model.shape.num_kv_heads, model.shape.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model.shape.num_layers)]

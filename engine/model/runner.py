@@ -13,13 +13,14 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.core.sched.scheduler import SchedulerOutput
+from engine.core.sched.output import SchedulerOutput
 from engine.events import EventLog
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.block_table import BlockTable
 from engine.model.llama import load_model
 from engine.sample.sampler import Sampler, SamplingMetadata
 from engine.spec_decode.decoder import SpecDecoder
+from engine.spec_decode.proposer import TargetModel
 
 
 @dataclass
@@ -49,14 +50,6 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int
     return 2 * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size() * num_layers
 
 
-def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, each [num_blocks, block_size, kv heads, head dim]."""
-    shape = (num_blocks, block_size, model.shape.num_kv_heads, model.shape.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.shape.num_layers)]
-
-
 class ModelRunner:
     """Owns the model, the KV cache tensors ([num_blocks, block_size, kv heads, head dim] per layer, K and V),
     the persistent block table (a row per running request) and the sampler. Each request carries its tokens and
@@ -79,11 +72,16 @@ class ModelRunner:
         self.block_table = BlockTable(self.block_size, config.max_num_seqs, min(self.num_blocks, max_blocks_per_req))
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.spec = None if config.speculative is None else SpecDecoder(config, self, events)
+        self.spec = (None if config.speculative is None
+                     else SpecDecoder(config, self._as_target(), self.sampler, events))
 
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    def _as_target(self) -> TargetModel:
+        """What a proposer may know of this runner's model."""
+        return TargetModel(self.config, self.num_blocks, self.vocab_size, self.device, self.default_generator)
 
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None,

@@ -1,1 +1,2 @@
-"""Speculative decoding: proposers (n-gram, draft model), verification by rejection sampling, metrics."""
+"""Speculative decoding: proposers (n-gram, draft model) behind one interface (proposer.py), chosen by
+speculative_config.method from decoder.PROPOSERS; verification by rejection sampling; metrics."""

@@ -7,30 +7,19 @@ rejection are simply overwritten later, which keeps the cache consistent after a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.llama import load_model
+from engine.model.loader import resolve_model
 from engine.sample.sampler import exponential_noise
+from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetModel
 
 
-@dataclass
-class DraftInput:
-    """One request to propose for: its newest token, that token's position, its block ids, how many drafts."""
-
-    token_id: int
-    position: int
-    block_ids: list[int]
-    num_drafts: int
-    temperature: float
-    generator: torch.Generator | None
-
-
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Owns the draft model's weights and KV cache tensors; proposes drafts with their probabilities."""
 
     method = "draft_model"
@@ -38,8 +27,6 @@ class DraftModelProposer:
     def __init__(self, path: Path, num_speculative_tokens: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, target_vocab_size: int,
                  default_generator: torch.Generator) -> None:
-        from engine.model.runner import allocate_kv_caches
-
         self.model, config = load_model(path, dtype, device)
         if config.vocab_size != target_vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary ({config.vocab_size}) differs from "
@@ -50,17 +37,24 @@ class DraftModelProposer:
         self.default_generator = default_generator
         self.kv_caches = allocate_kv_caches(self.model, num_blocks, block_size, dtype, device)
 
+    @classmethod
+    def from_config(cls, target: TargetModel) -> DraftModelProposer:
+        config = target.config
+        spec = config.speculative
+        return cls(resolve_model(spec.model), spec.num_speculative_tokens, target.num_blocks, config.block_size,
+                   config.torch_dtype, target.device, target.vocab_size, target.default_generator)
+
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> None:
         """Run the target's batch through the draft so its cache holds the same tokens."""
         self.model(input_ids, positions, attn, self.kv_caches)
 
-    def propose(self, inputs: list[DraftInput]) -> list[tuple[list[int], torch.Tensor]]:
-        """For each input, up to `num_drafts` tokens sampled from the draft (argmax at temperature 0) and
-        their draft distributions [num_drafts, V]."""
+    def propose(self, inputs: list[DraftRequest]) -> Drafts:
+        """For each request, `num_drafts` tokens sampled from the draft (argmax at temperature 0), from its newest
+        token on, and their draft distributions [num_drafts, V]."""
         live = list(range(len(inputs)))
         tokens = [[] for _ in inputs]
         probs: list[list[torch.Tensor]] = [[] for _ in inputs]
-        current = [inp.token_id for inp in inputs]
+        current = [inp.token_ids[-1] for inp in inputs]
         for step in range(max((inp.num_drafts for inp in inputs), default=0)):
             live = [i for i in live if inputs[i].num_drafts > step]
             logits = self._decode([current[i] for i in live], [inputs[i] for i in live], step)
@@ -69,11 +63,12 @@ class DraftModelProposer:
                 tokens[i].append(drafted[row])
                 probs[i].append(dist[row])
                 current[i] = drafted[row]
-        return [(t, torch.stack(p) if p else torch.empty(0)) for t, p in zip(tokens, probs)]
+        return {inp.request_id: (t, torch.stack(p) if p else torch.empty(0))
+                for inp, t, p in zip(inputs, tokens, probs)}
 
-    def _decode(self, token_ids: list[int], inputs: list[DraftInput], step: int) -> torch.Tensor:
+    def _decode(self, token_ids: list[int], inputs: list[DraftRequest], step: int) -> torch.Tensor:
         bs = self.block_size
-        positions = [inp.position + step for inp in inputs]
+        positions = [len(inp.token_ids) - 1 + step for inp in inputs]  # the newest token's, then each draft's
         max_blocks = max(len(inp.block_ids) for inp in inputs)
         tables = np.zeros((len(inputs), max_blocks), dtype=np.int32)
         for i, inp in enumerate(inputs):
@@ -90,7 +85,7 @@ class DraftModelProposer:
                             self.kv_caches)
         return self.model.compute_logits(hidden)
 
-    def _sample(self, logits: torch.Tensor, inputs: list[DraftInput]) -> tuple[list[int], torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, inputs: list[DraftRequest]) -> tuple[list[int], torch.Tensor]:
         temps = torch.tensor([max(inp.temperature, 1e-5) for inp in inputs], device=logits.device)
         dist = torch.softmax(logits / temps[:, None], dim=-1)
         greedy = torch.tensor([inp.temperature < 1e-5 for inp in inputs], device=logits.device)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetModel
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     """Stateless: proposes from a request's own tokens (prompt plus output)."""
 
     method = "ngram"
@@ -16,7 +18,16 @@ class NgramProposer:
         self.max_n = prompt_lookup_max
         self.min_n = prompt_lookup_min
 
-    def propose(self, token_ids: list[int] | np.ndarray, k: int | None = None) -> list[int]:
+    @classmethod
+    def from_config(cls, target: TargetModel) -> NgramProposer:
+        spec = target.config.speculative
+        return cls(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+
+    def propose(self, requests: list[DraftRequest]) -> Drafts:
+        drafts = {r.request_id: self.lookup(r.token_ids, r.num_drafts) for r in requests}
+        return {rid: (tokens, None) for rid, tokens in drafts.items() if tokens}
+
+    def lookup(self, token_ids: list[int] | np.ndarray, k: int | None = None) -> list[int]:
         """Up to k tokens that followed the earliest earlier match of the last n tokens, n shrinking
         from prompt_lookup_max to prompt_lookup_min; [] when nothing matches."""
         k = self.k if k is None else k

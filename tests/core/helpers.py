@@ -5,7 +5,9 @@ from typing import Callable
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.sched.scheduler import Scheduler, SchedulerOutput
+from engine.core.sched.output import SchedulerOutput
+from engine.core.sched.phases import PhaseTracker
+from engine.core.sched.scheduler import Scheduler
 from engine.events import Event, EventLog
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -55,7 +57,8 @@ class SchedulerHarness:
     """Owns an EventLog, a KVCacheManager and a Scheduler, and plays the model: each `step` schedules, "computes"
     the scheduled tokens into a fake KV memory (the token id stands in for its K/V), checks that every request
     attends to exactly its own tokens, then feeds one token (from `sampler`, default TOKEN) to every request
-    that samples. Keeps the last step's events and which requests sampled in it."""
+    that samples. Labels phases as LLMEngine does; keeps the last step's events, phases ({request id: phase}, batch
+    order) and which requests sampled in it."""
 
     def __init__(self, num_blocks: int = 64, **config_overrides) -> None:
         self.config = make_config(**config_overrides)
@@ -63,9 +66,11 @@ class SchedulerHarness:
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
                                  self.config.prefix_caching_hash_algo, self.events)
         self.scheduler = Scheduler(self.config, self.kv, self.events)
+        self.phase_tracker = PhaseTracker(self.events)
         self.step_count = 0
         self.events.begin(1)
         self.last_events: list[Event] = []
+        self.last_phases: dict[str, str] = {}
         self.sampled: list[str] = []  # ids that sampled in the last step (`samples` reads live request state)
         self.kv_memory: dict[int, list[int | None]] = {}  # block id -> the token computed into each slot
 
@@ -77,6 +82,7 @@ class SchedulerHarness:
         self.step_count += 1
         self.events.begin(self.step_count)
         out = self.scheduler.schedule()
+        self.last_phases = self.phase_tracker.label(out)
         self._forward(out)
         sample = sampler or (lambda request: TOKEN)
         tokens = {s.request_id: [sample(s.request)] for s in out.scheduled if s.samples}

@@ -311,5 +311,5 @@ def test_scheduled_request_sharing_three_blocks_of_16_gets_48_cached_tokens():
     assert (lookup.request_id, lookup.num_hit_blocks, lookup.num_hit_tokens) == ("second", 3, 48)
     (scheduled,) = out.scheduled
     assert scheduled.request.num_cached_tokens == 48
-    assert (scheduled.num_computed_tokens, scheduled.num_new_tokens, scheduled.phase) == (48, 7, "prefill")
+    assert (scheduled.num_computed_tokens, scheduled.num_new_tokens, h.last_phases["second"]) == (48, 7, "prefill")
     assert scheduled.block_ids[:3] == [1, 2, 3]

@@ -103,7 +103,6 @@ class Checker:
         if output.preempted_req_ids:
             self.seen.add("preempted")
         for s in output.scheduled:
-            self.seen.add(s.phase)
             if s.request_id not in self.first_seen and s.num_computed_tokens > 0:
                 self.seen.add("prefix hit")
             self.first_seen.add(s.request_id)
@@ -124,6 +123,7 @@ def test_every_batch_matches_the_reference_and_rows_are_freed(prompts) -> None:
               long_prefill_token_threshold=16, speculative_config=DRAFT)
     eng = llm.engine
     checker = Checker(eng.runner)
+    eng.subscribe(lambda record: checker.seen.update(record.phases.values()))  # phases are the StepRecord's
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(p, params, request_id=f"r{i}")

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
+from engine.config import SpeculativeConfig
 from engine.model import resolve_model
+from engine.spec_decode.decoder import PROPOSERS, proposer_class
 from engine.spec_decode.ngram_proposer import NgramProposer
+from engine.spec_decode.proposer import DraftRequest, Proposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 DRAFT = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 4}
@@ -29,6 +32,21 @@ def test_invalid_speculative_config_names_the_field(spec, field) -> None:
         EngineConfig(speculative_config=spec)
 
 
+def test_an_unknown_method_is_refused_naming_the_known_ones() -> None:
+    for refuse in (lambda: EngineConfig(speculative_config={"method": "medusa", "num_speculative_tokens": 2}),
+                   lambda: proposer_class(SpeculativeConfig("medusa", 2))):  # a config built by hand, unchecked
+        with pytest.raises(ValueError, match="speculative_config.method") as error:
+            refuse()
+        assert "'medusa'" in str(error.value) and all(repr(method) in str(error.value) for method in PROPOSERS)
+
+
+def test_proposers_are_chosen_by_method_name() -> None:
+    assert {"ngram", "draft_model"} <= set(PROPOSERS)
+    for method, cls in PROPOSERS.items():
+        assert issubclass(cls, Proposer) and cls.method == method
+        assert proposer_class(SpeculativeConfig(method, 2, model="tiny-llama")) is cls
+
+
 def test_draft_model_with_another_vocabulary_is_refused(tmp_path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,21 +62,27 @@ def test_draft_model_with_another_vocabulary_is_refused(tmp_path) -> None:
 def test_ngram_takes_the_earliest_match_of_the_longest_window() -> None:
     p = NgramProposer(3, prompt_lookup_max=3, prompt_lookup_min=1)
     # suffix [1, 2, 3] occurs at 0 and 5: the earliest wins; the 3 tokens that followed it are proposed
-    assert p.propose([1, 2, 3, 7, 8, 1, 2, 3, 9, 1, 2, 3]) == [7, 8, 1]
+    assert p.lookup([1, 2, 3, 7, 8, 1, 2, 3, 9, 1, 2, 3]) == [7, 8, 1]
 
 
 def test_ngram_window_shrinks_until_a_match() -> None:
     p = NgramProposer(2, prompt_lookup_max=4, prompt_lookup_min=2)
     # no earlier [5, 6, 7, 8] nor [6, 7, 8]; [7, 8] occurs at 1
-    assert p.propose([4, 7, 8, 9, 10, 5, 6, 7, 8]) == [9, 10]
-    assert p.propose([4, 7, 9, 8]) == []  # nothing of length >= 2 repeats
-    assert NgramProposer(2, 4, 1).propose([4, 7, 9, 8, 1, 7]) == [9, 8]  # down to a window of one
+    assert p.lookup([4, 7, 8, 9, 10, 5, 6, 7, 8]) == [9, 10]
+    assert p.lookup([4, 7, 9, 8]) == []  # nothing of length >= 2 repeats
+    assert NgramProposer(2, 4, 1).lookup([4, 7, 9, 8, 1, 7]) == [9, 8]  # down to a window of one
 
 
 def test_ngram_cuts_k_at_the_end() -> None:
     p = NgramProposer(5, prompt_lookup_max=2, prompt_lookup_min=2)
-    assert p.propose([1, 2, 3, 1, 2]) == [3, 1, 2]  # only 3 tokens follow the match
-    assert p.propose([1, 2, 3, 1, 2], k=2) == [3, 1]
+    assert p.lookup([1, 2, 3, 1, 2]) == [3, 1, 2]  # only 3 tokens follow the match
+    assert p.lookup([1, 2, 3, 1, 2], k=2) == [3, 1]
+
+
+def test_ngram_proposes_for_each_request_that_finds_a_match() -> None:
+    p = NgramProposer(5, prompt_lookup_max=2, prompt_lookup_min=2)
+    requests = [DraftRequest("a", [1, 2, 3, 1, 2], [1], 2, 0.0, None), DraftRequest("b", [4, 5, 6], [2], 2, 0.0, None)]
+    assert p.propose(requests) == {"a": ([3, 1], None)}  # capped at its num_drafts; "b" has no match: left out
 
 
 # ---- exactness ----------------------------------------------------------------------------------------

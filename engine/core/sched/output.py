@@ -15,7 +15,6 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # drafts included
     num_computed_tokens: int  # before this step
-    phase: str
     block_ids: list[int]
     samples: bool  # this step reaches the request's last known token, so a new token is sampled
     spec_token_ids: list[int] = field(default_factory=list)

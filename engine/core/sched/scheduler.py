@@ -3,23 +3,58 @@
 Chunked prefill falls out of the budget: a request gets min(its remaining tokens, the long-prefill threshold,
 what is left of the budget), and the runner samples only when a request's computed tokens reach its end.
 When the KV cache is short, a running request is preempted (its blocks freed, recomputed later).
+A waiting request is admitted through named checks, in the order the seed gives them (`_admission`).
+The scheduler decides only: naming what each request does in a step is phases.py's, for display.
 """
 from __future__ import annotations
 
+import enum
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.core.kv_cache_manager import KVCacheManager, cdiv
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.output import ScheduledRequest, SchedulerOutput
 from engine.core.sched.request_queue import create_request_queue
-from engine.events import EventLog, RequestFinished, RequestPreempted, RequestScheduled, SpecProposed
+from engine.events import EventLog, RequestFinished, RequestPreempted, SpecProposed
 from engine.kv_transfer.base import KVLoadError
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine.kv_transfer.base import KVConnectorBase
     from engine.structured_output.manager import StructuredOutputManager
+
+
+class Verdict(enum.Enum):
+    """What the waiting loop does with the request at the head of the waiting queue."""
+
+    SKIP = "skip"  # not ready (its grammar compiles, its KV loads or is not stored yet): passed over this step
+    STOP = "stop"  # no room (the budget, without chunking; the KV cache): nobody else is admitted this step
+    FINISH = "finish"  # it can never run (its grammar or its KV load failed): finished with the error
+    PARK = "park"  # its KV loads asynchronously into the blocks just allocated: WAITING_FOR_REMOTE_KVS until then
+    SCHEDULE = "schedule"  # admitted: `num_new` tokens run this step
+
+
+@dataclass
+class Admission:
+    """One waiting request on its way through the admission checks: what they found, and the verdict of the
+    first check that decided (None while every check so far let it through)."""
+
+    request: Request
+    budget: int
+    verdict: Verdict | None = None
+    error: str | None = None
+    hit_blocks: list = field(default_factory=list)  # local prefix-cache hits
+    num_hit: int = 0
+    num_external: int = 0  # tokens whose KV the connector loads from another instance
+    load_async: bool = False
+    num_new: int = 0  # tokens computed this step
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV is there (or loading) once it is admitted."""
+        return self.request.num_computed_tokens + self.num_hit + self.num_external
 
 
 class Scheduler:
@@ -144,82 +179,117 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_prefill_chunks = 0
         request.spec_token_ids = []
         request.spec_draft_probs = None
         request.num_preemptions += 1
         self.waiting.prepend_request(request)
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
-        skipped: list[Request] = []  # grammars still compiling: passed over, not blocking the others
+        skipped: list[Request] = []  # passed over, not blocking the others: back at the head of the queue after
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                skipped.append(self.waiting.pop_request())  # update_kv_xfer_finished makes it WAITING again
-                continue
-            if request.status == RequestStatus.WAITING_FOR_FSM and not self.structured.check_ready(request):
-                error = self.structured.error(request.request_id)
-                if error is not None:
-                    self.finish_request(request, RequestStatus.FINISHED_ERROR, error)
-                else:
-                    skipped.append(self.waiting.pop_request())
-                continue
-            hit_blocks, num_hit = [], 0
-            if request.num_computed_tokens == 0:
-                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_external, load_async = 0, False
-            if self.connector is not None and request.num_computed_tokens == 0:
-                try:
-                    num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
-                except KVLoadError as exc:
-                    self.finish_request(request, RequestStatus.FINISHED_ERROR, str(exc))
-                    continue
-                if num_external is None:  # its producer's KV is not stored yet: look again next step
-                    self.awaiting_kv.add(request.request_id)
-                    skipped.append(self.waiting.pop_request())
-                    continue
-                self.awaiting_kv.discard(request.request_id)
-            if load_async:
-                if not self._start_remote_load(request, num_hit, hit_blocks, num_external):
-                    break
-                skipped.append(self.waiting.pop_request())
-                continue
-            num_computed = request.num_computed_tokens + num_hit + num_external
-            num_new = self._num_new_tokens(request, num_computed, budget)
-            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - num_computed:
-                break  # without chunking, a prompt waits until it fits whole
-            # external tokens need fresh blocks (the load fills them) but no share of the token budget
-            if self.kv.allocate_slots(request, num_external + num_new, num_hit, hit_blocks,
-                                      self.num_lookahead_tokens) is None:
+            admission = self._admission(request, budget)
+            if admission.verdict is Verdict.STOP:
                 break
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id),
-                                                        num_external)
-            self.waiting.pop_request()
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit + num_external
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = time.monotonic()
-            scheduled.append(self._scheduled(request, num_new, num_computed))
-            budget -= num_new
+            if admission.verdict is Verdict.FINISH:
+                self.finish_request(request, RequestStatus.FINISHED_ERROR, admission.error)
+            elif admission.verdict is Verdict.SCHEDULE:
+                budget -= self._admit(admission, scheduled)
+            else:
+                if admission.verdict is Verdict.PARK:
+                    self._wait_for_remote_kvs(admission)
+                skipped.append(self.waiting.pop_request())
         for request in reversed(skipped):
             self.waiting.prepend_request(request)
 
-    def _start_remote_load(self, request: Request, num_hit: int, hit_blocks: list, num_external: int) -> bool:
-        """Give the request blocks for its local hits and its external tokens, and park it until the load
-        lands. Its blocks enter the prefix cache only then: nobody may hit KV that is not there yet."""
-        if self.kv.allocate_slots(request, num_external, num_hit, hit_blocks, delay_cache_blocks=True) is None:
-            return False
-        self.connector.update_state_after_alloc(request, self.kv.get_block_ids(request.request_id), num_external)
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_computed_tokens = num_hit
+    def _admission(self, request: Request, budget: int) -> Admission:
+        """The seed's steps for a waiting request, in its order, until one decides: is its KV still loading, is
+        its grammar compiled (WAITING_FOR_FSM), its prefix-cache hits, the connector's external tokens, its new
+        tokens (chunked by the budget and the long-prefill threshold), then allocate_slots (PARK or SCHEDULE)."""
+        admission = Admission(request, budget)
+        for check in (self._check_remote_kvs, self._check_grammar, self._lookup_prefix_cache,
+                      self._lookup_external_tokens, self._count_new_tokens, self._allocate_slots):
+            admission.verdict = check(admission)
+            if admission.verdict is not None:
+                break
+        return admission
+
+    @staticmethod
+    def _check_remote_kvs(a: Admission) -> Verdict | None:
+        # update_kv_xfer_finished makes it WAITING again once its load lands
+        return Verdict.SKIP if a.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS else None
+
+    def _check_grammar(self, a: Admission) -> Verdict | None:
+        """A grammar still compiling holds its request back (the others go on); one that failed finishes it."""
+        if a.request.status != RequestStatus.WAITING_FOR_FSM or self.structured.check_ready(a.request):
+            return None
+        a.error = self.structured.error(a.request.request_id)
+        return Verdict.SKIP if a.error is None else Verdict.FINISH
+
+    def _lookup_prefix_cache(self, a: Admission) -> Verdict | None:
+        if a.request.num_computed_tokens == 0:  # else its KV came from a finished asynchronous load
+            a.hit_blocks, a.num_hit = self.kv.get_computed_blocks(a.request)
+        return None
+
+    def _lookup_external_tokens(self, a: Admission) -> Verdict | None:
+        """Tokens past the local hits whose KV another instance stored (P/D, decode side)."""
+        if self.connector is None or a.request.num_computed_tokens != 0:
+            return None
+        try:
+            num_external, a.load_async = self.connector.get_num_new_matched_tokens(a.request, a.num_hit)
+        except KVLoadError as exc:
+            a.error = str(exc)
+            return Verdict.FINISH
+        if num_external is None:  # its producer's KV is not stored yet: look again next step
+            self.awaiting_kv.add(a.request.request_id)
+            return Verdict.SKIP
+        self.awaiting_kv.discard(a.request.request_id)
+        a.num_external = num_external
+        return None
+
+    def _count_new_tokens(self, a: Admission) -> Verdict | None:
+        if a.load_async:  # nothing is computed until the load lands
+            return None
+        a.num_new = self._num_new_tokens(a.request, a.num_computed, a.budget)
+        if not self.config.enable_chunked_prefill and a.num_new < a.request.num_tokens - a.num_computed:
+            return Verdict.STOP  # without chunking, a prompt waits until it fits whole
+        return None
+
+    def _allocate_slots(self, a: Admission) -> Verdict:
+        """Blocks for the hits, the external tokens (they need blocks, the load fills them, but no share of the
+        budget) and the new tokens; STOP when the cache is short. Blocks an asynchronous load fills enter the
+        prefix cache only when it lands: nobody may hit KV that is not there yet."""
+        lookahead = 0 if a.load_async else self.num_lookahead_tokens
+        if self.kv.allocate_slots(a.request, a.num_external + a.num_new, a.num_hit, a.hit_blocks, lookahead,
+                                  delay_cache_blocks=a.load_async) is None:
+            return Verdict.STOP
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(a.request, self.kv.get_block_ids(a.request.request_id),
+                                                    a.num_external)
+        return Verdict.PARK if a.load_async else Verdict.SCHEDULE
+
+    def _admit(self, a: Admission, scheduled: list[ScheduledRequest]) -> int:
+        """Move the request from waiting to running; returns the budget its new tokens take."""
+        request, num_computed = a.request, a.num_computed
+        self.waiting.pop_request()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit + num_external
-        self.remote_loads[request.request_id] = num_hit + num_external
-        return True
+            request.num_cached_tokens = a.num_hit + a.num_external
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
+        scheduled.append(self._scheduled(request, a.num_new, num_computed))
+        return a.num_new
+
+    def _wait_for_remote_kvs(self, a: Admission) -> None:
+        """Park a request whose blocks are allocated until its asynchronous load lands."""
+        request = a.request
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = a.num_hit
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = a.num_hit + a.num_external
+        self.remote_loads[request.request_id] = a.num_hit + a.num_external
 
     def update_kv_xfer_finished(self, finished_sending: set[str], finished_recving: set[str],
                                 failed_block_ids: set[int]) -> None:
@@ -247,30 +317,9 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int, num_computed: int) -> ScheduledRequest:
         num_spec = max(0, num_computed + num_new - request.num_tokens)
-        spec = request.spec_token_ids[:num_spec]
-        phase, index, count = self._phase(request, num_new - num_spec, num_computed, bool(spec))
-        self.events.emit(RequestScheduled, request_id=request.request_id, num_tokens=num_new, phase=phase,
-                         num_computed_tokens=num_computed, chunk_index=index, num_chunks=count,
-                         num_cached_tokens=max(request.num_cached_tokens, 0))
         samples = num_computed + num_new - num_spec >= request.num_tokens
-        return ScheduledRequest(request, num_new, num_computed, phase,
-                                self.kv.get_block_ids(request.request_id), samples, spec)
-
-    @staticmethod
-    def _phase(request: Request, num_new: int, num_computed: int, has_spec: bool) -> tuple[str, int, int]:
-        """Name what this step does for the request. A prefill (first run, or rerun after preemption)
-        covers the tokens known when it started; once they are computed, the request decodes."""
-        if has_spec:
-            return "verify", 0, 0
-        if request.num_prefill_chunks and num_computed >= request.prefill_len:
-            return "decode", 0, 0
-        if request.num_prefill_chunks == 0:
-            request.prefill_len = request.num_tokens
-        request.num_prefill_chunks += 1
-        index, remaining = request.num_prefill_chunks, request.prefill_len - num_computed
-        if index == 1 and num_new == remaining:
-            return "prefill", 1, 1
-        return "chunk", index, index + cdiv(remaining - num_new, num_new)
+        return ScheduledRequest(request, num_new, num_computed, self.kv.get_block_ids(request.request_id), samples,
+                                request.spec_token_ids[:num_spec])
 
     def handle_kv_load_errors(self, output: SchedulerOutput, failed_block_ids: set[int]) -> None:
         """Requests whose loaded KV is bad in some block leave this step: by the policy, they resume computing
@@ -284,7 +333,6 @@ class Scheduler:
             output.scheduled.remove(s)
             request = s.request
             request.num_computed_tokens = min(bad) * self.kv.block_size  # blocks from here on are recomputed
-            request.num_prefill_chunks = 0  # the withdrawn chunk never ran: the recompute is the prefill
             if fail:
                 self.finish_request(request, RequestStatus.FINISHED_ERROR,
                                     f"kv_transfer: the KV loaded for request {request.request_id} is bad")

@@ -23,7 +23,7 @@ def test_long_prefill_threshold_splits_the_budget_400_400_224():
     h.add(make_request("a", 1000), make_request("b", 1100), make_request("c", 1200))
     out = h.step()
     assert out.num_scheduled_tokens == {"a": 400, "b": 400, "c": 224}
-    assert [s.phase for s in out.scheduled] == ["chunk"] * 3
+    assert list(h.last_phases.values()) == ["chunk"] * 3
     assert h.sampled == []
     out = h.step()  # running first, in admission order, under the same caps
     assert out.num_scheduled_tokens == {"a": 400, "b": 400, "c": 224}
@@ -38,11 +38,12 @@ def test_chunked_prefill_takes_three_steps_and_samples_only_in_the_last():
     seen = []
     for _ in range(3):
         (s,) = h.step().scheduled
-        seen.append((s.num_computed_tokens, s.num_new_tokens, s.phase, h.sampled == ["r"], request.num_output_tokens))
+        seen.append((s.num_computed_tokens, s.num_new_tokens, h.last_phases["r"], h.sampled == ["r"],
+                     request.num_output_tokens))
         assert chunk_positions(h)["r"][1:] == (len(seen), 3)
     assert seen == [(0, 100, "chunk", False, 0), (100, 100, "chunk", False, 0), (200, 50, "chunk", True, 1)]
     (s,) = h.step().scheduled
-    assert (s.num_computed_tokens, s.num_new_tokens, s.phase, h.sampled) == (250, 1, "decode", ["r"])
+    assert (s.num_computed_tokens, s.num_new_tokens, h.last_phases["r"], h.sampled) == (250, 1, "decode", ["r"])
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
@@ -53,7 +54,7 @@ def test_a_prompt_that_fits_is_one_prefill_then_decodes():
     assert chunk_positions(h) == {"r": ("prefill", 1, 1)}
     assert h.sampled == ["r"]
     for _ in range(2):
-        assert [(s.phase, s.num_new_tokens) for s in h.step().scheduled] == [("decode", 1)]
+        assert [(h.last_phases[s.request_id], s.num_new_tokens) for s in h.step().scheduled] == [("decode", 1)]
     assert not h.scheduler.has_unfinished_requests()
 
 
@@ -63,7 +64,7 @@ def test_running_decodes_are_scheduled_before_waiting_prompts():
     h.step()
     h.add(make_request("new", 50))
     out = h.step()
-    assert [(s.request_id, s.num_new_tokens, s.phase) for s in out.scheduled] == [
+    assert [(s.request_id, s.num_new_tokens, h.last_phases[s.request_id]) for s in out.scheduled] == [
         ("old", 1, "decode"), ("new", 19, "chunk")]
     out = h.step()
     assert out.num_scheduled_tokens == {"old": 1, "new": 19}

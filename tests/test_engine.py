@@ -239,3 +239,78 @@ def test_request_tokens_events_rebuild_the_text(llm: LLM) -> None:
             tokens.extend(e.token_ids)
     out = engine.pop_output(rid)
     assert text == out.text and tokens == out.token_ids
+
+
+# ---- run() and the numbers a lesson reads ----------------------------------------------------------
+def test_run_finishes_exactly_the_given_requests(llm: LLM) -> None:
+    engine = LLM(model="tiny-llama", block_size=16, num_kv_blocks=64).engine
+    seen = []
+    engine.subscribe(seen.append)
+    short = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    long = engine.add_request([8, 9, 10], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    records = engine.run([short])
+    assert engine.get_output(short).finished and not engine.get_output(long).finished
+    assert len(records) == 3 and [r.step for r in records] == [r.step for r in seen] == [1, 2, 3]
+    assert all(short in r.scheduled and long in r.scheduled for r in records)  # one batch for both
+    assert [e.request_id for e in records[-1].of_kind("request.finished")] == [short]
+    assert engine.run(short) == []  # finished already: no step
+    assert len(engine.run(max_steps=2)) == 2 and not engine.get_output(long).finished
+    rest = engine.run()  # default: every unfinished request
+    assert engine.get_output(long).finished and not engine.has_unfinished_requests()
+    assert len(engine.pop_output(long).token_ids) == 12 and 3 + 2 + len(rest) == 12
+    assert [r.step for r in seen] == list(range(1, 13))  # subscribers saw every step
+    assert engine.pop_output(short).token_ids == _greedy_tokens(llm, [5, 6, 7], 3)
+    assert engine.run() == []
+
+
+@pytest.mark.parametrize("kwargs, exc, field", [
+    ({"request_ids": ["nope"]}, ValueError, "request_ids: \\['nope'\\] not held"),
+    ({"request_ids": "nope"}, ValueError, "request_ids"),
+    ({"request_ids": [0]}, TypeError, "request_ids: ids are str"),
+    ({"request_ids": 3}, TypeError, "request_ids"),
+    ({"max_steps": 0}, ValueError, "max_steps"),
+    ({"max_steps": 1.5}, TypeError, "max_steps"),
+    ({"max_steps": True}, TypeError, "max_steps"),
+])
+def test_run_refuses_bad_arguments_naming_the_field(llm: LLM, kwargs, exc, field) -> None:
+    engine = llm.engine
+    rid = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
+    step = engine.step_count
+    with pytest.raises(exc, match=field):
+        engine.run(**kwargs)
+    assert engine.step_count == step  # refused before any step
+    engine.run([rid])
+    engine.pop_output(rid)
+    with pytest.raises(ValueError, match="request_ids"):
+        engine.run([rid])  # taken by pop_output
+
+
+def test_engine_numbers_equal_the_internals() -> None:
+    engine = LLM(model="tiny-llama", block_size=16, num_kv_blocks=24).engine
+    runner = engine.runner
+    real = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches)
+    assert engine.num_kv_blocks == runner.num_blocks == 24
+    assert engine.bytes_per_block == runner.bytes_per_block == real // 24
+    k = runner.kv_caches[0][0]
+    assert engine.bytes_per_block == 2 * 16 * k.shape[2] * k.shape[3] * k.element_size() * len(runner.kv_caches)
+    assert engine.vocab_size == runner.vocab_size == runner.hf_config.vocab_size
+    sized = LLM(model="tiny-llama", kv_cache_memory=40 * engine.bytes_per_block).engine  # sized from memory
+    assert sized.num_kv_blocks == sized.runner.num_blocks == 40
+
+
+def test_get_block_ids_is_the_block_table() -> None:
+    engine = LLM(model="tiny-llama", block_size=16, num_kv_blocks=24).engine
+    rid = engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert engine.get_block_ids(rid) == []  # waiting: no block yet
+    record = engine.step()
+    (allocated,) = record.of_kind("kv.allocated")
+    table = engine.get_block_ids(rid)
+    assert table == engine.kv_cache_manager.get_block_ids(rid) == list(allocated.block_ids)
+    assert len(table) == 3 and 0 not in table  # 37 tokens in blocks of 16; never the null block
+    engine.run([rid])
+    assert engine.get_block_ids(rid) == []  # finished: its blocks are back in the pool
+    engine.pop_output(rid)
+    with pytest.raises(ValueError, match="request_id: '0' not held"):
+        engine.get_block_ids(rid)
+    with pytest.raises(TypeError, match="request_id"):
+        engine.get_block_ids(0)

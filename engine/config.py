@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from engine.spec_decode import PROPOSERS, method_names
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,8 +35,8 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
         _check_keys(cls, d, "speculative_config")
         method = d.get("method")
-        if method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config.method: must be 'ngram' or 'draft_model', got {method!r}")
+        if method not in PROPOSERS:
+            raise ValueError(f"speculative_config.method: must be one of {method_names()}, got {method!r}")
         k = d.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens: must be an int >= 1, got {k!r}")

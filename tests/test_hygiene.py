@@ -437,3 +437,31 @@ def test_setup_files_name_only_documents_the_repository_has():
                 if lacking := sorted(name for name in named if Path(name).name not in have):
                     missing[str(path.relative_to(ROOT))] = lacking
     assert not missing, f"documents named but not in the repository: {missing}"
+
+
+# ---- the code map --------------------------------------------------------------------------------------------------
+STRUCTURE = ROOT / "docs" / "STRUCTURE.md"
+MAPPED_PATH = re.compile(r"`((?:engine|kernels|workbench|tests|notebooks)/[\w/]+\.(?:py|ipynb))`")
+
+
+def test_the_code_map_names_only_files_that_exist_and_every_module():
+    """docs/STRUCTURE.md: every path it names exists, and every module of the three packages has its line."""
+    text = STRUCTURE.read_text(encoding="utf-8")
+    named = set(MAPPED_PATH.findall(text))
+    missing = sorted(p for p in named if not (ROOT / p).is_file())
+    assert not missing, f"docs/STRUCTURE.md names files that do not exist: {missing}"
+    modules = {p.relative_to(ROOT).as_posix() for package in ("engine", "kernels", "workbench")
+               for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py"}
+    unmapped = sorted(modules - named)
+    assert not unmapped, f"modules without a line in docs/STRUCTURE.md: {unmapped}"
+
+
+def test_the_code_map_has_a_row_per_mechanism_of_the_seeds():
+    text = STRUCTURE.read_text(encoding="utf-8")
+    rows = text[text.index("## The seeds' mechanisms"):]
+    for mechanism in ("paged KV cache", "scheduling", "chunked prefill", "prefix caching", "guided decoding",
+                      "speculative decoding", "KV transfer"):
+        row = next((line for line in rows.splitlines() if line.startswith(f"| {mechanism}")), None)
+        assert row is not None, f"no row for {mechanism}"
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 6 and all(cells), f"{mechanism}: engine, events, view, tests and notebook all named"

@@ -1,6 +1,8 @@
 """SpecDecoder: the proposer of the configured method, the rejection sampler, and the drafts they exchange."""
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from engine.config import EngineConfig, SpeculativeConfig
@@ -9,24 +11,17 @@ from engine.events import EventLog
 from engine.model.attention import AttentionMetadata
 from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler
-from engine.spec_decode.draft_model import DraftModelProposer
-from engine.spec_decode.ngram_proposer import NgramProposer
+from engine.spec_decode import PROPOSERS, method_names
 from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetModel
 
-# speculative_config.method -> its proposer. A new method: its Proposer subclass, and one line here.
-PROPOSERS: dict[str, type[Proposer]] = {
-    "ngram": NgramProposer,
-    "draft_model": DraftModelProposer,
-}
-
-
 def proposer_class(spec: SpeculativeConfig) -> type[Proposer]:
-    """The proposer registered under `spec.method`; an unknown method raises ValueError naming the known ones."""
-    cls = PROPOSERS.get(spec.method)
-    if cls is None:
-        known = ", ".join(repr(name) for name in PROPOSERS)
-        raise ValueError(f"speculative_config.method: must be one of {known}, got {spec.method!r}")
-    return cls
+    """The proposer registered under `spec.method` in PROPOSERS; an unknown method raises ValueError naming the
+    known ones (EngineConfig refuses it first; a config built by hand is checked here)."""
+    path = PROPOSERS.get(spec.method)
+    if path is None:
+        raise ValueError(f"speculative_config.method: must be one of {method_names()}, got {spec.method!r}")
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class SpecDecoder:

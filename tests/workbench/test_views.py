@@ -369,15 +369,21 @@ def guided() -> list[StepRecord]:
     return records
 
 
+def _fed(records: list[StepRecord]) -> tuple[EngineState, Dashboard]:
+    """A state and a Dashboard, each fed the records on its own."""
+    state, dashboard = EngineState(), Dashboard()
+    for record in records:
+        state.apply(record)
+    dashboard.extend(records)
+    return state, dashboard
+
+
 def _events(records: list[StepRecord], kind: str) -> list:
     return [e for r in records for e in r.of_kind(kind)]
 
 
 def test_state_holds_the_grammar_steps_the_grammar_view_draws(guided):
-    state, dashboard = EngineState(), Dashboard()
-    for record in guided:
-        state.apply(record)
-    dashboard.extend(guided)
+    state, dashboard = _fed(guided)
     steps = _events(guided, "grammar.step")
     expected = {rid: [e.num_allowed_tokens for e in steps if e.request_id == rid]
                 for rid in dict.fromkeys(e.request_id for e in steps)}
@@ -391,10 +397,7 @@ def test_state_holds_the_grammar_steps_the_grammar_view_draws(guided):
 
 
 def test_state_holds_the_verifications_the_spec_view_draws(guided):
-    state, dashboard = EngineState(), Dashboard()
-    for record in guided:
-        state.apply(record)
-    dashboard.extend(guided)
+    state, dashboard = _fed(guided)
     verified = _events(guided, "spec.verified")
     assert [(v.request_id, v.draft_token_ids, v.accepted, v.emitted_token) for v in state.spec.verifications] == [
         (e.request_id, e.draft_token_ids, e.accepted, e.emitted_token) for e in verified]

@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EDITABLE := $(VENV)/.editable
 GIT_FILTER := $(VENV)/.git-filter
+CPU_OPS := $(VENV)/.cpu-ops
 # The editable install decides once which packages are namespace packages (no __init__.py):
 # a package that gains an __init__.py later stays a namespace until re-installed.
 PACKAGE_INITS := $(shell find engine kernels workbench -name __init__.py 2>/dev/null)
@@ -23,11 +24,11 @@ NBSTRIPOUT := "$(abspath $(BIN))/python" -m nbstripout --keep-id --extra-keys "$
 
 .PHONY: lab test bench strip screenshots
 
-lab: $(EDITABLE) $(GIT_FILTER)
+lab: $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
 	PANEL_INLINE=true $(BIN)/jupyter lab --ip 127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_tour.ipynb
 
 # No pipe and no `|| true`: pytest's exit code (5 when nothing was collected) is make's.
-test: $(EDITABLE) $(GIT_FILTER)
+test: $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
 	$(BIN)/python -m pytest -q --durations=15 tests/ $(PYTEST_ARGS)
 
 # The README's images, made on purpose (tests write only to temporary folders): the served dashboard and the tour
@@ -79,4 +80,11 @@ $(GIT_FILTER): $(STAMP) Makefile
 	else \
 		echo "not a git checkout: no notebook filter to set up"; \
 	fi
+	touch $@
+
+# Once per change of the C++ CPU ops (about a minute): build them for this CPU into torch's extension cache, so the
+# first notebook does not wait for it. Never fails: without a compiler the torch references run (slower), as
+# kernels/cpu/build.py says; the build prints which.
+$(CPU_OPS): $(EDITABLE) kernels/cpu/ops.cpp kernels/cpu/build.py
+	$(BIN)/python -m kernels.cpu.build
 	touch $@

@@ -109,8 +109,11 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     # model
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    # None: float32 on CPU, bfloat16 on CUDA. On a CPU it is how weights and the KV cache are stored: the
+    # arithmetic runs in float32 there (kernels.linear converts bf16 weights as it streams them)
+    dtype: str | None = None
     device: str | None = None  # None: CUDA where present
+    quantization: str | None = None  # "int8": weight-only int8, a scale per output row (CPU)
     seed: int = 0
     # later features: accepted only when their subsystem exists
     speculative_config: dict | None = None
@@ -139,6 +142,10 @@ class EngineConfig:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization: must be None or 'int8', got {self.quantization!r}")
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(f"quantization: {self.quantization!r} runs on a CPU only (device is {self.device!r})")
         self.speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(
             self.speculative_config)
         self.kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_dict(
@@ -188,7 +195,13 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """How weights and the KV cache are stored."""
         return _DTYPES[self.dtype]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What activations are computed in: float32 on a CPU, the storage dtype elsewhere."""
+        return torch.float32 if self.device == "cpu" else self.torch_dtype
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,8 +1,9 @@
-"""Kernels for the paged KV cache and rejection sampling, dispatched by device.
+"""Kernels for linear layers, the paged KV cache and rejection sampling, dispatched by device.
 
-CUDA tensors run ``kernels.triton.<name>`` where that module defines it; everything
-else (and CUDA until a Triton kernel exists) runs the torch reference in
-``kernels.reference``, which has the same signature. The rejection sampler's noise is
+CUDA tensors run ``kernels.triton.<name>`` where that module defines it; CPU tensors run
+``kernels.cpu.ops.<name>`` (C++ ops, built once per machine) where it defines it and a compiler
+was found; everything else runs the torch reference in ``kernels.reference``, which has the
+same signature. The rejection sampler's noise is
 drawn outside both (``generate_uniform_probs``, ``generate_recovery_noise``), so the two
 emit the same tokens. This package imports nothing from ``engine``.
 """
@@ -21,6 +22,12 @@ from kernels.reference import PLACEHOLDER_TOKEN_ID, generate_recovery_noise, gen
 
 @functools.cache
 def _impl(name: str, device_type: str) -> Callable:
+    if device_type == "cpu":
+        from kernels.cpu import ops
+        from kernels.cpu.build import available
+
+        if hasattr(ops, name) and available():
+            return getattr(ops, name)
     if device_type == "cuda":
         try:
             module = importlib.import_module("kernels.triton")
@@ -31,6 +38,14 @@ def _impl(name: str, device_type: str) -> Callable:
             if hasattr(module, name):
                 return getattr(module, name)
     return getattr(reference, name)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x`` ``[M, K]`` through a linear layer whose weight is stored float32, bfloat16 or int8 (``scale`` per
+    output row); see ``kernels.reference``."""
+    return _impl("linear", x.device.type)(x, weight, scale, bias)
 
 
 def store_kvcache(
@@ -79,6 +94,7 @@ def rejection_sample(
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID",
+    "linear",
     "generate_recovery_noise",
     "generate_uniform_probs",
     "paged_attention",

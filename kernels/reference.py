@@ -1,5 +1,5 @@
-"""Torch reference kernels (the CPU path, and the oracle for Triton): the paged KV cache and
-rejection sampling.
+"""Torch reference kernels (the oracle for the Triton and C++ CPU kernels, and the fallback where neither
+runs): linear layers over stored weights, the paged KV cache and rejection sampling.
 
 KV cache layout, one pair per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 A token's flat slot is ``block_id * block_size + offset``.
@@ -11,6 +11,17 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x`` ``[M, K]`` times the stored ``weight`` ``[N, K]`` (in x's dtype, bf16 or int8 with a per-row
+    ``scale`` ``[N]``: weight-only quantization) transposed, plus ``bias``."""
+    w = weight.to(x.dtype)
+    if scale is not None:
+        w = w * scale.to(x.dtype)[:, None]
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
 def store_kvcache(
@@ -93,8 +104,9 @@ def _decode_batch(
     num_blocks = -(-max_len // block_size)
     seq_idx = torch.tensor(decodes, dtype=torch.int64, device=block_tables.device)
     tables = block_tables.index_select(0, seq_idx)[:, :num_blocks]
-    k = _gather(k_cache, tables)[:, :max_len].transpose(1, 2)
-    v = _gather(v_cache, tables)[:, :max_len].transpose(1, 2)
+    # a cache stored narrower than q (bf16 beside float32 arithmetic) is widened here
+    k = _gather(k_cache, tables)[:, :max_len].transpose(1, 2).to(q.dtype)
+    v = _gather(v_cache, tables)[:, :max_len].transpose(1, 2).to(q.dtype)
     tok_idx = torch.tensor([starts[s] for s in decodes], dtype=torch.int64, device=q.device)
     qd = q.index_select(0, tok_idx).view(len(decodes), num_kv_heads, group, head_dim)
     mask = None
@@ -118,8 +130,8 @@ def _prefill_one(
     """One sequence with several new tokens (prefill, chunk over cache, or verify)."""
     q_len = q.shape[0]
     num_blocks = -(-seq_len // k_cache.shape[1])
-    k = _gather(k_cache, block_table[:num_blocks])[:seq_len]
-    v = _gather(v_cache, block_table[:num_blocks])[:seq_len]
+    k = _gather(k_cache, block_table[:num_blocks])[:seq_len].to(q.dtype)
+    v = _gather(v_cache, block_table[:num_blocks])[:seq_len].to(q.dtype)
     mask = None
     if q_len != seq_len:
         # New token i sits at absolute position seq_len - q_len + i.

@@ -22,6 +22,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import kernels
 from engine.model.attention import AttentionMetadata
+from engine.model.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # "dynamic" matches HF while the context stays within max_position_embeddings;
@@ -136,8 +137,8 @@ class LlamaAttention(nn.Module):
         attention_bias = getattr(config, "attention_bias", False)
         # Qwen2 has biases on q/k/v only; Llama's attention_bias covers o_proj too.
         qkv_bias = attention_bias or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=attention_bias)
 
     def forward(
         self,
@@ -166,8 +167,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,7 +214,7 @@ class LlamaModel(nn.Module):
         attn: AttentionMetadata,
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # the embedding may be stored narrower
         rope = self.rotary_emb(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, attn, kv_cache)
@@ -241,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.shape = ModelShape.from_config(config)
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.tie_weights()
 
@@ -262,6 +263,18 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the input embedding as the LM head."""
         self.lm_head.weight = self.model.embed_tokens.weight
+
+    def store_weights(self, dtype: torch.dtype, quantization: str | None = None) -> None:
+        """Keep the linear weights (and the embedding) as `dtype`, or the linear weights as int8; norms and
+        activations stay in the compute dtype. A tied LM head shares the stored embedding, unless quantized."""
+        embed = self.model.embed_tokens
+        embed.weight = nn.Parameter(embed.weight.data.to(dtype), requires_grad=False)
+        for module in self.modules():
+            if isinstance(module, Linear) and (module is not self.lm_head or not self.config.tie_word_embeddings
+                                               or quantization is not None):
+                module.store(dtype, quantization)
+        if self.config.tie_word_embeddings and quantization is None:
+            self.tie_weights()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (possibly fused) parameters; raise if any is missing.
@@ -327,15 +340,20 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device
+    path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
-    """Build the model from an HF folder's config and safetensors, in ``dtype`` on ``device``."""
+    """Build the model from an HF folder's config and safetensors on ``device``. On CUDA it computes and stores
+    in ``dtype``; on a CPU it computes in float32 and stores the weights as ``dtype`` (or int8 with
+    ``quantization="int8"``)."""
     config = AutoConfig.from_pretrained(path)
+    compute = torch.float32 if device.type == "cpu" else dtype
     # Built on meta (no random init), then materialised and filled from the checkpoint.
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model.to_empty(device=device).to(dtype)
+    model.to_empty(device=device).to(compute)
     if config.tie_word_embeddings:  # moving off meta made new parameters: tie again
         model.tie_weights()
     model.load_weights(iter_safetensors(Path(path)))
+    if dtype != compute or quantization is not None:
+        model.store_weights(dtype, quantization)
     return model.eval().requires_grad_(False), config

@@ -59,7 +59,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
-        self.model, self.hf_config = load_model(model_path, config.torch_dtype, self.device)
+        self.model, self.hf_config = load_model(model_path, config.torch_dtype, self.device, config.quantization)
         shape = self.model.shape
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         self.bytes_per_block = kv_cache_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,

@@ -107,10 +107,15 @@ def test_store_kvcache_writes_slots_and_skips_minus_one():
     assert vc.view(-1, 2, HEAD_DIM)[~written].abs().sum() == 0
 
 
-def test_dispatch_on_cpu_uses_reference():
+def test_dispatch_on_cpu_uses_the_cpu_ops_or_the_reference():
+    from kernels.cpu import ops
+    from kernels.cpu.build import available
+
     q, kc, vc, bt, sl, qsl, _, _ = build_case([1, 3], [5, 3], 1, 2)
     torch.testing.assert_close(
         kernels.paged_attention(q, kc, vc, bt, sl, qsl, 0.25),
         reference.paged_attention(q, kc, vc, bt, sl, qsl, 0.25),
     )
-    assert kernels._impl("paged_attention", "cpu") is reference.paged_attention
+    expected = ops.paged_attention if available() else reference.paged_attention
+    assert kernels._impl("paged_attention", "cpu") is expected
+    assert kernels._impl("store_kvcache", "cpu") is reference.store_kvcache  # no C++ op: index_copy_ is enough

@@ -12,6 +12,8 @@ import torch
 
 import kernels
 from kernels import reference
+from kernels.cpu import ops as cpu_ops
+from kernels.cpu.build import available as cpu_available
 
 TOLERANCES = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
@@ -145,7 +147,8 @@ def test_store_kvcache_matches_reference(triton_kernels):
 def test_dispatch_picks_triton_for_cuda_tensors(triton_kernels):
     for name in ("paged_attention", "store_kvcache", "rejection_sample"):
         assert kernels._impl(name, "cuda") is getattr(triton_kernels, name)
-        assert kernels._impl(name, "cpu") is getattr(reference, name)
+        assert kernels._impl(name, "cpu") is getattr(cpu_ops if cpu_available() and hasattr(cpu_ops, name)
+                                                     else reference, name)
 
 
 def test_bench_kernels_refuses_without_cuda(capsys):

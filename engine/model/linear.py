@@ -1,0 +1,38 @@
+"""Linear layers whose weights are stored as the engine is told: float32, bfloat16, or int8 with a scale per
+output row (weight-only quantization). On a CPU the arithmetic stays float32: a small batch streams the weights
+once through a C++ kernel that widens bf16 or int8 as it reads them (kernels.linear)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+
+
+class Linear(nn.Module):
+    """Owns one layer's weight ``[out, in]`` as stored (and its per-row scale when int8) and its bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight_scale: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.weight_scale, self.bias)
+
+    def store(self, dtype: torch.dtype, quantization: str | None = None) -> None:
+        """Keep the (loaded, full-precision) weight as `dtype`, or as int8 with a scale per output row."""
+        weight = self.weight.data
+        if quantization == "int8":
+            scale = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
+            self.weight = nn.Parameter(torch.round(weight.float() / scale[:, None]).to(torch.int8),
+                                       requires_grad=False)
+            self.weight_scale = scale
+        else:
+            self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        quant = ", int8 weights" if self.weight_scale is not None else ""
+        return f"in={self.in_features}, out={self.out_features}, {self.weight.dtype}{quant}"

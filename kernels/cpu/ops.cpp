@@ -1,0 +1,311 @@
+// CPU kernels for the engine's hot path, as torch ops (torch.ops.workbench_cpu.*), each beside a torch reference
+// in kernels/reference.py that it must equal within float32 tolerance:
+//   linear_small_m  weights streamed once for a few rows of input: fp32, bf16 or int8 (per-row scales) weights
+//   paged_attention every sequence of a step over its blocks in place: no gather, online softmax per block
+// Built with -march=native by kernels/cpu/build.py (AVX2/FMA here; the compiler widens where AVX-512 exists).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// ---- vector helpers (AVX2 + FMA) ------------------------------------------------------------------------------
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// 8 weights of a row as floats: fp32 as is, bf16 by a 16-bit shift, int8 sign-extended (scaled after the dot).
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const at::BFloat16* w) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const int8_t* w) {
+  __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+}
+inline float to_float(float w) { return w; }
+inline float to_float(at::BFloat16 w) { return static_cast<float>(w); }
+inline float to_float(int8_t w) { return static_cast<float>(w); }
+
+// exp(x) for x <= 0 (softmax after subtracting the max), Cephes' polynomial: ~2 ulp over the range used.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  x = _mm256_max_ps(x, lo);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 x2 = _mm256_mul_ps(x, x);
+  y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+
+// ---- linear over a few rows: out[m, n] = scale[n] * dot(x[m], w[n]) + bias[n] ------------------------------------
+// Each weight row is read once for all M input rows (M <= 8): at batch 1 to 8 a linear layer is a stream of its
+// weights, and the point is to read them at the memory's speed. A thread's rows lie end to end, so it reads them
+// one after another as one long stream (rows of a few hundred weights are too short for the hardware prefetcher
+// to follow as separate streams), prefetching PREFETCH bytes ahead; U accumulators per input row hide the FMA
+// latency (one chain runs at a fifth of the FMA rate).
+constexpr int64_t PREFETCH = 2048;
+template <int M> constexpr int unroll() { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+
+template <typename W, int M>
+inline void linear_row(const float* x, const W* wn, float* acc_out, int64_t K) {
+  constexpr int U = unroll<M>();
+  constexpr int64_t LINE = 64 / sizeof(W);  // weights per cache line
+  __m256 acc[M][U];
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U) {
+    if (k % LINE < 8 * U)
+      _mm_prefetch(reinterpret_cast<const char*>(wn + k) + PREFETCH, _MM_HINT_T0);
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = load8(wn + k + 8 * u);
+      for (int m = 0; m < M; ++m) acc[m][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k + 8 * u), acc[m][u]);
+    }
+  }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wv = load8(wn + k);
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int u = 1; u < U; ++u) acc[m][0] = _mm256_add_ps(acc[m][0], acc[m][u]);
+    float s = hsum(acc[m][0]);
+    for (int64_t t = k; t < K; ++t) s += to_float(wn[t]) * x[m * K + t];
+    acc_out[m] = s;
+  }
+}
+
+template <typename W, int M>
+void linear_rows(const float* x, const W* w, const float* scale, const float* bias, float* out, int64_t K,
+                 int64_t N, int64_t n0, int64_t n1) {
+  float s[M];
+  for (int64_t n = n0; n < n1; ++n) {
+    linear_row<W, M>(x, w + n * K, s, K);
+    for (int m = 0; m < M; ++m) out[m * N + n] = (scale ? s[m] * scale[n] : s[m]) + (bias ? bias[n] : 0.f);
+  }
+}
+
+template <typename W>
+void linear_dispatch(int64_t M, const float* x, const W* w, const float* scale, const float* bias, float* out,
+                     int64_t K, int64_t N) {
+  // grain: whole cache lines of output rows per task; threads split the weight rows
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+#define CASE(m) case m: linear_rows<W, m>(x, w, scale, bias, out, K, N, n0, n1); break;
+      CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+      default: TORCH_CHECK(false, "linear_small_m: at most 8 rows, got ", M);
+    }
+  });
+}
+
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_small_m: x must be [M, K] float32");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "linear_small_m: weight must be [N, K]");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto out = at::empty({M, N}, xc.options());
+  const float* s = scale.has_value() ? scale->contiguous().data_ptr<float>() : nullptr;
+  at::Tensor bias_c = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b = bias.has_value() ? bias_c.data_ptr<float>() : nullptr;
+  switch (wc.scalar_type()) {
+    case at::kFloat:
+      linear_dispatch(M, xc.data_ptr<float>(), wc.data_ptr<float>(), s, b, out.data_ptr<float>(), K, N);
+      break;
+    case at::kBFloat16:
+      linear_dispatch(M, xc.data_ptr<float>(), wc.data_ptr<at::BFloat16>(), s, b, out.data_ptr<float>(), K, N);
+      break;
+    case at::kChar:
+      TORCH_CHECK(s != nullptr, "linear_small_m: int8 weights need their per-row scale");
+      linear_dispatch(M, xc.data_ptr<float>(), wc.data_ptr<int8_t>(), s, b, out.data_ptr<float>(), K, N);
+      break;
+    default:
+      TORCH_CHECK(false, "linear_small_m: weight dtype must be float32, bfloat16 or int8");
+  }
+  return out;
+}
+
+// ---- paged attention -------------------------------------------------------------------------------------------
+// One task per (sequence, kv head): its query heads (a GQA group) and its new tokens, up to ROWS query rows at a
+// time, walk the sequence's blocks where they lie in the cache ([num_blocks, block_size, kv heads, head dim]):
+// per block, the scores of its tokens, then one online-softmax update (rescale by exp(old max - new max)). New
+// token i of a sequence with q_len new tokens sees the keys at positions < seq_len - q_len + i + 1.
+constexpr int ROWS = 8;
+
+template <typename C>
+inline float dot_row(const float* q, const C* k, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
+  float s = hsum(acc);
+  for (; d < D; ++d) s += q[d] * to_float(k[d]);
+  return s;
+}
+
+template <typename C>
+inline void axpy_row(float a, const C* v, float* acc, int64_t D) {
+  const __m256 av = _mm256_set1_ps(a);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(av, load8(v + d), _mm256_loadu_ps(acc + d)));
+  for (; d < D; ++d) acc[d] += a * to_float(v[d]);
+}
+
+template <typename C>
+void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limits, const C* k_cache,
+                 const C* v_cache, const int32_t* table, int64_t block_size, int64_t token_stride,
+                 int64_t block_stride, int64_t D, float scale, float* out, int64_t out_stride) {
+  float m[ROWS], l[ROWS];
+  thread_local std::vector<float> acc, p;  // per thread, grown once: no allocation per task
+  acc.assign(static_cast<size_t>(rows) * D, 0.f);
+  p.resize(static_cast<size_t>(block_size) * ROWS);
+  for (int r = 0; r < rows; ++r) { m[r] = -std::numeric_limits<float>::infinity(); l[r] = 0.f; }
+  int64_t end = 0;
+  for (int r = 0; r < rows; ++r) end = std::max(end, limits[r]);
+  for (int64_t start = 0; start < end; start += block_size) {
+    const int64_t blk = table[start / block_size];
+    const int64_t n_tok = std::min(block_size, end - start);
+    const C* kb = k_cache + blk * block_stride;
+    const C* vb = v_cache + blk * block_stride;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t visible = std::min(n_tok, limits[r] - start);  // keys this row sees in the block
+      if (visible <= 0) continue;
+      float* pr = p.data() + r * block_size;
+      float bmax = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < visible; ++t) {
+        pr[t] = dot_row(q + r * q_stride, kb + t * token_stride, D) * scale;
+        bmax = std::max(bmax, pr[t]);
+      }
+      const float new_m = std::max(m[r], bmax);
+      const float corr = std::exp(m[r] - new_m);  // 0 on the first block (m = -inf)
+      int64_t t = 0;
+      const __m256 mv = _mm256_set1_ps(new_m);
+      float sum = 0.f;
+      for (; t + 8 <= visible; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pr + t), mv));
+        _mm256_storeu_ps(pr + t, e);
+        sum += hsum(e);
+      }
+      for (; t < visible; ++t) { pr[t] = std::exp(pr[t] - new_m); sum += pr[t]; }
+      float* ar = acc.data() + r * D;
+      if (corr != 1.f) for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+      for (int64_t u = 0; u < visible; ++u) axpy_row(pr[u], vb + u * token_stride, ar, D);
+      l[r] = l[r] * corr + sum;
+      m[r] = new_m;
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int64_t d = 0; d < D; ++d) out[r * out_stride + d] = acc[r * D + d] * inv;
+  }
+}
+
+template <typename C>
+void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+  const int64_t Hq = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t G = Hq / Hkv, S = seq_lens.size(0), max_blocks = block_tables.size(1);
+  const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const C* kc = k_cache.data_ptr<C>();
+  const C* vc = v_cache.data_ptr<C>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  // a task per (sequence, kv head, tile of new tokens): decodes are one tile, a long prefill chunk many
+  const int64_t tokens_per_tile = std::max<int64_t>(1, ROWS / G);
+  std::vector<int64_t> tasks;  // (s, first new token) pairs, for each kv head
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i = 0; i < qsl[s + 1] - qsl[s]; i += tokens_per_tile) tasks.push_back(s << 32 | i);
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size()) * Hkv;
+  at::parallel_for(0, n_tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t task = tasks[t / Hkv], h = t % Hkv;
+      const int64_t s = task >> 32, i0 = task & 0xffffffff;
+      const int64_t q_len = qsl[s + 1] - qsl[s], seq_len = lens[s];
+      const int64_t n_tok = std::min(tokens_per_tile, q_len - i0);
+      int64_t limits[ROWS];
+      int rows = 0;
+      for (int64_t i = 0; i < n_tok; ++i)
+        for (int64_t g = 0; g < G; ++g) limits[rows++] = seq_len - q_len + i0 + i + 1;
+      // rows (token i, head g) of q/out: token stride Hq * D, head stride D; heads h*G .. h*G+G-1 are contiguous
+      const int64_t row0 = (qsl[s] + i0) * Hq + h * G;
+      if (n_tok == 1) {  // a decode (or a last chunk token): its rows are contiguous in q and out
+        attend_rows<C>(qp + row0 * D, D, rows, limits, kc + h * D, vc + h * D, tables + s * max_blocks, block_size, token_stride,
+                       block_stride, D, static_cast<float>(scale), op + row0 * D, D);
+      } else {
+        // several tokens: gather their rows into a dense [rows, D] tile, then scatter the outputs back
+        thread_local std::vector<float> qt, ot;
+        qt.resize(static_cast<size_t>(rows) * D);
+        ot.resize(static_cast<size_t>(rows) * D);
+        for (int64_t i = 0; i < n_tok; ++i)
+          std::memcpy(qt.data() + i * G * D, qp + (row0 + i * Hq) * D, sizeof(float) * G * D);
+        attend_rows<C>(qt.data(), D, rows, limits, kc + h * D, vc + h * D, tables + s * max_blocks, block_size, token_stride,
+                       block_stride, D, static_cast<float>(scale), ot.data(), D);
+        for (int64_t i = 0; i < n_tok; ++i)
+          std::memcpy(op + (row0 + i * Hq) * D, ot.data() + i * G * D, sizeof(float) * G * D);
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "paged_attention: q must be [T, Hq, D] float32");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: caches must be contiguous [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_attention: query heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(1) / k_cache.size(2) <= ROWS, "paged_attention: at most ", ROWS, " query heads per kv head");
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  auto tables = block_tables.to(at::kInt).contiguous();
+  auto lens = seq_lens.to(at::kInt).contiguous();
+  auto qsl = query_start_loc.to(at::kInt).contiguous();
+  if (k_cache.scalar_type() == at::kFloat)
+    paged_attention_impl<float>(qc, k_cache, v_cache, tables, lens, qsl, scale, out);
+  else if (k_cache.scalar_type() == at::kBFloat16)
+    paged_attention_impl<at::BFloat16>(qc, k_cache, v_cache, tables, lens, qsl, scale, out);
+  else
+    TORCH_CHECK(false, "paged_attention: the cache must be float32 or bfloat16");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(workbench_cpu, m) {
+  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
+  m.impl("linear_small_m", &linear_small_m);
+  m.impl("paged_attention", &paged_attention);
+}

@@ -1,0 +1,34 @@
+"""The C++ CPU ops with the signatures of ``kernels.reference``, each falling back to the reference for what it
+does not cover (more than 8 rows of input, float16, groups of more than 8 query heads per kv head)."""
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+
+SMALL_M = 8  # rows of input up to which a linear layer streams its weights once (above: a GEMM)
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    if x.dtype == torch.float32 and x.shape[0] <= SMALL_M and weight.dtype in _WEIGHT_DTYPES:
+        return torch.ops.workbench_cpu.linear_small_m(x, weight, scale, bias)
+    return reference.linear(x, weight, scale, bias)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    if (q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and q.shape[1] // k_cache.shape[2] <= 8):
+        return torch.ops.workbench_cpu.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                       query_start_loc, scale)
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -1,0 +1,97 @@
+"""The C++ CPU ops (kernels/cpu/ops.cpp) against their torch references in kernels.reference, on every shape
+class the engine sends them: decodes at block boundaries, prefill chunks over cached context, verification
+batches, grouped-query heads (SmolLM2's 9/3, Llama's 32/8, Qwen2's 14/2, none), float32 and bfloat16 caches;
+linear layers over float32, bfloat16 and int8 weights for 1 to 8 rows, and the fallback beyond."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.cpu.build import available
+
+pytestmark = pytest.mark.skipif(not available(), reason="the C++ CPU ops are not built here (no compiler?)")
+
+ATOL = 2e-5  # float32 over a few hundred keys: reductions in another order
+
+
+def paged_case(num_heads, num_kv_heads, head_dim, block_size, specs, dtype=torch.float32, seed=0):
+    """Random K/V in a cache of scrambled blocks; specs: (new tokens, whole context) per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-seq // block_size) for _, seq in specs)
+    num_blocks = 2 + len(specs) * max_blocks
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: len(specs) * max_blocks]
+    tables = ids.view(len(specs), max_blocks).to(torch.int32)
+    q = torch.randn(sum(n for n, _ in specs), num_heads, head_dim, generator=gen)
+    seq_lens = torch.tensor([seq for _, seq in specs], dtype=torch.int32)
+    qsl = torch.tensor([0, *torch.tensor([n for n, _ in specs]).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, tables, seq_lens, qsl, head_dim ** -0.5
+
+
+SHAPES = {  # (query heads, kv heads, head dim, block size)
+    "smollm2_9_3x64": (9, 3, 64, 16), "llama_32_8x128": (32, 8, 128, 16), "qwen2_14_2x64": (14, 2, 64, 32),
+    "mha_4_4x64": (4, 4, 64, 16), "odd_head_dim_6_2x20": (6, 2, 20, 8),
+}
+MIXES = {
+    "decodes_at_block_boundaries": [(1, 1), (1, 15), (1, 16), (1, 17), (1, 32), (1, 33)],
+    "prefill_whole": [(40, 40), (16, 16)],
+    "chunks_over_cached_context": [(12, 60), (33, 100), (1, 70)],
+    "verification_batch": [(4, 29), (5, 80), (1, 9), (3, 3)],
+    "long_decode": [(1, 700)],
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+@pytest.mark.parametrize("mix", MIXES, ids=list(MIXES))
+def test_paged_attention_equals_the_reference(shape, mix):
+    case = paged_case(*SHAPES[shape], MIXES[mix])
+    got = torch.ops.workbench_cpu.paged_attention(*case)
+    torch.testing.assert_close(got, reference.paged_attention(*case), atol=ATOL, rtol=1e-5)
+
+
+def test_paged_attention_over_a_bfloat16_cache_equals_the_reference_widened():
+    case = paged_case(9, 3, 64, 16, MIXES["chunks_over_cached_context"] + MIXES["decodes_at_block_boundaries"],
+                      dtype=torch.bfloat16)
+    got = torch.ops.workbench_cpu.paged_attention(*case)
+    torch.testing.assert_close(got, reference.paged_attention(*case), atol=ATOL, rtol=1e-5)
+
+
+def test_the_cpu_attention_fails_when_the_causal_rule_is_off():
+    """The comparison can fail: queries that see the whole context (no causal rule) differ, except the last."""
+    q, kc, vc, tables, seq_lens, qsl, scale = paged_case(9, 3, 64, 16, [(6, 40)])
+    got = torch.ops.workbench_cpu.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale)
+    each_alone = torch.arange(7, dtype=torch.int32)
+    sees_all = reference.paged_attention(q, kc, vc, tables.expand(6, -1), seq_lens.expand(6), each_alone, scale)
+    assert not torch.allclose(got[:5], sees_all[:5], atol=1e-3)
+    torch.testing.assert_close(got[5], sees_all[5], atol=ATOL, rtol=1e-5)
+
+
+def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = weight.abs().amax(dim=1) / 127
+    return torch.round(weight / scale[:, None]).to(torch.int8), scale
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (7, 13)])
+def test_linear_equals_the_reference_for_each_stored_dtype(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    tolerance = dict(atol=1e-4 * in_features ** 0.5, rtol=1e-5)
+    for stored, scale in ((weight, None), (weight.to(torch.bfloat16), None), quantized(weight)):
+        got = torch.ops.workbench_cpu.linear_small_m(x, stored, scale, bias)
+        torch.testing.assert_close(got, reference.linear(x, stored, scale, bias), **tolerance)
+
+
+def test_linear_past_eight_rows_and_in_float16_falls_back_to_the_reference():
+    from kernels.cpu import ops
+
+    x, weight = torch.randn(9, 64), torch.randn(32, 64)
+    torch.testing.assert_close(ops.linear(x, weight), reference.linear(x, weight))
+    half = weight.to(torch.float16)
+    torch.testing.assert_close(ops.linear(x[:2], half), reference.linear(x[:2], half))
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        torch.ops.workbench_cpu.linear_small_m(x, weight, None, None)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -24,7 +24,6 @@ import kernels
 from engine.model.attention import AttentionMetadata
 from engine.model.linear import Linear
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # "dynamic" matches HF while the context stays within max_position_embeddings;
 # "longrope" switches frequencies with the context length and is not supported.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -179,10 +178,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, self_attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        # Other families (engine/model/qwen3.py, qwen3_moe.py) pass their own attention or MLP.
+        self.self_attn = self_attn if self_attn is not None else LlamaAttention(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -203,9 +204,13 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+
+    def make_layer(self, config: PretrainedConfig, index: int) -> LlamaDecoderLayer:
+        """Decoder layer `index`; a family overrides this to swap in its attention or MLP."""
+        return LlamaDecoderLayer(config)
 
     def forward(
         self,
@@ -232,16 +237,13 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".gate_proj", 0),
         (".gate_up_proj", ".up_proj", 1),
     )
+    model_cls: type[LlamaModel] = LlamaModel  # a family's subclass names its own (engine/model/registry.py)
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model: model_type {config.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
         self.config = config
         self.shape = ModelShape.from_config(config)
-        self.model = LlamaModel(config)
+        self.model = self.model_cls(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.tie_weights()
@@ -318,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
             attn = self.model.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
-            sizes = [self.config.intermediate_size] * 2
+            sizes = [param.shape[0] // 2] * 2  # gate and up halves (an MoE expert's are moe_intermediate_size)
         return param.split(sizes, dim=0)[shard]
 
 
@@ -338,22 +340,3 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
-
-def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None
-) -> tuple[LlamaForCausalLM, PretrainedConfig]:
-    """Build the model from an HF folder's config and safetensors on ``device``. On CUDA it computes and stores
-    in ``dtype``; on a CPU it computes in float32 and stores the weights as ``dtype`` (or int8 with
-    ``quantization="int8"``)."""
-    config = AutoConfig.from_pretrained(path)
-    compute = torch.float32 if device.type == "cpu" else dtype
-    # Built on meta (no random init), then materialised and filled from the checkpoint.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model.to_empty(device=device).to(compute)
-    if config.tie_word_embeddings:  # moving off meta made new parameters: tie again
-        model.tie_weights()
-    model.load_weights(iter_safetensors(Path(path)))
-    if dtype != compute or quantization is not None:
-        model.store_weights(dtype, quantization)
-    return model.eval().requires_grad_(False), config

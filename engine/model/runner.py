@@ -17,7 +17,7 @@ from engine.core.sched.output import SchedulerOutput
 from engine.events import EventLog
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.block_table import BlockTable
-from engine.model.llama import load_model
+from engine.model.registry import load_model
 from engine.sample.sampler import Sampler, SamplingMetadata
 from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.proposer import TargetModel

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
-from engine.model.llama import load_model
 from engine.model.loader import resolve_model
+from engine.model.registry import load_model
 from engine.sample.sampler import exponential_noise
 from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetModel
 

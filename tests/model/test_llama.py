@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine.model.attention import AttentionMetadata
-from engine.model.llama import LlamaForCausalLM, load_model
+from engine.model.llama import LlamaForCausalLM
+from engine.model.registry import load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48

@@ -12,7 +12,7 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The engine classes pull in the model code (and transformers): import them on first use, so that the
 # scheduler, the block pool and the CLI start fast.
-_LAZY = {"LLM": "engine.entrypoints.llm", "LLMEngine": "engine.llm_engine",
+_LAZY = {"LLM": "engine.entrypoints.llm", "LLMEngine": "engine.llm_engine", "AsyncLLM": "engine.async_llm",
          "PDCluster": "engine.entrypoints.pd_cluster", "resolve_model": "engine.model.loader"}
 
 
@@ -23,6 +23,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+    "LLM", "LLMEngine", "AsyncLLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
     "RequestStatus", "StepRecord", "KVUsage", "Event", "EngineSnapshot", "PDCluster", "resolve_model",
 ]

@@ -24,6 +24,7 @@ from workbench.views import Dashboard, ensure_extension
 from workbench.views.sync import connect, drawing
 
 if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM
     from engine.llm_engine import LLMEngine
     from workbench.trace import Trace
 
@@ -51,10 +52,13 @@ class Workbench:
     the controls (Step, Run N, Play, Pause, Reset, the add-request form, the engine knobs), the `step N`
     text, the message line for errors, and the layout (`layout`, `__panel__`, `servable()`)."""
 
-    def __init__(self, engine: "LLMEngine", play_delay_s: float = 0.1) -> None:
+    def __init__(self, engine: "LLMEngine", play_delay_s: float = 0.1, serving: "AsyncLLM | None" = None) -> None:
         ensure_extension()
         self.engine = engine
-        self.lock = threading.RLock()  # held around every engine call
+        # a served engine is stepped by its AsyncLLM's loop: the buttons hold and release that loop, and every
+        # engine call here takes the lock the loop steps under
+        self.serving = serving
+        self.lock = serving.lock if serving is not None else threading.RLock()  # held around every engine call
         self.dashboard = Dashboard()
         self.stepper = Stepper(self._step_once, play_delay_s)
         self._doc = pn.state.curdoc
@@ -154,6 +158,10 @@ class Workbench:
         """Run `num_steps` engine steps: on the worker under a server, here otherwise."""
         self._doc = pn.state.curdoc or self._doc
         self._say("")
+        if self.serving is not None:
+            if not self.serving.step(num_steps):
+                self._say("Nothing to run: send a request over HTTP or add one here.", "info")
+            return
         if self._served:
             self.stepper.run(num_steps)
             return
@@ -165,10 +173,25 @@ class Workbench:
         """Step on the worker until Pause (or until nothing is left to run)."""
         self._doc = pn.state.curdoc or self._doc
         self._say("")
+        if self.serving is not None:
+            self.serving.resume()
+            return
         self.stepper.play()
 
     def pause(self) -> None:
+        """Stop stepping after the step running (a served engine: its loop holds; requests still queue)."""
+        if self.serving is not None:
+            self.serving.pause()
+            return
         self.stepper.pause()
+
+    def close(self) -> None:
+        """Stop following the engine (a browser session that ended: the engine serves on without it)."""
+        with self.lock:
+            try:
+                self.engine.unsubscribe(self._on_record)
+            except ValueError:  # closed before
+                pass
 
     def _on_record(self, record: StepRecord) -> None:
         # an engine subscriber: runs on whichever thread stepped (the worker, or a notebook cell)
@@ -192,8 +215,11 @@ class Workbench:
         """Queue the form's request; its errors (the engine's ValueError/TypeError) are shown, not raised."""
         try:
             kwargs = self.request_form.add_request_args()
-            with self.lock:
-                rid = self.engine.add_request(**kwargs)
+            if self.serving is not None:  # through the loop, which wakes for it
+                rid = self.serving.add_request(**kwargs)
+            else:
+                with self.lock:
+                    rid = self.engine.add_request(**kwargs)
         except (ValueError, TypeError) as exc:
             self._say(str(exc))
             return None
@@ -216,6 +242,10 @@ class Workbench:
     def _replace_engine(self, config: EngineConfig, done: str) -> None:
         from engine.llm_engine import LLMEngine
 
+        if self.serving is not None:
+            self._say("This engine is shared with the HTTP server: restart `workbench serve` with other flags to "
+                      "change it.")
+            return
         self.stepper.pause()
         self.stepper.join(timeout=60)
         try:
@@ -319,12 +349,12 @@ class Replay:
 
 
 # ---- servers -----------------------------------------------------------------------------------------------
-def _port_taken(port: int, exc: OSError) -> OSError:
-    return OSError(f"cannot serve on 127.0.0.1:{port} ({exc.strerror or exc}): another server may hold it; "
+def _port_taken(port: int, exc: OSError, host: str = "127.0.0.1") -> OSError:
+    return OSError(f"cannot serve on {host}:{port} ({exc.strerror or exc}): another server may hold it; "
                    "pass --port to use another port")
 
 
-def check_port(port: int) -> None:
+def check_port(port: int, host: str = "127.0.0.1") -> None:
     """Refuse a port another server holds before loading anything or announcing a URL (the server's own bind
     would fail only after that, with a bare "Address already in use")."""
     import socket
@@ -333,9 +363,9 @@ def check_port(port: int) -> None:
         # as the server's bind does: a port left in TIME_WAIT by a server that has stopped is free
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError as exc:
-            raise _port_taken(port, exc) from None
+            raise _port_taken(port, exc, host) from None
 
 
 def _server(app: Callable[[], Any], port: int, title: str, start: bool,
@@ -358,27 +388,6 @@ def _server(app: Callable[[], Any], port: int, title: str, start: bool,
         except RuntimeError:  # a loop already running (inside Jupyter): it serves from there
             pass
     return server
-
-
-def serve_workbench(config: EngineConfig, port: int, prompts: Sequence[str] = (), params: Any = None,
-                    start: bool = True, announce: Callable[[str], Any] | None = None) -> Any:
-    """Serve a Workbench per browser session, each over its own engine with `prompts` queued. The first
-    engine is built here, so a bad model or config fails before the server starts; `announce(url)` once it
-    listens."""
-    from engine.llm_engine import LLMEngine
-
-    def new_engine() -> Any:
-        engine = LLMEngine(EngineConfig(**config.to_dict()))
-        for prompt in prompts:
-            engine.add_request(prompt, params)
-        return engine
-
-    ready = [new_engine()]
-
-    def app() -> pn.Row:
-        return Workbench(ready.pop() if ready else new_engine()).layout
-
-    return _server(app, port, "Inference Workbench", start, announce)
 
 
 def serve_replay(path: str | os.PathLike, port: int, start: bool = True,

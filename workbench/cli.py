@@ -257,9 +257,14 @@ def export_trace(args: argparse.Namespace, out: Callable[[str], None] = print) -
 
 
 def _add_serve(commands: Any) -> None:
-    p = commands.add_parser("serve", help="serve the live dashboard (Panel, 127.0.0.1 only, offline)")
-    p.add_argument("--port", type=_port, default=5006, help="(default: %(default)s)")
+    p = commands.add_parser("serve", help="serve the OpenAI-compatible API of one engine and its live dashboard "
+                            "at /dashboard (127.0.0.1 by default)")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="as vLLM's `vllm serve MODEL` (default: --model)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* and the hold routes")
+    p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's)")
     engine = p.add_argument_group("engine (default: EngineConfig's)")
     engine.add_argument("--block-size", type=positive_int)
     engine.add_argument("--max-num-batched-tokens", type=positive_int, help="the token budget per step")
@@ -269,8 +274,9 @@ def _add_serve(commands: Any) -> None:
     engine.add_argument("--max-num-seqs", type=positive_int)
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
-    queued = p.add_argument_group("requests queued in each new session")
-    queued.add_argument("--prompt", action="append", default=[], help="a prompt to queue (repeatable)")
+    queued = p.add_argument_group("requests queued before any HTTP request; the loop then starts paused")
+    queued.add_argument("--prompt", action="append", default=[],
+                        help="a prompt to queue, held until Step or Play on the dashboard (repeatable)")
     queued.add_argument("--max-tokens", type=positive_int, default=32, help="(default: %(default)s)")
     queued.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
 
@@ -287,17 +293,21 @@ def _announce(what: str) -> Callable[[str], None]:
 
 
 def serve(args: argparse.Namespace) -> None:
-    """`workbench serve`: a Workbench per browser session until interrupted. The port is checked before the
-    model loads; the URL is printed once the server listens."""
-    from workbench.app import check_port, serve_workbench
+    """`workbench serve [MODEL]`: the OpenAI-compatible API and, at /dashboard, the live view of that engine,
+    until interrupted. The port is checked before the model loads; the URL is printed once the server listens."""
+    from workbench.app import check_port
 
-    check_port(args.port)
+    check_port(args.port, args.host)
     from engine import EngineConfig, SamplingParams
+    from workbench.serving import serve_openai
 
-    config = EngineConfig(model=args.model, enable_prefix_caching=not args.no_prefix_caching,
+    model = args.model_tag or args.model
+    config = EngineConfig(model=model, enable_prefix_caching=not args.no_prefix_caching,
                           **{k: getattr(args, k) for k in _RUN_ENGINE_FLAGS if getattr(args, k) is not None})
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    serve_workbench(config, args.port, args.prompt, params, announce=_announce("serving "))
+    serve_openai(config, args.host, args.port, args.api_key, args.prompt, params,
+                 args.served_model_name or model,
+                 announce=lambda url: _announce("serving ")(f"{url}v1 (dashboard: {url}dashboard)"))
 
 
 def replay(args: argparse.Namespace) -> None:

@@ -1,6 +1,8 @@
-"""The served dashboard in a real Chromium: `workbench serve` on the default model with two requests queued;
-clicking `Step` three times reads `step 3` and changes the KV block map; `Play` runs them to the end off the
-page's thread. With WORKBENCH_SCREENSHOTS=DIR (`make screenshots`), a screenshot goes to DIR/dashboard.png."""
+"""The served dashboard in a real Chromium: `workbench serve` on the default model with two requests queued (the
+loop starts paused); `/` leads to `/dashboard`; clicking `Step` three times reads `step 3` and changes the KV block
+map; `Play` runs them to the end on the serving loop; a request sent over HTTP with the `openai` client then shows
+its row with its text, and `step N` advances. With WORKBENCH_SCREENSHOTS=DIR (`make screenshots`), a screenshot
+goes to DIR/dashboard.png."""
 from __future__ import annotations
 
 import os
@@ -36,26 +38,30 @@ Y_RANGE = """(title) => {
 }"""
 
 
+def _shown_step(page) -> int:
+    return int(page.get_by_text(re.compile(r"^step \d+$")).inner_text().split()[1])
+
+
 @pytest.fixture
 def server_url():
     port = free_port()
     cmd = [sys.executable, "-m", "workbench.cli", "serve", "--port", str(port), "--model", "smollm2-135m",
-           "--num-kv-blocks", "64", "--max-tokens", "8",
+           "--num-kv-blocks", "64", "--max-tokens", "8", "--served-model-name", "smollm2",
            "--prompt", "The capital of France is",
            "--prompt", "A paged KV cache stores keys and values in fixed-size blocks"]
     server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}/"
-        # /liveness answers without opening a session (each session of `serve` builds an engine)
-        wait_for_http(f"{url}liveness", server, timeout=120, name="workbench serve")
+        wait_for_http(f"{url}health", server, timeout=120, name="workbench serve")
         yield url
     finally:
         stop(server)
 
 
-def test_step_three_times_in_chromium(server_url):
+def test_step_three_times_then_serve_http_in_chromium(server_url):
     sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    openai = pytest.importorskip("openai")
     requested: list[str] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
@@ -63,6 +69,7 @@ def test_step_three_times_in_chromium(server_url):
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.on("request", lambda request: requested.append(request.url))
             page.goto(server_url)
+            assert page.url == f"{server_url}dashboard"
             page.get_by_text("step 0", exact=True).wait_for(timeout=30_000)
             before = page.evaluate(BLOCK_KINDS)
             assert before and set(before) == {"free"}, "no step yet: every block is free"
@@ -77,11 +84,23 @@ def test_step_three_times_in_chromium(server_url):
             # at the default budget (2048), bars of ~20 tokens fill the chart: the axis fits the data
             low, high, title = page.evaluate(Y_RANGE, "Tokens per step")
             assert low == 0 and 20 <= high < 40 and "budget 2048" in title, (low, high, title)
-            # Play steps on the server's worker thread until both requests finish, and then says so
+            # Play releases the serving loop: it steps until both requests finish, and their blocks are freed
             page.get_by_role("button", name="Play", exact=True).click()
-            page.get_by_text("Nothing to run").wait_for(timeout=30_000)
+            page.wait_for_function(f"() => !({BLOCK_KINDS})().includes('used')", timeout=30_000)
             assert page.get_by_text(re.compile(r"^step ([4-9]|\d\d)$")).is_visible()
-            assert "used" not in page.evaluate(BLOCK_KINDS), "finished requests hold no block"
+            steps_before = _shown_step(page)
+            # a request over HTTP: its row and its text appear, and the step count moves on
+            client = openai.OpenAI(base_url=f"{server_url}v1", api_key="none")
+            reply = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4,
+                                              temperature=0, extra_body={"request_id": "from-http"})
+            # the requests table's cells (the id is also an <option> of the block-table picker, hidden)
+            page.locator(".tabulator-cell", has_text="cmpl-from-http").first.wait_for(timeout=15_000)
+            page.locator(".tabulator-cell", has_text=reply.choices[0].text.strip()).first.wait_for(timeout=15_000)
+            for _ in range(75):  # the page's `step N` follows the steps that request ran
+                if _shown_step(page) > steps_before:
+                    break
+                page.wait_for_timeout(200)
+            assert _shown_step(page) > steps_before
             if SCREENSHOT_DIR:
                 page.screenshot(path=str(Path(SCREENSHOT_DIR) / "dashboard.png"))
         finally:

@@ -1,0 +1,127 @@
+"""The OpenAI API's request bodies with vLLM's extras (`vllm/entrypoints/openai/protocol.py`), and its error shape.
+
+Requests are strict: a field of the wrong type, or one the API does not have, is a 400 naming it (a client that
+sends `max_tokens: "5"` or `temprature` learns so, rather than getting a default)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limit
+
+
+class OpenAIBaseModel(BaseModel):
+    """What every request body shares: unknown fields and wrong types are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ErrorInfo(BaseModel):
+    """OpenAI's error object: what went wrong, its type, the request field at fault, and a code."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error reply: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIBaseModel):
+    """`stream_options`: a last chunk with the usage (`include_usage`), or usage on every chunk (vLLM's extra)."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    """`response_format.json_schema`: the schema the output must validate against."""
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """`response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` extra: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """The fields completions and chat share: the model, sampling, stopping, streaming and vLLM's extras
+    (top_k, min_p, structured_outputs, priority, cache_salt, ignore_eos, ...)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    priority: int = 0
+    cache_salt: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    request_id: str | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    """`POST /v1/completions`: one prompt (text or token ids) to continue."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One message of a conversation; content as text or as text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """`POST /v1/chat/completions`: a conversation, rendered by the model's chat template."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM's extra

@@ -1,0 +1,238 @@
+"""What the completions and chat endpoints share (vLLM's `serving_engine.py`): the model check, request fields to
+SamplingParams, the engine's refusals as 400s naming the field, usage, server-sent events, and waiting for a
+result while watching for the client to leave."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from engine.async_llm import AsyncLLM, RequestStream
+from engine.entrypoints.openai.protocol import MAX_LOGPROBS, ErrorInfo, ErrorResponse, SamplingRequest
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+T = TypeVar("T")
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+# the engine's messages start with the field they refuse ("max_tokens: must be >= 1, got 0")
+_FIELD = re.compile(r"^([A-Za-z_][\w.]*):")
+
+
+class RequestError(Exception):
+    """A request the server refuses: the HTTP status, the message, and the request field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """OpenAI's error shape, with vLLM's type names and the status as the code."""
+    body = ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "BadRequestError"),
+                                         param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def engine_refusal(exc: ValueError | TypeError, field_map: dict[str, str] | None = None) -> RequestError:
+    """The engine's ValueError/TypeError as a 400 naming the field (engine names mapped to the API's)."""
+    message = str(exc)
+    match = _FIELD.match(message)
+    param = match.group(1).split(".")[0] if match else None
+    if param is not None and field_map and param in field_map:
+        # the message names the field as the client sent it ("max_completion_tokens: must be >= 1")
+        message = field_map[param] + message[len(param):]
+        param = field_map[param]
+    return RequestError(400, message, param)
+
+
+def usage(output: RequestOutput) -> dict[str, int]:
+    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def until_disconnected(awaitable: Awaitable[T], raw_request: Request) -> T:
+    """Await `awaitable` unless the client leaves first; then it is cancelled (aborting its request) and
+    RequestError(499) raised (nginx's "client closed request": nobody reads the reply)."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnect(raw_request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise RequestError(499, "client disconnected")
+    return work.result()
+
+
+async def _disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    """Owns what both endpoints need of the engine: the AsyncLLM, the served model name, the tokenizer's prompt
+    building (under the engine lock: the loop decodes with the same tokenizer), and the request -> SamplingParams
+    mapping with its refusals."""
+
+    id_prefix = "cmpl"
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        engine = llm.engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.max_model_len
+        # a request must fit alone in the cache: the longest sequence the server can promise
+        self.max_cache_tokens = (engine.num_kv_blocks - 1) * engine.config.block_size
+        self.policy = engine.config.scheduling_policy
+
+    def check(self, request: SamplingRequest) -> None:
+        """The model name (404 if it is not this server's), then fields the API has that this engine does not do
+        yet: refused, never silently ignored."""
+        if request.model is not None and request.model != self.model_name:
+            raise RequestError(404, f"The model `{request.model}` does not exist.", "model")
+        if request.n != 1:
+            raise RequestError(400, f"n: only n=1 is supported, got {request.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(request, name) != 0:
+                raise RequestError(400, f"{name}: penalties are not supported; send 0", name)
+        if request.logit_bias:
+            raise RequestError(400, "logit_bias: not supported", "logit_bias")
+        if request.priority != 0 and self.policy != "priority":
+            raise RequestError(400, f"priority: {request.priority} given, but the server schedules "
+                               f"{self.policy!r}; start it with --scheduling-policy priority", "priority")
+        if request.stream_options is not None and not request.stream:
+            raise RequestError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+    @staticmethod
+    def refuse(*rules: tuple[Any, str, str]) -> None:
+        """(condition, field, why): the first rule whose condition holds is a 400 "field: why" naming the field."""
+        for condition, field, why in rules:
+            if condition:
+                raise RequestError(400, f"{field}: {why}", field)
+
+    def sampling_params(self, request: SamplingRequest, num_prompt_tokens: int, max_tokens: int | None,
+                        default_max_tokens: int | None, logprobs: int | None,
+                        field_map: dict[str, str] | None = None) -> SamplingParams:
+        room = min(self.max_model_len, self.max_cache_tokens) - num_prompt_tokens
+        if max_tokens is None:  # vLLM's default: what is left of the context (capped by an endpoint's default)
+            max_tokens = max(min(room, default_max_tokens or room), 1)
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise RequestError(400, f"logprobs: must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+        try:
+            return SamplingParams(
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=request.top_k or 0, min_p=request.min_p or 0.0, seed=request.seed, max_tokens=max_tokens,
+                min_tokens=request.min_tokens, stop=request.stop, stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
+                logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
+                structured_outputs=self._structured(request))
+        except (ValueError, TypeError) as exc:
+            raise engine_refusal(exc, field_map) from None
+
+    @staticmethod
+    def _structured(request: SamplingRequest) -> StructuredOutputsParams | None:
+        fmt, so = request.response_format, request.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise RequestError(400, "response_format: give either response_format or structured_outputs, not both",
+                               "response_format")
+        if fmt is not None and fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise RequestError(400, "response_format.json_schema: required when type is json_schema",
+                                   "response_format")
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        if so is not None:
+            try:
+                return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                               json_object=bool(so.json_object))
+            except ValueError as exc:
+                raise RequestError(400, str(exc), "structured_outputs") from None
+        return None
+
+    async def tokenize(self, build: Callable[[], list[int]]) -> list[int]:
+        """Run `build` (the tokenizer) under the engine lock, off the event loop."""
+        def locked() -> list[int]:
+            with self.llm.lock:
+                return build()
+
+        return await asyncio.to_thread(locked)
+
+    async def open(self, prompt_ids: list[int], params: SamplingParams, request: SamplingRequest,
+                   field_map: dict[str, str]) -> tuple[str, RequestStream]:
+        """Queue the request in the engine; its refusals (prompt too long, a bad schema) as 400s."""
+        request_id = f"{self.id_prefix}-{request.request_id or uuid.uuid4().hex}"
+        if request.response_format is not None and request.response_format.type != "text":
+            field_map = {**field_map, "structured_outputs": "response_format"}  # the engine's name for it
+        try:
+            stream = await self.llm.open(prompt_ids, params, request_id=request_id, priority=request.priority,
+                                         cache_salt=request.cache_salt)
+        except (ValueError, TypeError) as exc:
+            raise engine_refusal(exc, field_map) from None
+        return request_id, stream
+
+    @staticmethod
+    async def last_output(stream: RequestStream) -> RequestOutput:
+        """Iterate to the finished output (closing the stream however it ends)."""
+        output = None
+        try:
+            async for output in stream:
+                pass
+        finally:
+            stream.close()
+        if output is None or output.finish_reason == "error":
+            raise RequestError(500, f"the request failed: {output.error if output else 'no output'}")
+        return output
+
+    async def stream_events(self, stream: RequestStream, request_id: str, request: SamplingRequest,
+                            chunk: Callable[[RequestOutput, int, int], dict[str, Any] | None],
+                            first: dict[str, Any] | None = None) -> AsyncIterator[str]:
+        """Server-sent events: `first` (the role, for chat), a chunk per output from `chunk(output, text_from,
+        tokens_from)` (None: nothing new to send), the usage chunk when asked for, then `data: [DONE]`. The
+        request is aborted if the client leaves (Starlette cancels this generator) or sending fails."""
+        created = int(time.time())
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        base = {"id": request_id, "created": created, "model": self.model_name}
+        text_from = tokens_from = 0
+        output = None
+        try:
+            if first is not None:
+                yield sse({**base, **first, **({"usage": None} if include_usage else {})})
+            async for output in stream:
+                if output.finish_reason == "error":
+                    yield sse({"error": ErrorInfo(message=f"the request failed: {output.error}",
+                                                  type=ERROR_TYPES[500], code=500).model_dump()})
+                    break
+                body = chunk(output, text_from, tokens_from)
+                text_from, tokens_from = len(output.text), len(output.token_ids)
+                if body is None:
+                    continue
+                extra = {}
+                if include_usage:
+                    extra["usage"] = usage(output) if continuous else None
+                yield sse({**base, **body, **extra})
+            else:
+                if include_usage and output is not None:
+                    yield sse({**base, "object": self.chunk_object, "choices": [], "usage": usage(output)})
+            yield sse("[DONE]")
+        finally:
+            stream.close()
+
+    chunk_object = "text_completion"

@@ -1,0 +1,67 @@
+"""`workbench serve`: the OpenAI-compatible server of one engine and, on the same port, the live dashboard of that
+engine at /dashboard.
+
+Same port, same process: Panel's FastAPI integration (bokeh-fastapi) mounts the Bokeh application on the FastAPI
+app, so the dashboard's sessions and the API run on uvicorn's one event loop and the views subscribe to the very
+engine the HTTP requests run on (a Bokeh server beside it would need a second port, or a proxy for its websocket).
+Every browser session gets its own Workbench over the shared AsyncLLM: its Pause / Step / Play hold and release
+the serving loop for everyone, which is the point (watch a step of real traffic, then the next)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import panel as pn
+from fastapi import FastAPI
+from fastapi.responses import RedirectResponse
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.async_llm import AsyncLLM
+from engine.entrypoints.openai.api_server import build_app, run_server
+from workbench.app import Workbench
+from workbench.views import ensure_extension
+
+DASHBOARD_PATH = "/dashboard"
+
+
+def build_serving_app(config: EngineConfig, model_name: str | None = None, api_key: str | None = None,
+                      prompts: Sequence[str] = (), params: SamplingParams | None = None,
+                      port: int = 8000) -> tuple[FastAPI, AsyncLLM]:
+    """The API and the dashboard over one new engine. With `prompts`, they are queued first and the loop starts
+    paused: they wait for Step or Play (HTTP requests queue behind them meanwhile)."""
+    llm = AsyncLLM(LLMEngine(config), start_paused=bool(prompts))
+    app = build_app(llm, model_name or config.model, api_key)  # its metrics follow every step from the first
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    mount_dashboard(app, llm, port)
+    return app, llm
+
+
+def mount_dashboard(app: FastAPI, llm: AsyncLLM, port: int) -> None:
+    """The live Workbench of `llm` at /dashboard (a session per browser tab), and `/` leading there."""
+    from panel.io.fastapi import add_applications
+
+    ensure_extension()
+
+    def dashboard() -> pn.Row:
+        workbench = Workbench(llm.engine, serving=llm)
+        pn.state.on_session_destroyed(lambda context: workbench.close())  # a closed tab stops following
+        return workbench.layout
+
+    origins = [f"127.0.0.1:{port}", f"localhost:{port}"]
+    add_applications({DASHBOARD_PATH: dashboard}, app=app, title="Inference Workbench", websocket_origin=origins)
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> RedirectResponse:
+        return RedirectResponse(DASHBOARD_PATH)
+
+
+def serve_openai(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 prompts: Sequence[str] = (), params: SamplingParams | None = None, model_name: str | None = None,
+                 announce: Callable[[str], Any] | None = None) -> None:
+    """Build the engine (a bad model or config fails here, before any port is bound), then serve until
+    interrupted; `announce(url)` once the port is bound. The engine loop stops with the server."""
+    app, llm = build_serving_app(config, model_name, api_key, prompts, params, port)
+    try:
+        run_server(app, host, port, announce)
+    finally:
+        llm.shutdown()

@@ -26,6 +26,10 @@ TILE_SIZE = 32
 # A split should cover at least this many KV positions, or the reduce costs more than it saves.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_KV_SPLITS = 16
+# Each split count is a compile-time constant, so each is a kernel variant compiled the first time it is chosen,
+# in the middle of serving. Any count of 1..16 would be up to 16 unified and 15 reduce variants over a decode loop
+# whose contexts grow (~0.5-1 s each); three counts bound that (vLLM fixes 16 segments for the same reason).
+KV_SPLIT_COUNTS = (1, 4, MAX_KV_SPLITS)
 # exp(x) = exp2(x * log2(e)): exp2 is the cheaper instruction; scores are kept in log2 units.
 LOG2E = 1.4426950408889634
 
@@ -45,7 +49,13 @@ def _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.conste
     return left - 1
 
 
-@triton.jit
+# Specialising on these would compile new variants as the batch changes, for no faster code: `num_seqs` only
+# bounds a binary search (Triton makes a variant for the value 1) and `stride_bt` (the block table's width this
+# step) only offsets a row (a variant when it is a multiple of 16); the query start locations and block ids are
+# read a scalar or two at a time, and the runner packs them after the sequence lengths, so their 16-byte
+# alignment follows the number of sequences.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["query_start_loc_ptr", "block_tables_ptr"])
 def _unified_attention_kernel(
     out_ptr,  # [T, Hq, D]; unused when NUM_SPLITS > 1
     partial_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_SIZE_PADDED] fp32; unused when NUM_SPLITS == 1
@@ -207,15 +217,16 @@ def choose_num_kv_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, max_
     """How many KV splits a launch should use; 1 = the plain unified kernel.
 
     Only decode-only batches split (``num_tokens == num_seqs``), and only when the
-    ``sequences x KV heads`` programs would not fill the GPU twice over. Everything is
+    ``sequences x KV heads`` programs would not fill the GPU twice over; the count is rounded down to one of
+    ``KV_SPLIT_COUNTS``, so a serving loop compiles a few variants, not one per count. Everything is
     known on the host (``max_context`` is the block table's capacity), so choosing never
     synchronises with the device.
     """
     programs = num_seqs * num_kv_heads
     if num_tokens != num_seqs or programs >= 2 * num_sms:
         return 1
-    wanted = triton.cdiv(2 * num_sms, programs)
-    return max(1, min(wanted, max_context // MIN_TOKENS_PER_SPLIT, MAX_KV_SPLITS))
+    wanted = min(triton.cdiv(2 * num_sms, programs), max_context // MIN_TOKENS_PER_SPLIT)
+    return max(n for n in KV_SPLIT_COUNTS if n <= max(wanted, 1))
 
 
 @functools.cache

@@ -19,9 +19,10 @@ BLOCK_V = 1024
 
 @triton.jit
 def _draft_range(cu_num_draft_tokens_ptr, req):
-    start = 0
-    if req > 0:
-        start = tl.load(cu_num_draft_tokens_ptr + req - 1)
+    # A masked load rather than `start = 0; if req > 0: start = tl.load(...)`: the compiler refuses a variable
+    # that is int32 before the branch and int64 after it (the engine passes int64 offsets); the interpreter let
+    # it pass. `other=0` takes the offsets' own dtype, whatever the caller passes.
+    start = tl.load(cu_num_draft_tokens_ptr + req - 1, mask=req > 0, other=0)
     end = tl.load(cu_num_draft_tokens_ptr + req)
     return start, end
 
@@ -34,6 +35,7 @@ def _recovered_tokens_kernel(
     draft_probs_ptr,  # [N, V] (unused when IS_NGRAM)
     target_probs_ptr,  # [N, V]
     noise_ptr,  # [B, V] Exponential(1)
+    is_greedy_ptr,  # [B] bool
     vocab_size,
     stride_draft,
     stride_target,
@@ -43,6 +45,9 @@ def _recovered_tokens_kernel(
 ):
     req = tl.program_id(0)
     pos = tl.program_id(1)
+    # A greedy request never uses a recovered token (it stops at the target's argmax): skip its vocabulary scan.
+    if tl.load(is_greedy_ptr + req):
+        return
     start, end = _draft_range(cu_num_draft_tokens_ptr, req)
     if pos >= end - start:
         return
@@ -147,7 +152,7 @@ def rejection_sample(
     draft_arg = target_probs if is_ngram else draft_probs  # a valid pointer the n-gram kernels never read
     if num_tokens > 0 and max_spec_len > 0:
         _recovered_tokens_kernel[(batch_size, max_spec_len)](
-            recovered, cu_num_draft_tokens, draft_token_ids, draft_arg, target_probs, recovery_noise,
+            recovered, cu_num_draft_tokens, draft_token_ids, draft_arg, target_probs, recovery_noise, is_greedy,
             vocab_size, draft_arg.stride(0), target_probs.stride(0), recovery_noise.stride(0),
             IS_NGRAM=is_ngram, BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab_size)),
         )

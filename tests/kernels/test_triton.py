@@ -127,6 +127,9 @@ def test_split_choice(triton_kernels):
     assert choose(9, 8, 3, 4096, sms) == 1  # a prefill or verify in the batch
     assert choose(256, 256, 8, 4096, sms) == 1  # the GPU is full already
     assert choose(8, 8, 3, 128, sms) == 1  # too short to be worth a reduce
+    # Each count is a compiled variant: whatever the batch and context, only a few counts are ever chosen.
+    chosen = {choose(s, s, h, ctx, sms) for s in range(1, 64) for h in (1, 2, 3, 8) for ctx in range(16, 9000, 112)}
+    assert chosen == set(triton_kernels.attention.KV_SPLIT_COUNTS)
 
 
 def test_store_kvcache_matches_reference(triton_kernels):

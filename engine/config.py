@@ -113,6 +113,7 @@ class EngineConfig:
     # arithmetic runs in float32 there (kernels.linear converts bf16 weights as it streams them)
     dtype: str | None = None
     device: str | None = None  # None: CUDA where present
+    revision: str | None = None  # a hub id's branch, tag or commit (vLLM's name); None: the default branch
     quantization: str | None = None  # "int8": weight-only int8, a scale per output row (CPU)
     seed: int = 0
     # later features: accepted only when their subsystem exists
@@ -135,6 +136,8 @@ class EngineConfig:
                 raise TypeError(f"{name}: expected bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.model, str):
             self.model = str(self.model)  # a pathlib.Path is welcome
+        if self.revision is not None and not isinstance(self.revision, str):
+            raise TypeError(f"revision: expected str or None, got {type(self.revision).__name__}")
         self._check_ranges()
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -32,7 +32,7 @@ class LLMEngine:
         elif kwargs:
             raise TypeError("LLMEngine: pass either an EngineConfig or keyword arguments, not both")
         self.config = config
-        self.model_path = resolve_model(config.model)
+        self.model_path = resolve_model(config.model, config.revision)
         self.events = EventLog()
         self.events.begin(1)  # adds and aborts between steps belong to the step that follows them
         self.runner = ModelRunner(config, self.model_path, self.events)

@@ -15,8 +15,8 @@ from engine.model.loader import resolve_model
 
 def test_unknown_name_names_the_field():
     expected = (
-        "model: unknown model 'xyz': not in the registry (smollm2-135m, tiny-llama) "
-        "and not a folder with config.json"
+        "model: unknown model 'xyz': not in the registry (smollm2-135m, tiny-llama), "
+        "not a folder with config.json, not a .gguf file and not a hub id (org/name)"
     )
     with pytest.raises(ValueError, match=re.escape(expected)):
         resolve_model("xyz")

@@ -17,6 +17,7 @@ from engine.model.runner import ModelRunner
 from engine.output_processor import IncrementalDetokenizer, make_output
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
+from engine.sample.logits_processors import bad_words_token_ids, check_token_ids, uses_logits_options
 from engine.sampling_params import SamplingParams
 from engine.structured_output.backend_xgrammar import validate_structured_outputs
 from engine.structured_output.manager import StructuredOutputManager
@@ -88,11 +89,13 @@ class LLMEngine:
         self._validate_length(token_ids, params)
         if params.structured_outputs is not None:  # a bad grammar is refused here; the compile stays asynchronous
             validate_structured_outputs(params.structured_outputs)
+        bad_words = self._check_logits_options(params)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self._requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
         request = Request(rid, token_ids, params, self.eos_token_id, priority, cache_salt, arrival_time,
                           kv_transfer_params)
+        request.bad_words_token_ids = bad_words
         self._requests[rid] = request
         self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, request)
         self.scheduler.add_request(request)
@@ -101,6 +104,17 @@ class LLMEngine:
                          max_tokens=params.max_tokens, priority=priority, arrival_ns=time.time_ns(),
                          prompt=text[:200])
         return rid
+
+    def _check_logits_options(self, params: SamplingParams) -> list[list[int]]:
+        """Token ids of the logits options within the vocabulary; `bad_words` tokenized (returned)."""
+        if not uses_logits_options(params):
+            return []
+        if self.config.speculative is not None:
+            # drafts are verified against the plain distribution: the options would be ignored there
+            raise ValueError("penalties, logit_bias, bad_words and allowed_token_ids: not supported with "
+                             "speculative_config yet")
+        check_token_ids(params, self.runner.vocab_size)
+        return bad_words_token_ids(params.bad_words or [], self.tokenizer, self.runner.vocab_size)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

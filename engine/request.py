@@ -79,6 +79,7 @@ class Request:
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.generator: torch.Generator | None = None
+        self.bad_words_token_ids: list[list[int]] = []  # sampling_params.bad_words, tokenized at add_request
         self.kv_transfer_params = kv_transfer_params  # vLLM's names: do_remote_prefill, remote_request_id, ...
         self.kv_transfer_params_out: dict[str, Any] | None = None  # set by the connector when it finishes
 

@@ -56,6 +56,13 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Logits options, vLLM's names and ranges (applied by engine/sample/logits_processors.py).
+    presence_penalty: float = 0.0  # [-2, 2]: minus p for each token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2]: minus f times each token's count in the output
+    repetition_penalty: float = 1.0  # > 0: divides (multiplies if negative) logits of tokens seen in prompt or output
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    bad_words: list[str] | None = None  # words never to generate (as token sequences)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated
 
     def __post_init__(self) -> None:
         _check_type("temperature", self.temperature, (int, float))
@@ -83,6 +90,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs: must be >= 0, got {self.logprobs}")
+        self._check_logits_options()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -91,6 +99,32 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise TypeError("stop_token_ids: must be a list of int")
+
+    def _check_logits_options(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            _check_type(name, getattr(self, name), (int, float))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        _check_type("logit_bias", self.logit_bias, dict, allow_none=True)
+        for token, bias in (self.logit_bias or {}).items():
+            _check_type("logit_bias (token id)", token, int)
+            _check_type(f"logit_bias[{token}]", bias, (int, float))
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias[{token}]: must be in [-100, 100], got {bias}")
+        _check_type("bad_words", self.bad_words, list, allow_none=True)
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError("bad_words: must be a list of non-empty strings")
+        _check_type("allowed_token_ids", self.allowed_token_ids, list, allow_none=True)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids: must not be empty (None allows every token)")
+            for t in self.allowed_token_ids:
+                _check_type("allowed_token_ids (token id)", t, int)
+                if t < 0:
+                    raise ValueError(f"allowed_token_ids: token ids must be >= 0, got {t}")
 
     @property
     def greedy(self) -> bool:

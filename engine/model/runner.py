@@ -18,6 +18,7 @@ from engine.events import EventLog
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.block_table import BlockTable
 from engine.model.registry import load_model
+from engine.sample.logits_processors import LogitsInputs
 from engine.sample.sampler import Sampler, SamplingMetadata
 from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.proposer import TargetModel
@@ -192,6 +193,7 @@ class ModelRunner:
             all_greedy=all(greedy),
             all_random=not any(greedy),
             max_num_logprobs=max(logprobs) if logprobs else None,
+            logits_inputs=LogitsInputs.from_requests([s.request for s in rows], dev),
         )
 
     @staticmethod

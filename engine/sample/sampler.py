@@ -1,6 +1,7 @@
 """The sampler: one token per row of logits, the way vLLM V1's ``Sampler`` picks it.
 
-Order (vLLM's): logprobs from the raw logits; greedy rows take the argmax; random rows are
+Order (vLLM's): logprobs from the raw logits; then a request's logits options (allowed ids, bad words,
+logit bias, penalties: ``logits_processors.py``); greedy rows take the argmax; random rows are
 divided by their temperature, then min-p, then top-k, then top-p, and draw with the
 exponential race ``argmax(probs / q)``, ``q ~ Exponential(1)``.
 """
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from engine.sample.logits_processors import LogitsInputs
 
 _SAMPLING_EPS = 1e-5
 # Top-p first looks for the nucleus among this many most likely tokens (a partial sort);
@@ -40,6 +43,7 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     max_num_logprobs: int | None  # None => no logprobs; k >= 0 => sampled token + top-k
+    logits_inputs: LogitsInputs | None = None  # penalties, bias, bad words, allowed ids; None => no row uses them
 
 
 @dataclass
@@ -62,12 +66,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` [N, V]; logprobs too when asked for."""
-        logits = logits.float()
+        raw = logits.float()
+        # Logprobs stay those of the raw logits (vLLM's default raw_logprobs); the options change what is drawn.
+        logits = raw if metadata.logits_inputs is None else metadata.logits_inputs.apply(raw.clone())
         sampled = self.sample(logits, metadata)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             num = min(metadata.max_num_logprobs, logits.shape[-1])
-            logprobs = gather_logprobs(compute_logprobs(logits), num, sampled)
+            logprobs = gather_logprobs(compute_logprobs(raw), num, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -279,3 +279,23 @@ def test_pause_queues_requests_and_step_advances_exactly_one(served, offline):
     assert replies[0].choices[0].text == _greedy(offline, PROMPT, 3).text
     assert httpx.post(f"{base}/step", timeout=60).json()["granted"] == 0  # nothing to run: no step granted
     assert httpx.post(f"{base}/resume").json()["is_paused"] is False
+
+
+# ---- `workbench bench serve --base-url` -----------------------------------------------------------------------
+def test_bench_serve_over_http_measures_every_request_at_the_client(served):
+    from transformers import AutoTokenizer
+
+    from engine import resolve_model
+    from workbench.bench.datasets import sample_dataset
+    from workbench.bench.serve import compute_metrics, request_arrivals, run_http_serve_once
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(MODEL))
+    requests = sample_dataset("random", tokenizer, 6, 0, input_len=12, output_len=5)
+    results, duration = run_http_serve_once(f"{served.base_url}/v1", MODEL, requests,
+                                            request_arrivals(6, 50.0, seed=0), max_concurrency=4)
+    assert all(r.success for r in results) and [r.output_len for r in results] == [5] * 6
+    assert all(0 < r.ttft <= r.e2el <= duration and len(r.itl) <= 4 for r in results)
+    metrics = compute_metrics(results, duration)
+    assert metrics["completed"] == 6 and metrics["total_output_tokens"] == 30
+    failed, _ = run_http_serve_once(f"{served.base_url}/v1", "no-such-model", requests[:1], [0.0])
+    assert not failed[0].success  # a 404 is a failed request, not a crash

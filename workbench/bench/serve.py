@@ -8,12 +8,17 @@ end of every step that gave it tokens.
 starts when its last request has arrived and the previous batch is done); a streamer times each of its steps, so
 its TTFT, ITL and latencies are defined the same way. JSON-schema requests run there under xgrammar's own
 transformers logits processor, with the schema compiled as the engine compiles it (no free whitespace).
+
+`--base-url URL` sends the same seeded arrivals over HTTP instead, streaming, to any OpenAI-compatible server (ours,
+`workbench serve`, or a real vLLM): TTFT, ITL and latency measured at the client as `benchmark_serving` does (ITL
+= gaps between chunks that carried text), output lengths from the server's usage.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from collections import defaultdict, deque
@@ -157,6 +162,60 @@ def run_serve_once(llm: LLM, requests: Sequence[BenchRequest], arrivals: Sequenc
         eng.unsubscribe(recorder)
     duration = time.monotonic() - start
     return [_engine_result(eng.pop_output(ids[i]), recorder.times[ids[i]]) for i in range(len(requests))], duration
+
+
+async def _http_request(client: Any, model: str, request: BenchRequest, arrival: float,
+                        semaphore: Any) -> RequestResult:
+    """One streamed completion at its arrival time; times at the client, from that arrival."""
+    import asyncio
+
+    await asyncio.sleep(max(0.0, arrival - time.monotonic()))
+    async with semaphore:
+        # vLLM's extras: exactly output_len tokens where the dataset says so; JSON-schema requests guided
+        extra: dict[str, Any] = {"ignore_eos": request.ignore_eos}
+        if request.json_schema is not None:
+            extra["structured_outputs"] = {"json": request.json_schema}
+        start = time.monotonic()
+        chunk_times, output_len = [], 0
+        try:
+            stream = await client.completions.create(
+                model=model, prompt=request.prompt_token_ids, max_tokens=request.output_len, temperature=0.0,
+                stream=True, stream_options={"include_usage": True}, extra_body=extra)
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    chunk_times.append(time.monotonic())
+                if chunk.usage is not None:
+                    output_len = chunk.usage.completion_tokens
+        except Exception:  # a failed request counts as failed, as in benchmark_serving; the others go on
+            return RequestResult(len(request.prompt_token_ids), 0, 0.0, 0.0, [], success=False)
+        if not chunk_times:
+            return RequestResult(len(request.prompt_token_ids), 0, 0.0, 0.0, [], success=False)
+        return RequestResult(len(request.prompt_token_ids), output_len or len(chunk_times), chunk_times[0] - start,
+                             chunk_times[-1] - start, np.diff(chunk_times).tolist())
+
+
+def run_http_serve_once(base_url: str, model: str, requests: Sequence[BenchRequest], arrivals: Sequence[float],
+                        max_concurrency: int | None = None) -> tuple[list[RequestResult], float]:
+    """Send `requests` at `arrivals` to an OpenAI-compatible server at `base_url` (ending in /v1), as `model`.
+    Returns one result per request, in order, and the duration (first send to last finish, s)."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    async def everyone() -> list[RequestResult]:
+        limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)
+        semaphore = asyncio.Semaphore(max_concurrency or len(requests) or 1)
+        start = time.monotonic()
+        async with openai.AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"),
+                                      max_retries=0, timeout=600,
+                                      http_client=httpx.AsyncClient(limits=limits, timeout=600)) as client:
+            return await asyncio.gather(*(_http_request(client, model, r, start + a, semaphore)
+                                          for r, a in zip(requests, arrivals)))
+
+    start = time.monotonic()
+    results = asyncio.run(everyone())
+    return results, time.monotonic() - start
 
 
 def _engine_result(out: RequestOutput, token_times: list[float]) -> RequestResult:
@@ -306,23 +365,42 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
               max_concurrency: int | None = None, goodput: dict[str, float] | None = None, baseline: bool = False,
               hf_batch_size: int = 8, result_file: str | None = None, seed: int = 0,
               max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
-              log: Callable[[str], None] = print, progress: bool = True) -> dict[str, Any]:
+              log: Callable[[str], None] = print, progress: bool = True, base_url: str | None = None,
+              served_model_name: str | None = None) -> dict[str, Any]:
     """Serve one seeded workload on the engine (and on transformers if `baseline`); returns the settings and
-    vLLM-style metrics per side (plus the engine/transformers ratios); writes them as JSON to `result_file`."""
+    vLLM-style metrics per side (plus the engine/transformers ratios); writes them as JSON to `result_file`.
+    With `base_url`, the engine side is the server there, over HTTP (its model named `served_model_name`, default
+    `model`); `model` gives the tokenizer of the dataset."""
     engine_kwargs = dict(engine_kwargs or {})
     arrivals = request_arrivals(num_requests, request_rate, burstiness, seed)
-    llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
-    requests = sample_dataset(dataset, llm.tokenizer, num_requests, seed, **(dataset_args or {}))
+    if base_url is not None:
+        if baseline:
+            raise ValueError("--baseline: runs in-process; not with --base-url")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+        llm = None
+    else:
+        llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
+        tokenizer = llm.tokenizer
+    requests = sample_dataset(dataset, tokenizer, num_requests, seed, **(dataset_args or {}))
     dataset_args = {**DATASET_DEFAULTS[dataset], **(dataset_args or {})}
-    run_serve_once(llm, requests[:2], [0.0, 0.0], progress=False)  # warm-up: first calls pay for allocation
-    results, duration = run_serve_once(llm, requests, arrivals, max_concurrency, progress)
-    log(f"engine: {duration:.2f} s")
+    if llm is None:
+        name = served_model_name or model
+        run_http_serve_once(base_url, name, requests[:2], [0.0, 0.0])  # warm-up, as in-process
+        results, duration = run_http_serve_once(base_url, name, requests, arrivals, max_concurrency)
+        log(f"server at {base_url}: {duration:.2f} s")
+    else:
+        run_serve_once(llm, requests[:2], [0.0, 0.0], progress=False)  # warm-up: first calls pay for allocation
+        results, duration = run_serve_once(llm, requests, arrivals, max_concurrency, progress)
+        log(f"engine: {duration:.2f} s")
     result = {
         "model": model, "date": machine_info()["date"],
         "settings": {"dataset": dataset, "num_requests": num_requests, "dataset_args": dataset_args,
                      "request_rate": request_rate, "burstiness": burstiness, "max_concurrency": max_concurrency,
                      "goodput": goodput or {}, "seed": seed, "max_num_batched_tokens": max_num_batched_tokens,
-                     "hf_batch_size": hf_batch_size if baseline else None, "engine_kwargs": engine_kwargs},
+                     "hf_batch_size": hf_batch_size if baseline else None, "engine_kwargs": engine_kwargs,
+                     "base_url": base_url},
         "engine": compute_metrics(results, duration, goodput),
         "baseline": None,
     }
@@ -354,6 +432,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
     parser.add_argument("--baseline", action="store_true", help="also serve the schedule with transformers generate")
     parser.add_argument("--hf-batch-size", type=positive_int, default=8, help="transformers static batch size")
+    parser.add_argument("--base-url", default=None, help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1) "
+                        "to send the requests to over HTTP, instead of the in-process engine")
+    parser.add_argument("--served-model-name", default=None, help="the model name that server expects "
+                        "(default: --model)")
     for flag in ("--random-input-len", "--random-output-len", "--prefix-repetition-prefix-len",
                  "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes",
                  "--prefix-repetition-output-len", "--json-output-len"):
@@ -423,8 +505,8 @@ def _headers(result: dict[str, Any]) -> list[str]:
 
 
 _WORKLOAD = ("{model}: {num_requests} requests of the {dataset} dataset{args}, arriving at {rate} ({shape}, seed "
-             "{seed}){cap}{slo}; greedy")
-_DOCS = _WORKLOAD + (". Requests arrive in-process while the engine steps (max_num_batched_tokens="
+             "{seed}){cap}{slo}; greedy{via}")
+_DOCS = _WORKLOAD + (". {where} (max_num_batched_tokens="
                      "{max_num_batched_tokens}); TTFT and E2E latency from each request's arrival, TPOT = (E2E - TTFT) "
                      "/ (output tokens - 1), ITL = gaps between the steps that gave a request tokens. Keys and "
                      "definitions as vLLM's `benchmark_serving`.{baseline_note}{note}")
@@ -442,7 +524,10 @@ def _workload_values(result: dict[str, Any]) -> dict[str, str]:
             "shape": "Poisson" if s["burstiness"] == 1 else f"Gamma, burstiness {s['burstiness']:g}",
             "args": f" ({given})" if given else "", "slo": f", goodput SLOs {slos}" if slos else "",
             "cap": f", max concurrency {s['max_concurrency']}" if s["max_concurrency"] else "",
-            "baseline_note": _BASELINE_NOTE if result["baseline"] else ""}
+            "baseline_note": _BASELINE_NOTE if result["baseline"] else "",
+            "where": ("Requests go over HTTP to the server, which steps while they arrive" if s.get("base_url")
+                      else "Requests arrive in-process while the engine steps"),
+            "via": f"; over HTTP, streamed, to {s['base_url']} (times at the client)" if s.get("base_url") else ""}
 
 
 def ratio_line(result: dict[str, Any]) -> str:

@@ -173,6 +173,19 @@ class SpecVerified(Event):
 
 
 @dataclass(frozen=True)
+class MoERouted(Event):
+    """A mixture-of-experts model's router decisions in this step's forward: for each sparse layer (`layers`),
+    how many tokens chose each expert (`counts[layer][expert]`), and for each request the top-k expert ids of
+    each of its tokens in each sparse layer (`token_experts[request_id][layer][token]`)."""
+
+    kind: ClassVar[str] = "moe.routed"
+    layers: tuple[int, ...]
+    num_experts: int
+    counts: tuple[tuple[int, ...], ...]
+    token_experts: dict[str, list[list[list[int]]]]
+
+
+@dataclass(frozen=True)
 class StepTiming(Event):
     kind: ClassVar[str] = "step.timing"
     schedule_ms: float

@@ -14,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.sched.output import SchedulerOutput
-from engine.events import EventLog
+from engine.events import EventLog, MoERouted
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.block_table import BlockTable
 from engine.model.registry import load_model
@@ -75,6 +75,9 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.spec = (None if config.speculative is None
                      else SpecDecoder(config, self._as_target(), self.sampler, events))
+        self.events = events
+        # (layer, SparseMoeBlock) of a mixture-of-experts model, whose routing each step reports
+        self.moe_blocks = self.model.moe_blocks() if hasattr(self.model, "moe_blocks") else []
 
     @property
     def vocab_size(self) -> int:
@@ -96,6 +99,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = self._prepare_inputs(output)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+        if self.moe_blocks:
+            self._emit_routing(output, batch)
         if self.spec is not None:
             self.spec.mirror(batch.input_ids, batch.positions, batch.attn)
         if not batch.sampling_rows:
@@ -110,6 +115,17 @@ class ModelRunner:
         drafts = self.spec.propose(batch.sampling_rows, sampled) if self.spec is not None else {}
         t2 = time.perf_counter()
         return ModelRunnerOutput(sampled, logprobs, drafts, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3)
+
+    def _emit_routing(self, output: SchedulerOutput, batch: _BatchInputs) -> None:
+        """One ``moe.routed`` event: expert load per sparse layer, and each request's tokens' expert choices."""
+        choices = torch.stack([block.last_expert_ids for _, block in self.moe_blocks])  # [L, T, k]
+        num_experts = self.moe_blocks[0][1].num_experts
+        counts = torch.stack([torch.bincount(layer.flatten(), minlength=num_experts) for layer in choices])
+        starts = batch.attn.query_start_loc.tolist()
+        per_request = {s.request_id: choices[:, a:b].tolist()
+                       for s, a, b in zip(output.scheduled, starts, starts[1:])}
+        self.events.emit(MoERouted, layers=tuple(i for i, _ in self.moe_blocks), num_experts=num_experts,
+                         counts=tuple(tuple(row) for row in counts.tolist()), token_experts=per_request)
 
     def _sample(self, logits: torch.Tensor, batch: _BatchInputs) -> tuple[dict, dict]:
         """Plain rows through the sampler; rows with drafts through the rejection sampler."""

@@ -93,3 +93,38 @@ def test_pickle_checkpoint_is_refused(tmp_path, tiny_model_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(ValueError, match=r"pytorch_model\.bin.*refused because unpickling can run arbitrary code"):
         load_model(tmp_path, torch.float32, CPU)
+
+
+def test_router_decisions_are_events_equal_to_transformers_routing(family_path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(family_path)
+    if config.model_type != "qwen3_moe":
+        pytest.skip("dense model")
+    prompts = [random_prompt(256, 13, 20), random_prompt(256, 6, 21)]
+    llm = LLM(model=str(family_path), block_size=4, max_num_batched_tokens=8, seed=0)
+    records = []
+    llm.engine.subscribe(records.append)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    events = [e for r in records for e in r.of_kind("moe.routed")]
+    assert len(events) == len(records)  # one per step that ran the model
+    sparse = [i for i in range(config.num_hidden_layers) if is_sparse_layer(config, i)]
+    k = config.num_experts_per_tok
+    for record, event in zip(records, events):
+        assert list(event.layers) == sparse and event.num_experts == config.num_experts
+        tokens = sum(record.scheduled.values())
+        assert all(sum(row) == tokens * k for row in event.counts)
+        assert {rid: len(choice[0]) for rid, choice in event.token_experts.items()} == record.scheduled
+    # Each request's tokens, concatenated over steps, chose the experts transformers' router chooses.
+    hf = AutoModelForCausalLM.from_pretrained(family_path, dtype=torch.float32).eval()
+    for out in outs:
+        ids = (out.prompt_token_ids + out.token_ids)[:-1]  # the last token was sampled, never fed
+        with torch.inference_mode():
+            router_logits = hf(torch.tensor([ids]), output_router_logits=True).router_logits
+        per_layer = [[] for _ in sparse]
+        for event in events:
+            for layer, tokens in enumerate(event.token_experts.get(out.request_id, [[]] * len(sparse))):
+                per_layer[layer] += tokens
+        assert len(router_logits) == len(sparse)
+        for layer, logits in enumerate(router_logits):
+            assert per_layer[layer] == logits.topk(k, dim=-1).indices.tolist()

@@ -294,6 +294,8 @@ class LLMEngine:
             [(s.request_id, s.spec_token_ids) for s in sched_out.scheduled if s.samples])
         t1 = time.perf_counter()
         runner_out = self.runner.execute_model(sched_out, *bitmask)
+        for rid, entries in runner_out.prompt_logprobs.items():
+            self._requests[rid].prompt_logprobs.extend(entries)
         if self.connector is not None:
             self._save_kv()
         t2 = time.perf_counter()

@@ -58,5 +58,6 @@ def make_output(request: Request, text: str) -> RequestOutput:
         stop_reason=request.stop_reason,
         error=request.error,
         logprobs=request.logprobs,
+        prompt_logprobs=request.prompt_logprobs,
         metrics=request.metrics,
     )

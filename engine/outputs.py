@@ -29,6 +29,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # [None, {prompt token: logprob, top-n...}, ...]
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict[str, Any] | None = None  # for the next instance (P/D: what the decode side loads)
 

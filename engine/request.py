@@ -78,6 +78,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
+        # vLLM's layout: None for the first prompt token (nothing predicts it), then one dict per prompt token
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
         self.generator: torch.Generator | None = None
         self.bad_words_token_ids: list[list[int]] = []  # sampling_params.bad_words, tokenized at add_request
         self.kv_transfer_params = kv_transfer_params  # vLLM's names: do_remote_prefill, remote_request_id, ...

@@ -54,6 +54,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-n (the first token has none)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     # Logits options, vLLM's names and ranges (applied by engine/sample/logits_processors.py).
@@ -73,6 +74,7 @@ class SamplingParams:
         _check_type("max_tokens", self.max_tokens, int)
         _check_type("min_tokens", self.min_tokens, int)
         _check_type("logprobs", self.logprobs, int, allow_none=True)
+        _check_type("prompt_logprobs", self.prompt_logprobs, int, allow_none=True)
         _check_type("structured_outputs", self.structured_outputs, StructuredOutputsParams, allow_none=True)
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
@@ -90,6 +92,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs: must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs: must be >= 0, got {self.prompt_logprobs}")
         self._check_logits_options()
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -50,7 +50,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached blocks that starts the request, and how many tokens it covers.
         The hit is capped one token short of the whole sequence: the last token must be computed to sample."""
-        if not self.enable_caching:
+        # As vLLM: a request that wants prompt logprobs computes its whole prompt (a hit has no logits to give).
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = update_block_hashes(request, self.block_size, self.hash_fn)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

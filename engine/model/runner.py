@@ -31,6 +31,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, float]]]
     spec_token_ids: dict[str, tuple[list[int], torch.Tensor | None]] = field(default_factory=dict)  # drafts, probs
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # this step's prompt positions
     forward_ms: float = 0.0
     sample_ms: float = 0.0
 
@@ -43,6 +44,9 @@ class _BatchInputs:
     logits_indices: torch.Tensor
     sampling_rows: list  # the ScheduledRequests that sample, in batch order
     first_rows: list[int]  # each one's first logits row (a verify request has one per draft, plus one)
+
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits exist at once
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -103,8 +107,10 @@ class ModelRunner:
             self._emit_routing(output, batch)
         if self.spec is not None:
             self.spec.mirror(batch.input_ids, batch.positions, batch.attn)
+        prompt_logprobs = self._prompt_logprobs(output, batch, hidden)
         if not batch.sampling_rows:
-            return ModelRunnerOutput({}, {}, forward_ms=(time.perf_counter() - t0) * 1e3)
+            return ModelRunnerOutput({}, {}, forward_ms=(time.perf_counter() - t0) * 1e3,
+                                     prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if grammar_bitmask is not None:
             from engine.structured_output.backend_xgrammar import apply_bitmask
@@ -114,7 +120,40 @@ class ModelRunner:
         sampled, logprobs = self._sample(logits, batch)
         drafts = self.spec.propose(batch.sampling_rows, sampled) if self.spec is not None else {}
         t2 = time.perf_counter()
-        return ModelRunnerOutput(sampled, logprobs, drafts, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3)
+        return ModelRunnerOutput(sampled, logprobs, drafts, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,
+                                 prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, output: SchedulerOutput, batch: _BatchInputs,
+                         hidden: torch.Tensor) -> dict[str, list[dict[int, float]]]:
+        """For requests with ``prompt_logprobs``: each prompt token this step's positions predict, its raw logprob
+        and the top-n. Positions already reported (before a preemption) are not reported again."""
+        out: dict[str, list[dict[int, float]]] = {}
+        starts = None
+        for i, s in enumerate(output.scheduled):
+            request = s.request
+            n = request.sampling_params.prompt_logprobs
+            if n is None:
+                continue
+            if starts is None:
+                starts = batch.attn.query_start_loc.tolist()
+            first = len(request.prompt_logprobs) - 1  # the first position not reported yet
+            lo = max(s.num_computed_tokens, first)
+            hi = min(s.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens - 1)
+            entries = []
+            # Slices bound the [rows, vocab] logits a long prompt would otherwise make at once.
+            for a in range(lo, hi, PROMPT_LOGPROBS_ROWS):
+                b = min(a + PROMPT_LOGPROBS_ROWS, hi)
+                rows = hidden[starts[i] + a - s.num_computed_tokens:starts[i] + b - s.num_computed_tokens]
+                logprobs = self.model.compute_logits(rows).log_softmax(dim=-1)
+                targets = torch.tensor(request.prompt_token_ids[a + 1:b + 1], device=logprobs.device)
+                chosen = logprobs.gather(1, targets[:, None])
+                top = logprobs.topk(n, dim=-1)
+                ids = torch.cat((targets[:, None], top.indices), dim=1).tolist()
+                values = torch.cat((chosen, top.values), dim=1).tolist()
+                entries += [dict(zip(i_row, v_row)) for i_row, v_row in zip(ids, values)]
+            if entries:
+                out[s.request_id] = entries
+        return out
 
     def _emit_routing(self, output: SchedulerOutput, batch: _BatchInputs) -> None:
         """One ``moe.routed`` event: expert load per sparse layer, and each request's tokens' expert choices."""

@@ -22,7 +22,7 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBSTRIPOUT := "$(abspath $(BIN))/python" -m nbstripout --keep-id --extra-keys "$(foreach k,codemirror_mode \
 	file_extension mimetype nbconvert_exporter pygments_lexer version,metadata.language_info.$(k))"
 
-.PHONY: lab test bench strip screenshots
+.PHONY: lab test bench strip screenshots gpu-check
 
 lab: $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
 	PANEL_INLINE=true $(BIN)/jupyter lab --ip 127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_tour.ipynb
@@ -40,6 +40,14 @@ screenshots: $(EDITABLE)
 
 bench: $(EDITABLE)
 	$(BIN)/workbench bench throughput
+
+# The first GPU run in one command (workbench/gpu_check.py): the sm_90 compile check, then on a GPU the kernels
+# against their references, the engine end to end and timings, written into docs/BENCHMARKS.md. Here (no GPU) it
+# compiles, says what it skipped, and copies tiny-llama into build/gpu-check, which a GPU machine (no network, no
+# venv: its own python3 with torch, triton and transformers) needs carried beside the tree.
+GPU_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	env -u TRITON_INTERPRET PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m workbench.gpu_check --write-docs
 
 strip: $(STAMP)
 ifeq ($(NOTEBOOKS),)

@@ -32,14 +32,14 @@ def compiled(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sm90")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     procs = {part: subprocess.Popen(
-        [sys.executable, "-m", "workbench.gpu_check", "--compile-only", part, "--json", str(out / f"{part}.json")],
+        [sys.executable, "-m", "workbench.gpu_check", "--compile-only", part, "--out", str(out / part)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for part in ("kernels", "engine")}
     merged: dict = {"workloads": {}, "failures": [], "log": ""}
     for part, proc in procs.items():
         log, _ = proc.communicate(timeout=900)
         merged["log"] += log
-        path = out / f"{part}.json"
+        path = out / part / "result.json"
         assert path.exists(), f"gpu_check --compile-only {part} wrote no result (exit {proc.returncode}):\n{log}"
         result = json.loads(path.read_text())["compile"]
         merged["workloads"].update(result["workloads"])

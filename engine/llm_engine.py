@@ -38,8 +38,7 @@ class LLMEngine:
         self.events.begin(1)  # adds and aborts between steps belong to the step that follows them
         self.runner = ModelRunner(config, self.model_path, self.events)
         shape = self.runner.model.shape
-        # attention here has no sliding window: within the window, full attention is the same thing
-        config.set_max_model_len(min(shape.max_position_embeddings or 2048, shape.sliding_window or 1 << 62))
+        config.set_max_model_len(shape.max_position_embeddings or 2048)  # sliding windows are applied in attention
         from transformers import AutoTokenizer  # heavy: import only when an engine is built
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

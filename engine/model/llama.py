@@ -3,8 +3,8 @@
 All tokens of a step, from any number of sequences, go through each layer at once;
 attention reads and writes the paged cache through ``kernels``. Module and parameter
 names follow Hugging Face's, with q/k/v fused into ``qkv_proj`` and gate/up into
-``gate_up_proj`` as in vLLM. Sliding-window attention (Mistral, some Qwen2) is not
-applied: ``ModelShape.sliding_window`` reports it so the caller can cap the context.
+``gate_up_proj`` as in vLLM. Sliding-window attention (Mistral; Qwen2/Qwen3 with ``use_sliding_window``) is
+applied in the layers the config names (``layer_sliding_window``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import kernels
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, sliding_window_attention
 from engine.model.linear import Linear
 
 # "dynamic" matches HF while the context stays within max_position_embeddings;
@@ -138,6 +138,7 @@ class LlamaAttention(nn.Module):
         qkv_bias = attention_bias or config.model_type == "qwen2"
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=attention_bias)
+        self.sliding_window: int | None = None  # this layer's window, set by LlamaModel
 
     def forward(
         self,
@@ -153,9 +154,12 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         kernels.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
-        out = kernels.paged_attention(
-            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale
-        )
+        if self.sliding_window is None:
+            out = kernels.paged_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale
+            )
+        else:
+            out = sliding_window_attention(q, k_cache, v_cache, attn, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -198,6 +202,16 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def layer_sliding_window(config: PretrainedConfig, index: int) -> int | None:
+    """Layer `index`'s attention window: ``sliding_window`` where ``layer_types`` says "sliding_attention" (Qwen2,
+    Qwen3), in every layer when the config has no ``layer_types`` (Mistral); None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or layer_types is None:
+        return window
+    return window if layer_types[index] == "sliding_attention" else None
+
+
 class LlamaModel(nn.Module):
     """Embeddings, the decoder layers and the final norm."""
 
@@ -205,6 +219,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.sliding_window = layer_sliding_window(config, i)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 

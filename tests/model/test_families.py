@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from engine import LLM, SamplingParams
 from engine.model.qwen3 import QKNormLinear
@@ -24,6 +24,10 @@ CONFIGS = {
     # Layer 0 dense (mlp_only_layers), layer 1 sparse; top-k weights not renormalised.
     "qwen3_moe_mixed": lambda: Qwen3MoeConfig(**SMALL, **MOE, head_dim=16, mlp_only_layers=[0],
                                               norm_topk_prob=False),
+    # Sliding windows shorter than the prompts: every layer (Mistral), or the layers past max_window_layers (Qwen2).
+    "mistral_window_6": lambda: MistralConfig(**SMALL, sliding_window=6),
+    "qwen2_window_5_layer_1": lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=5,
+                                                  max_window_layers=1),
 }
 
 
@@ -56,6 +60,8 @@ def test_family_greedy_matches_transformers(family_path):
 
 def test_qwen3_norms_load_into_the_projection(family_path):
     model, config = load_model(family_path, torch.float32, CPU)
+    if not config.model_type.startswith("qwen3"):
+        pytest.skip("no q/k norm")
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QKNormLinear)
     hf = AutoModelForCausalLM.from_pretrained(family_path, dtype=torch.float32)
@@ -76,6 +82,13 @@ def test_router_records_top_k_per_token(family_path):
     assert ids.shape == (5, config.num_experts_per_tok)
     expected = (x @ block.gate.weight.T).topk(config.num_experts_per_tok, dim=-1).indices
     assert torch.equal(ids, expected)
+
+
+def test_windows_are_set_per_layer(family_path):
+    model, config = load_model(family_path, torch.float32, CPU)
+    windows = [layer.self_attn.sliding_window for layer in model.model.layers]
+    expected = {"mistral": [6, 6], "qwen2": [None, 5]}.get(config.model_type, [None, None])
+    assert windows == expected
 
 
 def test_unsupported_type_names_the_supported_ones(tmp_path):

@@ -1,4 +1,5 @@
-"""Kernels for linear layers, the paged KV cache and rejection sampling, dispatched by device.
+"""Kernels for linear layers, norms, RoPE, activations, the paged KV cache and rejection sampling, dispatched by
+device.
 
 CUDA tensors run ``kernels.triton.<name>`` where that module defines it; CPU tensors run
 ``kernels.cpu.ops.<name>`` (C++ ops, built once per machine) where it defines it and a compiler
@@ -48,6 +49,30 @@ def linear(
     return _impl("linear", x.device.type)(x, weight, scale, bias)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation of ``x`` ``[T, H]`` with a learned scale; see ``kernels.reference``."""
+    return _impl("rms_norm", x.device.type)(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x), residual + x)``: the residual add fused in front of the norm."""
+    return _impl("fused_add_rms_norm", x.device.type)(x, residual, weight, eps)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of ``q`` and ``k`` ``[T, H, D]`` by ``cos``/``sin`` ``[T, D]``."""
+    return _impl("rotary", q.device.type)(q, k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``SiLU(gate) * up`` of ``[T, 2 * I]``."""
+    return _impl("silu_and_mul", x.device.type)(x)
+
+
 def store_kvcache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -94,10 +119,14 @@ def rejection_sample(
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID",
+    "fused_add_rms_norm",
     "linear",
     "generate_recovery_noise",
     "generate_uniform_probs",
     "paged_attention",
     "rejection_sample",
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
     "store_kvcache",
 ]

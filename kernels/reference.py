@@ -1,5 +1,6 @@
 """Torch reference kernels (the oracle for the Triton and C++ CPU kernels, and the fallback where neither
-runs): linear layers over stored weights, the paged KV cache and rejection sampling.
+runs): linear layers over stored weights, the per-layer norm, RoPE and activation, the paged KV cache and
+rejection sampling.
 
 KV cache layout, one pair per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 A token's flat slot is ``block_id * block_size + offset``.
@@ -22,6 +23,42 @@ def linear(
     if scale is not None:
         w = w * scale.to(x.dtype)[:, None]
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalisation of ``x`` ``[T, H]`` with a learned scale, computed in float32 as Hugging Face does."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add in front of a norm: ``(rms_norm(residual + x), residual + x)``."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's rotate-half RoPE of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` by each token's
+    ``cos``/``sin`` ``[T, D]``."""
+    return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``SiLU(gate) * up`` of the fused gate/up projection's output ``[T, 2 * I]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def store_kvcache(

@@ -64,18 +64,20 @@ def _head_dim(config: PretrainedConfig) -> int:
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation with a learned scale, computed in float32 as HF does."""
+    """RMS normalisation with a learned scale, computed in float32 as HF does. Given the residual stream, it adds
+    the sublayer's output to it first and returns both (vLLM's fused_add_rms_norm): one pass instead of two."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -105,21 +107,14 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = float(scaling)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions ``[T]`` -> ``cos``, ``sin`` ``[T, 1, head_dim]`` (broadcast over heads)."""
+        """Positions ``[T]`` -> ``cos``, ``sin`` ``[T, head_dim]``, computed once per step for every layer."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE on ``[T, H, D]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return cos, sin
 
 
 class LlamaAttention(nn.Module):
@@ -149,8 +144,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
+        q, k = kernels.rotary(q.view(num_tokens, self.num_heads, self.head_dim),
+                              k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         kernels.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
@@ -173,14 +168,19 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act == "silu"  # fused with the product in one kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP blocks with residuals."""
+    """Pre-norm attention and MLP blocks. The residual stream travels beside the hidden state, as in vLLM, so
+    each residual add happens inside the next norm."""
 
     def __init__(self, config: PretrainedConfig, self_attn: nn.Module | None = None,
                  mlp: nn.Module | None = None) -> None:
@@ -197,9 +197,15 @@ class LlamaDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
         kv_cache: KVCache,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, attn, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 def layer_sliding_window(config: PretrainedConfig, index: int) -> int | None:
@@ -237,9 +243,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # the embedding may be stored narrower
         rope = self.rotary_emb(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, attn, kv_cache)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, rope, attn, kv_cache, residual)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

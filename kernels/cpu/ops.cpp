@@ -2,6 +2,10 @@
 // in kernels/reference.py that it must equal within float32 tolerance:
 //   linear_small_m  weights streamed once for a few rows of input: fp32, bf16 or int8 (per-row scales) weights
 //   paged_attention every sequence of a step over its blocks in place: no gather, online softmax per block
+//   rms_norm        RMS normalisation, with the residual add fused in front of it (vLLM's fused_add_rms_norm)
+//   rotary          rotate-half RoPE of q and k read where the fused q/k/v projection left them
+//   silu_and_mul    SiLU(gate) * up of the fused gate/up projection
+// The last three replace a dozen small torch ops per layer each (what bounds a small batch after the weights).
 // Built with -march=native by kernels/cpu/build.py (AVX2/FMA here; the compiler widens where AVX-512 exists).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -12,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -297,15 +302,148 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+
+// ---- the small per-layer ops -----------------------------------------------------------------------------------
+// Rows are independent; a task takes whole rows, enough of them to be worth a thread (a decode step's single row
+// runs inline). The arithmetic follows the torch reference's order where it is a sequence of roundings.
+constexpr int64_t ELEMENTS_PER_TASK = 16384;
+
+inline int64_t row_grain(int64_t row_len) { return std::max<int64_t>(1, ELEMENTS_PER_TASK / std::max<int64_t>(row_len, 1)); }
+
+// out = w * (r * rsqrt(mean(r^2) + eps)), r = x (+ residual, kept in new_residual)
+std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                 const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "rms_norm: x must be [T, H] float32 with a float32 weight");
+  auto xc = x.contiguous();
+  const int64_t T = xc.size(0), H = xc.size(1);
+  auto out = at::empty_like(xc);
+  at::Tensor res_in = residual.has_value() ? residual->contiguous() : at::Tensor();
+  at::Tensor res_out = residual.has_value() ? at::empty_like(xc) : at::Tensor();
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = weight.contiguous().data_ptr<float>();
+  const float* rp = residual.has_value() ? res_in.data_ptr<float>() : nullptr;
+  float* rop = residual.has_value() ? res_out.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, row_grain(H), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* src = xp + t * H;
+      if (rp) {
+        float* dst = rop + t * H;
+        for (int64_t h = 0; h < H; ++h) dst[h] = rp[t * H + h] + src[h];
+        src = dst;
+      }
+      __m256 acc = _mm256_setzero_ps();
+      int64_t h = 0;
+      for (; h + 8 <= H; h += 8) {
+        const __m256 v = _mm256_loadu_ps(src + h);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      float sum = hsum(acc);
+      for (; h < H; ++h) sum += src[h] * src[h];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
+      for (h = 0; h < H; ++h) op[t * H + h] = wp[h] * (src[h] * inv);
+    }
+  });
+  return {out, res_out};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(rms_norm_impl(x, weight, eps, c10::nullopt));
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat,
+              "fused_add_rms_norm: the residual must be float32 shaped as x");
+  return rms_norm_impl(x, weight, eps, residual);
+}
+
+// x1, x2 = halves of a head; out = (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2), cos/sin [T, D] by position
+void rotate_heads(const float* x, int64_t token_stride, int64_t heads, int64_t D, const float* cos, const float* sin,
+                  float* out, int64_t t) {
+  const int64_t half = D / 2;
+  const float* c = cos + t * D;
+  const float* s = sin + t * D;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* xi = x + t * token_stride + h * D;
+    float* oi = out + (t * heads + h) * D;
+    for (int64_t d = 0; d < half; ++d) {
+      oi[d] = xi[d] * c[d] + (-xi[d + half]) * s[d];
+      oi[d + half] = xi[d + half] * c[d + half] + xi[d] * s[d + half];
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                          const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat,
+              "rotary: q and k must be [T, H, D] float32");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2),
+              "rotary: the heads of a token must be contiguous");
+  const int64_t T = q.size(0), D = q.size(2), Hq = q.size(1), Hk = k.size(1);
+  auto cc = cos.contiguous(), sc = sin.contiguous();
+  TORCH_CHECK(cc.numel() == T * D && sc.numel() == T * D, "rotary: cos and sin must be [T, D]");
+  auto q_out = at::empty({T, Hq, D}, q.options()), k_out = at::empty({T, Hk, D}, k.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+  const float *cp = cc.data_ptr<float>(), *sp = sc.data_ptr<float>();
+  float *qo = q_out.data_ptr<float>(), *ko = k_out.data_ptr<float>();
+  at::parallel_for(0, T, row_grain((Hq + Hk) * D), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      rotate_heads(qp, q.stride(0), Hq, D, cp, sp, qo, t);
+      rotate_heads(kp, k.stride(0), Hk, D, cp, sp, ko, t);
+    }
+  });
+  return {q_out, k_out};
+}
+
+// silu(g) = g * sigmoid(g), sigmoid through exp(-|g|) <= 1 so that exp8's range (x <= 0) covers it
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be [T, 2 * I] float32");
+  auto xc = x.contiguous();
+  const int64_t T = xc.size(0), I = xc.size(1) / 2;
+  auto out = at::empty({T, I}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, row_grain(2 * I), [&](int64_t t0, int64_t t1) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* gate = xp + t * 2 * I;
+      const float* up = gate + I;
+      float* o = op + t * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_or_ps(g, sign));  // exp(-|g|)
+        const __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        const __m256 neg = _mm256_div_ps(e, _mm256_add_ps(one, e));
+        const __m256 sig = _mm256_blendv_ps(pos, neg, g);  // g's sign bit picks
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+      }
+      for (; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(workbench_cpu, m) {
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
   m.impl("linear_small_m", &linear_small_m);
   m.impl("paged_attention", &paged_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
 }

@@ -1,5 +1,6 @@
 """The C++ CPU ops with the signatures of ``kernels.reference``, each falling back to the reference for what it
-does not cover (more than 8 rows of input, float16, groups of more than 8 query heads per kv head)."""
+does not cover (more than 8 rows of input, float16 or bfloat16 activations, groups of more than 8 query heads
+per kv head)."""
 from __future__ import annotations
 
 import torch
@@ -32,3 +33,32 @@ def paged_attention(
         return torch.ops.workbench_cpu.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                                        query_start_loc, scale)
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2:
+        return torch.ops.workbench_cpu.rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype == residual.dtype == weight.dtype == torch.float32 and x.dim() == 2:
+        return torch.ops.workbench_cpu.fused_add_rms_norm(x, residual, weight, eps)
+    return reference.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if (q.dtype == k.dtype == cos.dtype == torch.float32 and q.stride(-1) == 1 and k.stride(-1) == 1
+            and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]):
+        return torch.ops.workbench_cpu.rotary(q, k, cos, sin)
+    return reference.rotary(q, k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32 and x.dim() == 2:
+        return torch.ops.workbench_cpu.silu_and_mul(x)
+    return reference.silu_and_mul(x)

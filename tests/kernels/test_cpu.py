@@ -95,3 +95,35 @@ def test_linear_past_eight_rows_and_in_float16_falls_back_to_the_reference():
     torch.testing.assert_close(ops.linear(x[:2], half), reference.linear(x[:2], half))
     with pytest.raises(RuntimeError, match="at most 8 rows"):
         torch.ops.workbench_cpu.linear_small_m(x, weight, None, None)
+
+
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (3, 960), (37, 64), (2, 13)])
+def test_rms_norm_with_and_without_the_residual_equals_the_reference(rows, hidden):
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, hidden, generator=gen) for _ in range(2))
+    weight = torch.randn(hidden, generator=gen)
+    torch.testing.assert_close(torch.ops.workbench_cpu.rms_norm(x, weight, 1e-5),
+                               reference.rms_norm(x, weight, 1e-5), atol=1e-5, rtol=1e-5)
+    got = torch.ops.workbench_cpu.fused_add_rms_norm(x, residual, weight, 1e-5)
+    want = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[1], want[1])  # the residual add is one rounding either way
+
+
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 9, 3, 64), (20, 32, 8, 128), (5, 2, 1, 6)])
+def test_rotary_reads_q_and_k_in_place_in_the_fused_projection_and_equals_the_reference(tokens, heads, kv_heads,
+                                                                                        head_dim):
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)  # strided views, not copies
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    for got, want in zip(torch.ops.workbench_cpu.rotary(q, k, cos, sin), reference.rotary(q, k, cos, sin)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_silu_and_mul_equals_the_reference_over_both_signs_and_large_magnitudes():
+    x = torch.cat((torch.linspace(-90, 90, 3 * 1536).view(3, 1536), torch.randn(3, 1536)), dim=1)
+    torch.testing.assert_close(torch.ops.workbench_cpu.silu_and_mul(x), reference.silu_and_mul(x),
+                               atol=1e-6, rtol=1e-5)

@@ -6,7 +6,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.events import EngineSnapshot, Event, KVUsage, StepRecord
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -24,5 +24,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "LLM", "LLMEngine", "AsyncLLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-    "RequestStatus", "StepRecord", "KVUsage", "Event", "EngineSnapshot", "PDCluster", "resolve_model",
+    "CompletionOutput", "RequestStatus", "StepRecord", "KVUsage", "Event", "EngineSnapshot", "PDCluster", "resolve_model",
 ]

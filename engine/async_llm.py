@@ -117,6 +117,8 @@ class AsyncLLM:
 
     def _add(self, prompt: Any, params: SamplingParams | None, request_id: str | None, priority: int,
              cache_salt: str | None, collector: _Collector | None) -> str:
+        if params is not None and getattr(params, "n", 1) > 1:  # streams follow one request id's events
+            raise ValueError(f"n: parallel sampling (n={params.n}) runs offline (LLM, LLMEngine), not served yet")
         with self.lock:
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"

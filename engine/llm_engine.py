@@ -16,6 +16,7 @@ from engine.model.loader import resolve_model
 from engine.model.runner import ModelRunner
 from engine.output_processor import IncrementalDetokenizer, make_output
 from engine.outputs import RequestOutput
+from engine.parallel_sampling import ParentRequest
 from engine.request import Request, RequestStatus
 from engine.sample.logits_processors import bad_words_token_ids, check_token_ids, uses_logits_options
 from engine.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class LLMEngine:
         self._subscribers: list[Subscriber] = []
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._requests: dict[str, Request] = {}  # every request not yet taken by pop_output
+        self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by the id the user holds
         self._ids = itertools.count()
 
     def _eos_token_id(self) -> int | None:
@@ -90,19 +92,35 @@ class LLMEngine:
             validate_structured_outputs(params.structured_outputs)
         bad_words = self._check_logits_options(params)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
-        if rid in self._requests:
-            raise ValueError(f"request_id: {rid!r} is already in use")
-        request = Request(rid, token_ids, params, self.eos_token_id, priority, cache_salt, arrival_time,
-                          kv_transfer_params)
-        request.bad_words_token_ids = bad_words
-        self._requests[rid] = request
-        self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, request)
-        self.scheduler.add_request(request)
+        if params.n == 1:
+            ids, children = [rid], [params]
+        else:
+            if kv_transfer_params is not None:
+                raise ValueError("n: parallel sampling (n > 1) is not supported with kv_transfer_params")
+            parent = ParentRequest(rid, params)
+            ids, children = parent.child_ids, [parent.child_params(i) for i in range(params.n)]
+        taken = [i for i in [rid, *ids] if i in self._requests or i in self._parents]
+        if taken:
+            raise ValueError(f"request_id: {taken[0]!r} is already in use")
+        if params.n > 1:
+            self._parents[rid] = parent
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids[:200])
-        self.events.emit(RequestAdded, request_id=rid, num_prompt_tokens=len(token_ids),
-                         max_tokens=params.max_tokens, priority=priority, arrival_ns=time.time_ns(),
-                         prompt=text[:200])
+        for child_id, child_params in zip(ids, children):
+            request = Request(child_id, token_ids, child_params, self.eos_token_id, priority, cache_salt,
+                              arrival_time, kv_transfer_params)
+            request.bad_words_token_ids = bad_words
+            self._requests[child_id] = request
+            self._detokenizers[child_id] = IncrementalDetokenizer(self.tokenizer, request)
+            self.scheduler.add_request(request)
+            self.events.emit(RequestAdded, request_id=child_id, num_prompt_tokens=len(token_ids),
+                             max_tokens=params.max_tokens, priority=priority, arrival_ns=time.time_ns(),
+                             prompt=text[:200])
         return rid
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """The ids the scheduler and the events use for `request_id`: its children's with n > 1, else itself."""
+        parent = self._parents.get(request_id)
+        return [request_id] if parent is None else list(parent.child_ids)
 
     def _check_logits_options(self, params: SamplingParams) -> list[list[int]]:
         """Token ids of the logits options within the vocabulary; `bad_words` tokenized (returned)."""
@@ -147,10 +165,12 @@ class LLMEngine:
                              f"but the cache has only {usable} (num_kv_blocks/kv_cache_memory)")
 
     def abort(self, request_id: str) -> None:
-        """Finish a request in whatever state it is, freeing its blocks. Unknown or finished ids are ignored."""
-        request = self.scheduler.requests.get(request_id)
-        if request is not None:
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        """Finish a request (every child of one with n > 1) in whatever state it is, freeing its blocks. Unknown or
+        finished ids are ignored."""
+        for rid in self.child_ids(request_id):
+            request = self.scheduler.requests.get(rid)
+            if request is not None:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -188,13 +208,16 @@ class LLMEngine:
         bad = next((rid for rid in ids if not isinstance(rid, str)), None)
         if bad is not None:
             raise TypeError(f"request_ids: ids are str, got {type(bad).__name__} ({bad!r})")
-        unknown = [rid for rid in ids if rid not in self._requests]
+        unknown = [rid for rid in ids if rid not in self._requests and rid not in self._parents]
         if unknown:
             raise ValueError(f"request_ids: {unknown} not held by this engine (never added, or taken by pop_output)")
-        return [self._requests[rid] for rid in ids]
+        return [self._requests[child] for rid in ids for child in self.child_ids(rid)]
 
     def get_output(self, request_id: str) -> RequestOutput:
-        """The request's output so far (finished or not)."""
+        """The request's output so far (finished or not); with n > 1, every child's completion in `outputs`."""
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            return parent.make_output([self.get_output(child) for child in parent.child_ids])
         request = self._requests[request_id]
         out = make_output(request, self._detokenizers[request_id].text)
         out.kv_transfer_params = request.kv_transfer_params_out
@@ -205,7 +228,9 @@ class LLMEngine:
         out = self.get_output(request_id)
         if not out.finished:
             raise ValueError(f"request_id: {request_id!r} has not finished")
-        del self._requests[request_id], self._detokenizers[request_id]
+        for rid in self.child_ids(request_id):
+            del self._requests[rid], self._detokenizers[rid]
+        self._parents.pop(request_id, None)
         return out
 
     def subscribe(self, callback: Subscriber) -> Subscriber:
@@ -242,6 +267,9 @@ class LLMEngine:
         naming `request_id`."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id: expected str, got {type(request_id).__name__}")
+        if request_id in self._parents:
+            raise ValueError(f"request_id: {request_id!r} samples n={len(self.child_ids(request_id))} sequences, "
+                             f"each with its own block table: ask for one of {self.child_ids(request_id)}")
         if request_id not in self._requests:
             raise ValueError(f"request_id: {request_id!r} not held by this engine "
                              "(never added, or taken by pop_output)")

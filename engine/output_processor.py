@@ -1,7 +1,7 @@
 """Incremental detokenization, stop strings, and RequestOutputs: the engine's text side."""
 from __future__ import annotations
 
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 
 
@@ -59,5 +59,7 @@ def make_output(request: Request, text: str) -> RequestOutput:
         error=request.error,
         logprobs=request.logprobs,
         prompt_logprobs=request.prompt_logprobs,
+        outputs=[CompletionOutput(0, text, list(request.output_token_ids), request.status.finish_reason,
+                                  request.stop_reason, request.logprobs)],
         metrics=request.metrics,
     )

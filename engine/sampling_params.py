@@ -57,6 +57,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-n (the first token has none)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    n: int = 1  # sequences to sample from the prompt (parallel sampling; they share the prompt's KV blocks)
     # Logits options, vLLM's names and ranges (applied by engine/sample/logits_processors.py).
     presence_penalty: float = 0.0  # [-2, 2]: minus p for each token already in the output
     frequency_penalty: float = 0.0  # [-2, 2]: minus f times each token's count in the output
@@ -66,6 +67,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be generated
 
     def __post_init__(self) -> None:
+        _check_type("n", self.n, int)
+        if self.n < 1:
+            raise ValueError(f"n: must be >= 1, got {self.n}")
         _check_type("temperature", self.temperature, (int, float))
         _check_type("top_p", self.top_p, (int, float))
         _check_type("top_k", self.top_k, int)

@@ -51,15 +51,19 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        pending = set(ids)
+        # a request with n > 1 is done when all its children are
+        unfinished = {rid: set(self.engine.child_ids(rid)) for rid in ids}
         # disable=None: a bar on an interactive terminal (and in a notebook, where tqdm.auto draws a widget), none
         # when stderr is piped or redirected; use_tqdm=False turns it off everywhere.
         with tqdm(total=len(ids), desc="generate", disable=None if use_tqdm else True, unit="req") as bar:
-            while pending:
+            while unfinished:
                 record = self.engine.step()
-                done = {e.request_id for e in record.of_kind("request.finished")} & pending
-                pending -= done
-                bar.update(len(done))
+                finished = {e.request_id for e in record.of_kind("request.finished")}
+                for rid in list(unfinished):
+                    unfinished[rid] -= finished
+                    if not unfinished[rid]:
+                        del unfinished[rid]
+                        bar.update(1)
         return [self.engine.pop_output(rid) for rid in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,

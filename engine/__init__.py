@@ -24,5 +24,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "LLM", "LLMEngine", "AsyncLLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-    "CompletionOutput", "RequestStatus", "StepRecord", "KVUsage", "Event", "EngineSnapshot", "PDCluster", "resolve_model",
+    "CompletionOutput", "RequestStatus", "StepRecord", "KVUsage", "Event", "EngineSnapshot", "PDCluster",
+    "resolve_model",
 ]

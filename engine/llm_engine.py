@@ -2,26 +2,24 @@
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any, Iterable, Sequence
 
+from engine.clock import Clock, SimulatedClock
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_hex
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.phases import PhaseTracker
 from engine.core.sched.scheduler import Scheduler
+from engine.executor.abstract import Executor
 from engine.events import (BlockSnapshot, EngineSnapshot, EventLog, RequestAdded, RequestSnapshot, RequestTokens,
                            StepRecord, StepTiming, Subscriber)
-from engine.model.loader import resolve_model
-from engine.model.runner import ModelRunner
 from engine.output_processor import IncrementalDetokenizer, make_output
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import ParentRequest
 from engine.request import Request, RequestStatus
 from engine.sample.logits_processors import bad_words_token_ids, check_token_ids, uses_logits_options
 from engine.sampling_params import SamplingParams
-from engine.structured_output.backend_xgrammar import validate_structured_outputs
-from engine.structured_output.manager import StructuredOutputManager
+from engine.structured_output.manager import StructuredOutputManager, xgrammar_backend
 
 
 class LLMEngine:
@@ -34,28 +32,30 @@ class LLMEngine:
         elif kwargs:
             raise TypeError("LLMEngine: pass either an EngineConfig or keyword arguments, not both")
         self.config = config
-        self.model_path = resolve_model(config.model, config.revision)
         self.events = EventLog()
         self.events.begin(1)  # adds and aborts between steps belong to the step that follows them
-        self.runner = ModelRunner(config, self.model_path, self.events)
-        shape = self.runner.model.shape
+        # every stamp below (records, arrivals, request metrics) reads this clock: simulated time when simulated
+        self.clock = SimulatedClock() if config.executor == "simulated" else Clock()
+        self.executor = Executor.get_class(config)(config, self.events, self.clock)
+        self.model_path = self.executor.model_path  # None for a simulated model without a folder
+        self.runner = self.executor.runner  # the in-process ModelRunner (None when simulated)
+        shape = self.executor.model_shape
         config.set_max_model_len(shape.max_position_embeddings or 2048)  # sliding windows are applied in attention
-        from transformers import AutoTokenizer  # heavy: import only when an engine is built
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = self.executor.load_tokenizer()
         self.eos_token_id = self._eos_token_id()
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
             config.prefix_caching_hash_algo, self.events,
         )
-        self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, self.events)
+        self.structured = StructuredOutputManager(self.tokenizer, self.executor.vocab_size, self.events)
         self.connector = None
         if config.kv_transfer is not None:
             from engine.kv_transfer.factory import create_connector
 
             self.connector = create_connector(config, shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                               self.events)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.events, self.structured, self.connector)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.events, self.structured, self.connector,
+                                   clock=self.clock)
         self.phase_tracker = PhaseTracker(self.events)  # names what each scheduled request does, for the StepRecord
         self.step_count = 0
         self._subscribers: list[Subscriber] = []
@@ -65,7 +65,7 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def _eos_token_id(self) -> int | None:
-        eos = getattr(self.runner.hf_config, "eos_token_id", None)
+        eos = self.executor.eos_token_id
         if isinstance(eos, list):
             eos = eos[0] if eos else None
         return eos if eos is not None else self.tokenizer.eos_token_id
@@ -87,9 +87,12 @@ class LLMEngine:
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
             raise TypeError(f"kv_transfer_params: expected dict or None, got {type(kv_transfer_params).__name__}")
         token_ids = self._tokenize(prompt)
+        self.executor.validate_request(params)
+        if arrival_time is None:  # on the engine's clock (simulated time when simulated)
+            arrival_time = self.clock.monotonic()
         self._validate_length(token_ids, params)
         if params.structured_outputs is not None:  # a bad grammar is refused here; the compile stays asynchronous
-            validate_structured_outputs(params.structured_outputs)
+            xgrammar_backend().validate_structured_outputs(params.structured_outputs)
         bad_words = self._check_logits_options(params)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if params.n == 1:
@@ -113,7 +116,7 @@ class LLMEngine:
             self._detokenizers[child_id] = IncrementalDetokenizer(self.tokenizer, request)
             self.scheduler.add_request(request)
             self.events.emit(RequestAdded, request_id=child_id, num_prompt_tokens=len(token_ids),
-                             max_tokens=params.max_tokens, priority=priority, arrival_ns=time.time_ns(),
+                             max_tokens=params.max_tokens, priority=priority, arrival_ns=self.clock.time_ns(),
                              prompt=text[:200])
         return rid
 
@@ -130,8 +133,8 @@ class LLMEngine:
             # drafts are verified against the plain distribution: the options would be ignored there
             raise ValueError("penalties, logit_bias, bad_words and allowed_token_ids: not supported with "
                              "speculative_config yet")
-        check_token_ids(params, self.runner.vocab_size)
-        return bad_words_token_ids(params.bad_words or [], self.tokenizer, self.runner.vocab_size)
+        check_token_ids(params, self.executor.vocab_size)
+        return bad_words_token_ids(params.bad_words or [], self.tokenizer, self.executor.vocab_size)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -141,7 +144,7 @@ class LLMEngine:
             bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)), None)
             if bad is not None:
                 raise TypeError(f"prompt: token ids must be int, got {type(bad).__name__} ({bad!r})")
-            vocab = self.runner.vocab_size
+            vocab = self.executor.vocab_size
             out = next((t for t in token_ids if not 0 <= t < vocab), None)
             if out is not None:
                 raise ValueError(f"prompt: token id {out} is outside the vocabulary [0, {vocab})")
@@ -246,19 +249,19 @@ class LLMEngine:
     def vocab_size(self) -> int:
         """Rows of the model's output layer: token ids are 0 .. vocab_size - 1, and a guided request's bitmask has
         one bit per id (it may exceed len(tokenizer): padded embeddings)."""
-        return self.runner.vocab_size
+        return self.executor.vocab_size
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes of KV one block holds across all layers: 2 (K and V) x block_size x KV heads x head size x bytes
         per element, per layer, x layers."""
-        return self.runner.bytes_per_block
+        return self.executor.bytes_per_block
 
     @property
     def num_kv_blocks(self) -> int:
         """Blocks in the KV cache, block 0 (the null block, never allocated) included: the config's
         `num_kv_blocks`, or as many as `kv_cache_memory` holds. Usable blocks: num_kv_blocks - 1."""
-        return self.runner.num_blocks
+        return self.executor.num_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A request's block table now: the ids of the physical blocks holding its KV, in token order (entry i
@@ -278,14 +281,14 @@ class LLMEngine:
     @property
     def spec_stats(self):
         """Speculative decoding statistics (SpecDecodingStats), or None without speculation."""
-        return None if self.runner.spec is None else self.runner.spec.stats
+        return self.executor.spec_stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def snapshot(self) -> EngineSnapshot:
         """The state a view attached now starts from (the next StepRecord follows on from it)."""
-        wall_minus_mono = time.time_ns() - time.monotonic_ns()
+        wall_minus_mono = self.clock.time_ns() - round(self.clock.monotonic() * 1e9)
         requests = [self._request_snapshot(r, wall_minus_mono) for r in self._requests.values()]
         blocks = [BlockSnapshot(b.block_id, hash_hex(b.block_hash), hash_hex(b.parent_hash))
                   for b in self.kv_cache_manager.block_pool.blocks
@@ -306,8 +309,8 @@ class LLMEngine:
     def step(self) -> StepRecord:
         """Schedule, run the model, sample, update; return what happened as a StepRecord."""
         self.step_count += 1
-        start_ns = time.time_ns()
-        t0 = time.perf_counter()
+        start_ns = self.clock.time_ns()
+        t0 = self.clock.perf_counter()
         if self.scheduler.nothing_runnable():
             self._wait_outside()
         if self.connector is not None:
@@ -319,23 +322,23 @@ class LLMEngine:
         phases = self.phase_tracker.label(sched_out)
         bitmask = self.structured.grammar_bitmask(
             [(s.request_id, s.spec_token_ids) for s in sched_out.scheduled if s.samples])
-        t1 = time.perf_counter()
-        runner_out = self.runner.execute_model(sched_out, *bitmask)
+        t1 = self.clock.perf_counter()
+        runner_out = self.executor.execute_model(sched_out, *bitmask)
         for rid, entries in runner_out.prompt_logprobs.items():
             self._requests[rid].prompt_logprobs.extend(entries)
         if self.connector is not None:
             self._save_kv()
-        t2 = time.perf_counter()
+        t2 = self.clock.perf_counter()
         appended = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids,
                                                      runner_out.spec_token_ids)
         self._process_outputs(appended, runner_out.logprobs)
-        t3 = time.perf_counter()
+        t3 = self.clock.perf_counter()
         timing = {"schedule": (t1 - t0) * 1e3, "forward": runner_out.forward_ms, "sample": runner_out.sample_ms,
                   "update": (t3 - t2) * 1e3, "total": (t3 - t0) * 1e3}
         self.events.emit(StepTiming, schedule_ms=timing["schedule"], forward_ms=timing["forward"],
                          sample_ms=timing["sample"], total_ms=timing["total"])
         record = StepRecord(
-            step=self.step_count, start_ns=start_ns, end_ns=time.time_ns(),
+            step=self.step_count, start_ns=start_ns, end_ns=self.clock.time_ns(),
             scheduled=sched_out.num_scheduled_tokens, phases=phases,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
             kv=self.kv_cache_manager.usage(), timing=timing, events=self.events.drain(),

@@ -7,9 +7,14 @@ import re
 
 import numpy as np
 import torch
-import xgrammar as xgr
-from jsonschema import SchemaError
-from jsonschema.validators import Draft202012Validator, validator_for
+
+try:
+    import xgrammar as xgr
+    from jsonschema import SchemaError
+    from jsonschema.validators import Draft202012Validator, validator_for
+except ImportError as exc:  # imported at the first guided request only (manager.xgrammar_backend)
+    raise ImportError(f"structured_outputs: guided decoding needs xgrammar and jsonschema ({exc}); install them "
+                      "with `pip install xgrammar==0.2.9 jsonschema`") from exc
 
 from engine.sampling_params import StructuredOutputsParams
 

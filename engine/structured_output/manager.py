@@ -4,12 +4,24 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.events import EventLog, GrammarCompiled, GrammarStep
 from engine.request import Request, RequestStatus
-from engine.structured_output.backend_xgrammar import Grammar, XgrammarBackend, apply_bitmask, grammar_key
+
+if TYPE_CHECKING:
+    from engine.structured_output.backend_xgrammar import Grammar, XgrammarBackend
+
+
+def xgrammar_backend() -> ModuleType:
+    """The xgrammar backend, imported at the first guided request: xgrammar and jsonschema are needed for guided
+    decoding only, so an install without them (the GPU image has neither) runs everything else."""
+    from engine.structured_output import backend_xgrammar
+
+    return backend_xgrammar
 
 
 @dataclass
@@ -41,12 +53,12 @@ class StructuredOutputManager:
     @property
     def backend(self) -> XgrammarBackend:
         if self._backend is None:
-            self._backend = XgrammarBackend(self.tokenizer, self.vocab_size)
+            self._backend = xgrammar_backend().XgrammarBackend(self.tokenizer, self.vocab_size)
         return self._backend
 
     def add_request(self, request: Request) -> None:
         """Start compiling the request's grammar (or reuse the cached one); the request waits for it."""
-        key = grammar_key(request.sampling_params.structured_outputs)
+        key = xgrammar_backend().grammar_key(request.sampling_params.structured_outputs)
         cached = key in self._cache
         if not cached:
             backend = self.backend
@@ -62,7 +74,7 @@ class StructuredOutputManager:
         if not so.future.done():
             return False
         try:
-            so.grammar = Grammar(so.future.result())
+            so.grammar = xgrammar_backend().Grammar(so.future.result())
         except Exception as exc:  # the compiler's message is the user's answer
             so.error = f"grammar: {type(exc).__name__}: {exc}"
             self._cache.pop(so.key, None)

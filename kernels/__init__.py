@@ -99,6 +99,17 @@ def paged_attention(
     )
 
 
+def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            dtype: torch.dtype) -> int:
+    """Compile now what paged attention will compile while requests run (on CUDA: one Triton variant per split
+    count); returns how many variants ran, 0 where nothing is compiled (the CPU ops are built ahead)."""
+    if k_cache.device.type != "cuda":
+        return 0
+    from kernels.triton.attention import warm_up
+
+    return warm_up(num_heads, k_cache, v_cache, dtype)
+
+
 def rejection_sample(
     draft_token_ids: torch.Tensor,
     cu_num_draft_tokens: torch.Tensor,
@@ -129,4 +140,5 @@ __all__ = [
     "rotary",
     "silu_and_mul",
     "store_kvcache",
+    "warm_up_paged_attention",
 ]

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import kernels
 from engine.config import EngineConfig
 from engine.core.sched.output import SchedulerOutput
 from engine.events import EventLog, MoERouted
@@ -72,6 +73,9 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // self.bytes_per_block)
         self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, config.torch_dtype,
                                             self.device)
+        # compiled now rather than at the step where a growing context first changes the split choice
+        self.attention_variants_warmed = kernels.warm_up_paged_attention(shape.num_heads, *self.kv_caches[0],
+                                                                         config.compute_dtype)
         max_blocks_per_req = -(-(shape.max_position_embeddings or self.num_blocks * self.block_size)
                                  // self.block_size)
         self.block_table = BlockTable(self.block_size, config.max_num_seqs, min(self.num_blocks, max_blocks_per_req))

@@ -253,6 +253,20 @@ def paged_attention(
     return unified_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, num_splits)
 
 
+def warm_up(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> int:
+    """Compile, before any request, the variant for each split count ``paged_attention`` can choose, with the
+    index dtypes the runner passes (int32 tables, lengths and query starts): a serving loop then never stalls on a
+    compile when a growing context changes the split choice. Reads block 0 only; returns the variants launched."""
+    device, head_dim = k_cache.device, k_cache.shape[-1]
+    q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(2, dtype=torch.int32, device=device)
+    for num_splits in KV_SPLIT_COUNTS:
+        unified_attention(q, k_cache, v_cache, tables, seq_lens, query_start_loc, 1.0, num_splits)
+    return len(KV_SPLIT_COUNTS)
+
+
 def unified_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

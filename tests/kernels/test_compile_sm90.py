@@ -24,6 +24,7 @@ KERNELS = {"_unified_attention_kernel", "_reduce_splits_kernel", "_store_kvcache
            "_recovered_tokens_kernel", "_rejection_sample_kernel"}
 GROWING = "chunked prefill, contexts of every size"
 SPEC = "draft-model speculation"
+WARM_UP = "the runner's warm-up"  # workbench.gpu_check.WARM_UP (that module refuses TRITON_INTERPRET, set here)
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +78,14 @@ def test_a_serving_loop_compiles_one_attention_variant_per_split_count(compiled)
     assert 2 <= len(splits) <= len(KV_SPLIT_COUNTS)  # the loop did split, into few counts
     assert variants["_reduce_splits_kernel"] == len(splits) - 1
     assert variants["_store_kvcache_kernel"] == 1
+
+
+def test_the_runners_warm_up_compiles_every_attention_variant_the_serving_loop_uses(compiled):
+    """What `kernels.warm_up_paged_attention` launches when a runner starts on CUDA covers every attention
+    variant the loop above launched: no request waits on a compile."""
+    def attention(workload: str) -> set[str]:
+        return {d for d in compiled["workloads"][workload]["described"]
+                if d.startswith(("_unified_attention_kernel", "_reduce_splits_kernel"))}
+
+    assert attention(GROWING) <= attention(WARM_UP), sorted(attention(GROWING) - attention(WARM_UP))
+    assert len([d for d in attention(WARM_UP) if d.startswith("_unified")]) == len(KV_SPLIT_COUNTS)

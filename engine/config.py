@@ -119,6 +119,12 @@ class EngineConfig:
     # later features: accepted only when their subsystem exists
     speculative_config: dict | None = None
     kv_transfer_config: dict | None = None
+    # execution (vLLM's names): "uniproc" runs the model in this process; "simulated" runs the scheduler and KV
+    # cache over a cost model of `hardware` (a name of its table or a dict) in simulated time, no weights
+    executor: str = "uniproc"
+    hardware: str | dict | None = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9  # simulated executor: the share of device memory for weights, activations, KV
 
     def __post_init__(self) -> None:
         ints = ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
@@ -136,6 +142,7 @@ class EngineConfig:
                 raise TypeError(f"{name}: expected bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.model, str):
             self.model = str(self.model)  # a pathlib.Path is welcome
+        self._check_executor()
         if self.revision is not None and not isinstance(self.revision, str):
             raise TypeError(f"revision: expected str or None, got {type(self.revision).__name__}")
         self._check_ranges()
@@ -153,6 +160,36 @@ class EngineConfig:
             self.speculative_config)
         self.kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_dict(
             self.kv_transfer_config)
+
+    def _check_executor(self) -> None:
+        """The executor and what only it reads; a simulated engine's dtype defaults to its hardware's."""
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int):
+            raise TypeError(f"tensor_parallel_size: expected int, got {type(self.tensor_parallel_size).__name__}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
+            raise TypeError(f"gpu_memory_utilization: expected float, got {type(self.gpu_memory_utilization).__name__}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.executor not in ("uniproc", "simulated"):
+            raise ValueError(f"executor: must be 'uniproc' or 'simulated', got {self.executor!r}")
+        if self.executor != "simulated":
+            if self.hardware is not None:
+                raise ValueError("hardware: only the simulated executor reads it (executor='simulated')")
+            if self.tensor_parallel_size != 1:
+                raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} needs executor='simulated' "
+                                 "(no multi-process executor yet)")
+            return
+        from engine.executor.sim.hardware import get_hardware, hardware_table
+
+        if self.hardware is None:
+            raise ValueError(f"hardware: the simulated executor needs one of {', '.join(hardware_table())} or a dict")
+        hardware = get_hardware(self.hardware)  # refuses an unknown name or a bad dict here
+        for name in ("speculative_config", "kv_transfer_config"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not supported by the simulated executor yet")
+        self.device = self.device or "cpu"  # no tensor is made: the hardware is simulated
+        self.dtype = self.dtype or hardware.default_dtype
 
     def _check_ranges(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

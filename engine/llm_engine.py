@@ -10,9 +10,9 @@ from engine.core.block_hash import hash_hex
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.phases import PhaseTracker
 from engine.core.sched.scheduler import Scheduler
-from engine.executor.abstract import Executor
 from engine.events import (BlockSnapshot, EngineSnapshot, EventLog, RequestAdded, RequestSnapshot, RequestTokens,
                            StepRecord, StepTiming, Subscriber)
+from engine.executor import get_executor_class
 from engine.output_processor import IncrementalDetokenizer, make_output
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import ParentRequest
@@ -36,7 +36,7 @@ class LLMEngine:
         self.events.begin(1)  # adds and aborts between steps belong to the step that follows them
         # every stamp below (records, arrivals, request metrics) reads this clock: simulated time when simulated
         self.clock = SimulatedClock() if config.executor == "simulated" else Clock()
-        self.executor = Executor.get_class(config)(config, self.events, self.clock)
+        self.executor = get_executor_class(config)(config, self.events, self.clock)
         self.model_path = self.executor.model_path  # None for a simulated model without a folder
         self.runner = self.executor.runner  # the in-process ModelRunner (None when simulated)
         shape = self.executor.model_shape

@@ -59,6 +59,28 @@ def add_common_args(parser: argparse.ArgumentParser, runs: bool = True, budget: 
     add_docs_args(parser)
 
 
+def add_executor_args(parser: argparse.ArgumentParser) -> None:
+    """--executor, --hardware, --tensor-parallel-size, --gpu-memory-utilization: the simulated executor's settings
+    (vLLM's names), passed to the engine through engine_kwargs when given."""
+    parser.add_argument("--executor", choices=("uniproc", "simulated"), default=None,
+                        help="uniproc (default): the model in this process; simulated: the scheduler and KV cache "
+                        "over a cost model, in simulated time")
+    parser.add_argument("--hardware", default=None,
+                        help="simulated executor: h100-sxm, h200, a100-80gb, l4 or cpu")
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=positive_float, default=None)
+
+
+EXECUTOR_FLAGS = ("executor", "hardware", "tensor_parallel_size", "gpu_memory_utilization")
+
+
+def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig settings the shared flags gave: --num-kv-blocks and the executor's flags, where set."""
+    kwargs = {"num_kv_blocks": args.num_kv_blocks}
+    kwargs.update({name: getattr(args, name, None) for name in EXECUTOR_FLAGS})
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
 def add_positive_ints(parser: argparse.ArgumentParser, **defaults: int) -> None:
     """A `--name` flag (underscores as dashes) of a positive int for each keyword, with its default and no help."""
     for name, default in defaults.items():
@@ -71,9 +93,10 @@ def _log(line: str) -> None:
 
 def run_with_flags(run: Callable[..., dict[str, Any]], args: argparse.Namespace, **renamed: Any) -> dict[str, Any]:
     """`run(...)` with the command line's settings: each flag whose name is one of its parameters (--model, --seed,
-    --runs, --num-requests ...), --num-kv-blocks as engine_kwargs, progress lines to stderr, and `renamed`: the
-    values of flags spelled, or typed, otherwise than its parameters (they win over a flag of the same name)."""
+    --runs, --num-requests ...), --num-kv-blocks and the executor's flags as engine_kwargs, progress lines to
+    stderr, and `renamed`: the values of flags spelled, or typed, otherwise than its parameters (they win over a
+    flag of the same name)."""
     params = inspect.signature(run).parameters
     kwargs = {name: value for name, value in vars(args).items() if name in params}
-    kwargs["engine_kwargs"] = {} if args.num_kv_blocks is None else {"num_kv_blocks": args.num_kv_blocks}
+    kwargs["engine_kwargs"] = engine_kwargs_from(args)
     return run(**{**kwargs, "log": _log, **renamed})

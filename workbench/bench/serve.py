@@ -31,7 +31,7 @@ import torch
 
 from engine import LLM, RequestOutput, SamplingParams, StepRecord, StructuredOutputsParams
 from engine.model import resolve_model
-from workbench.bench.args import add_common_args, positive_float, positive_int, run_with_flags
+from workbench.bench.args import add_common_args, add_executor_args, positive_float, positive_int, run_with_flags
 from workbench.bench.datasets import DATASET_DEFAULTS, DATASETS, BenchRequest, sample_dataset
 from workbench.bench.report import Part, Table, bold, described, formatters, machine_info, percentile
 from workbench.bench.throughput import HFBaseline, cold_start
@@ -135,32 +135,33 @@ def run_serve_once(llm: LLM, requests: Sequence[BenchRequest], arrivals: Sequenc
         raise ValueError("arrivals: expected one non-decreasing time per request")
     cold_start(llm)
     eng = llm.engine
+    clock = eng.clock  # simulated time for a simulated engine: arrivals and idle waits are on its clock
     params = [request_params(r, temperature) for r in requests]
     recorder = eng.subscribe(TokenTimes())
-    start = time.monotonic()
+    start = clock.monotonic()
     adm = _Admission(deque(range(len(requests))), max_concurrency, slot_freed=start)
     ids: dict[int, str] = {}
     try:
         with tqdm(total=len(requests), desc="serve", unit="req", disable=not progress) as bar:
             while adm.pending or adm.in_flight:
-                now = time.monotonic()
+                now = clock.monotonic()
                 while adm.pending and start + arrivals[adm.pending[0]] <= now and not adm.full:
                     i = adm.pending.popleft()
                     arrival = max(start + arrivals[i], adm.slot_freed)
                     ids[i] = eng.add_request(requests[i].prompt_token_ids, params[i], arrival_time=arrival)
                     adm.in_flight += 1
                 if not adm.in_flight:  # idle until the next arrival
-                    time.sleep(max(0.0, start + arrivals[adm.pending[0]] - time.monotonic()))
+                    clock.sleep_until(start + arrivals[adm.pending[0]])
                     continue
                 was_full = adm.full
                 done = len(eng.step().of_kind("request.finished"))
                 adm.in_flight -= done
                 bar.update(done)
                 if was_full and done:
-                    adm.slot_freed = time.monotonic()
+                    adm.slot_freed = clock.monotonic()
     finally:
         eng.unsubscribe(recorder)
-    duration = time.monotonic() - start
+    duration = clock.monotonic() - start
     return [_engine_result(eng.pop_output(ids[i]), recorder.times[ids[i]]) for i in range(len(requests))], duration
 
 
@@ -423,6 +424,7 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser, runs=False)
+    add_executor_args(parser)
     parser.add_argument("--dataset-name", choices=DATASETS, default="random")
     parser.add_argument("--num-prompts", type=positive_int, default=64)
     parser.add_argument("--request-rate", type=positive_float, default=float("inf"), help="req/s; inf: all at once")
@@ -525,9 +527,18 @@ def _workload_values(result: dict[str, Any]) -> dict[str, str]:
             "args": f" ({given})" if given else "", "slo": f", goodput SLOs {slos}" if slos else "",
             "cap": f", max concurrency {s['max_concurrency']}" if s["max_concurrency"] else "",
             "baseline_note": _BASELINE_NOTE if result["baseline"] else "",
-            "where": ("Requests go over HTTP to the server, which steps while they arrive" if s.get("base_url")
-                      else "Requests arrive in-process while the engine steps"),
+            "where": _where(s),
             "via": f"; over HTTP, streamed, to {s['base_url']} (times at the client)" if s.get("base_url") else ""}
+
+
+def _where(s: dict[str, Any]) -> str:
+    if s.get("base_url"):
+        return "Requests go over HTTP to the server, which steps while they arrive"
+    kw = s.get("engine_kwargs") or {}
+    if kw.get("executor") == "simulated":
+        return (f"Simulated: the engine's scheduler and KV cache over the cost model of {kw.get('hardware')} "
+                f"(tensor_parallel_size={kw.get('tensor_parallel_size', 1)}), every time on the simulated clock")
+    return "Requests arrive in-process while the engine steps"
 
 
 def ratio_line(result: dict[str, Any]) -> str:

@@ -9,10 +9,10 @@ The scheduler decides only: naming what each request does in a step is phases.py
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.clock import Clock
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.output import ScheduledRequest, SchedulerOutput
@@ -62,8 +62,9 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, events: EventLog,
                  structured: StructuredOutputManager | None = None,
-                 connector: KVConnectorBase | None = None) -> None:
+                 connector: KVConnectorBase | None = None, clock: Clock | None = None) -> None:
         self.config = config
+        self.clock = Clock() if clock is None else clock  # request metrics on the engine's (maybe simulated) clock
         self.connector = connector
         self.structured = structured
         self.kv = kv_cache_manager
@@ -278,7 +279,7 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = a.num_hit + a.num_external
         if request.metrics.first_scheduled_time is None:
-            request.metrics.first_scheduled_time = time.monotonic()
+            request.metrics.first_scheduled_time = self.clock.monotonic()
         scheduled.append(self._scheduled(request, a.num_new, num_computed))
         return a.num_new
 
@@ -344,7 +345,7 @@ class Scheduler:
         free what finished, and hand the next drafts to the requests that go on.
         Returns the tokens each request actually took (up to its stop), by request id."""
         appended: dict[str, list[int]] = {}
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for s in output.scheduled:
             request = s.request
             tokens = sampled.get(request.request_id)
@@ -410,7 +411,7 @@ class Scheduler:
             self.waiting.remove_request(request)
         request.status = status
         request.error = error
-        request.metrics.finished_time = time.monotonic()
+        request.metrics.finished_time = self.clock.monotonic()
         delay_free = False
         if self.connector is not None:
             delay_free, request.kv_transfer_params_out = self.connector.request_finished(

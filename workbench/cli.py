@@ -3,8 +3,10 @@ measure the engine; each prints a table and, with --write-docs, rewrites its own
 `workbench bench gains` tabulates the gains their kept results show; `workbench bench all` runs every CPU benchmark.
 `workbench run` runs prompts headless and records a step trace; `workbench export` turns step traces into a Chrome
 trace for Perfetto.
+`workbench tune` searches the engine's knobs for the most goodput under latency SLOs;
 `workbench serve` serves the live dashboard; `workbench replay` serves the dashboards over a trace;
-`workbench pd` runs prompts through prefill and decode engine processes that move KV through a connector."""
+`workbench pd` runs prompts through prefill and decode engine processes that move KV through a connector;
+`workbench train-draft` self-distils an EAGLE or Medusa head for a target model."""
 from __future__ import annotations
 
 import argparse
@@ -158,14 +160,35 @@ def run_all(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_BenchParser)
     _add_bench(commands)
+    # `workbench tune`: the benchmark module workbench/bench/tune.py (also `workbench bench tune`), flags on first use
+    commands.add_parser("tune", help="search the engine's knobs for the most goodput under latency SLOs",
+                        module="workbench.bench.tune").set_defaults(bench="tune")
     _add_run(commands)
     _add_export(commands)
     _add_serve(commands)
     _add_replay(commands)
     _add_pd(commands)
+    _add_train_draft(commands)
     return parser
+
+
+def _add_train_draft(commands: Any) -> None:
+    # the flags live here: workbench/train_draft.py imports torch, which the CLI does not until a command runs
+    p = commands.add_parser("train-draft", help="self-distil an EAGLE or Medusa draft head for a target, on a CPU")
+    p.add_argument("--method", required=True, choices=("eagle", "medusa"))
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the target (default: %(default)s)")
+    p.add_argument("--out", help="the head folder to write (default: the cache's draft_heads/MODEL/METHOD)")
+    for flag, kind, default, what in (
+            ("--num-prompts", positive_int, None, "the first N bundled prompts (default: all)"),
+            ("--max-tokens", positive_int, 128, "answer length"), ("--epochs", positive_int, 4, "epochs"),
+            ("--batch-size", positive_int, 8, "sequences per step"), ("--lr", float, 2e-3, "peak learning rate"),
+            ("--seed", int, 0, "seed of the answers and the training"),
+            ("--draft-vocab-size", positive_int, 4096, "tokens the head may draft"),
+            ("--intermediate-size", positive_int, 768, "EAGLE's MLP width"),
+            ("--num-heads", positive_int, 4, "Medusa's heads")):
+        p.add_argument(flag, type=kind, default=default, help=f"{what} (default: %(default)s)")
 
 
 def _add_run(commands: Any) -> None:
@@ -342,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_all(args)
             else:
                 run_bench(args, "workbench " + shlex.join(argv))
+        elif args.command == "tune":
+            run_bench(args, "workbench " + shlex.join(argv))
         elif args.command == "run":
             run_prompts(args)
         elif args.command == "export":
@@ -354,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
             from workbench.bench.pd import run_pd_command
 
             run_pd_command(args)
+        elif args.command == "train-draft":
+            from workbench.train_draft import main as train_draft
+
+            train_draft(args, "workbench " + shlex.join(argv))
     except (ValueError, OSError) as exc:  # bad settings, named by the engine or the workload generator; bad paths
         print(f"workbench: error: {exc}", file=sys.stderr)
         return 2

@@ -65,12 +65,29 @@ def test_throughput_result_has_the_expected_keys():
     from workbench.bench.throughput import run_throughput
 
     result = run_throughput(num_requests=3, input_len_range=(8, 16), output_len_range=(2, 5), runs=1,
-                            baseline=False, log=lambda _: None, **TINY)
+                            baseline=False, cb_baseline=False, log=lambda _: None, **TINY)
     assert set(result) == {"model", "settings", "num_prompt_tokens", "num_output_tokens", "engine", "baseline",
-                           "ratio"}
+                           "ratio", "baseline_cb", "ratio_cb", "floor", "load_average"}
     assert set(result["engine"]) == {"elapsed_s", "output_tok_s", "total_tok_s", "runs_s"}
     assert result["baseline"] is None and result["ratio"] is None
+    assert result["baseline_cb"] is None and result["ratio_cb"] is None
     assert 6 <= result["num_output_tokens"] <= 15 and result["engine"]["output_tok_s"] > 0
+    # the floor is a lower bound on time: no side can be faster than it
+    assert 0 < result["floor"]["elapsed_s"] and len(result["load_average"]["before"]) == 3
+
+
+def test_transformers_continuous_batching_baseline_generates_what_was_asked(tiny_model_path):
+    """generate_batch's machinery, kept running: all at once, then at arrival times; every request gets exactly its
+    output length (EOS ignored), its token times are after its arrival and in order."""
+    from workbench.bench.hf_continuous import HFContinuousBaseline
+
+    requests = random_requests(4, (8, 24), (2, 6), TOKENS, seed=1)
+    with HFContinuousBaseline(tiny_model_path, requests, max_batch_tokens=64) as cb:
+        assert cb.run(requests) > 0
+        timelines, duration = cb.serve(requests, [0.0, 0.0, 0.05, 0.1])
+    assert [t.output_len for t in timelines] == [r.output_len for r in requests]
+    assert all(t.times[0] > 0 and t.times == sorted(t.times) for t in timelines)
+    assert duration >= max(t.times[-1] for t in timelines)
 
 
 def test_prefix_bench_hits_with_caching_on_only():

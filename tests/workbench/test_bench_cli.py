@@ -62,7 +62,8 @@ def test_help_of_each_bench_subcommand(name, capsys) -> None:
 
 def test_bench_all_runs_the_cpu_benchmarks_in_their_order() -> None:
     assert cli.ALL_BENCHES == {"throughput": [], "prefix": [], "profile": [],
-                               "serve": ["--request-rate", "1", "--baseline", "--goodput", "ttft:1000", "tpot:100"],
+                               "serve": ["--request-rate", "1", "--baseline", "--cb-baseline", "--goodput", "ttft:1000",
+                                         "tpot:100"],
                                "sweep": [], "guided": [], "roofline": [], "spec": ["--runs", "2"], "pd": []}
     listed = [b.name for b in cli.BENCHMARKS]
     assert listed[:len(cli.ALL_BENCHES)] == list(cli.ALL_BENCHES) and "kernels" in listed[len(cli.ALL_BENCHES):]

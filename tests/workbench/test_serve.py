@@ -148,27 +148,29 @@ def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("serve") / "result.json"
     result = serve.run_serve(num_requests=6, dataset_args={"input_len": 24, "output_len": 5, "range_ratio": 0.5},
                              request_rate=40.0, goodput={"ttft": 60_000}, baseline=True, hf_batch_size=4,
-                             result_file=str(path), log=lambda _: None, **TINY)
+                             cb_baseline=True, result_file=str(path), log=lambda _: None, **TINY)
     return result, json.loads(path.read_text())
 
 
 def test_serve_reports_every_vllm_key_with_ordered_percentiles(served):
     result, _ = served
-    for side in ("engine", "baseline"):
+    for side in ("engine", "baseline", "baseline_cb"):
         m = result[side]
         assert set(VLLM_KEYS) <= set(m)
         assert m["completed"] == 6 and m["failed"] == 0
         for metric in ("ttft", "tpot", "itl", "e2el"):
             assert 0 <= m[f"median_{metric}_ms"] <= m[f"p90_{metric}_ms"] <= m[f"p99_{metric}_ms"]
         assert m["request_goodput"] == pytest.approx(m["request_throughput"])  # a one-minute TTFT SLO: all good
-    assert result["engine"]["total_output_tokens"] == result["baseline"]["total_output_tokens"]
-    assert set(result["ratio"]) == {"output_throughput", "mean_ttft_ms", "mean_e2el_ms"}
+    assert (result["engine"]["total_output_tokens"] == result["baseline"]["total_output_tokens"]
+            == result["baseline_cb"]["total_output_tokens"])
+    assert set(result["ratio"]) == set(result["ratio_cb"]) == {"output_throughput", "mean_ttft_ms", "mean_e2el_ms"}
+    assert "engine / transformers generate_batch: output throughput" in serve.format_text(result)
 
 
 def test_result_file_has_vllm_layout_and_one_gap_per_token_after_the_first(served):
     _, data = served
     assert set(VLLM_KEYS) <= set(data) and data["num_prompts"] == 6 and data["backend"] == "workbench"
-    for per_request in (data, data["baseline"]):
+    for per_request in (data, data["baseline"], data["baseline_cb"]):
         assert len(per_request["ttfts"]) == 6
         # no speculation: every step gives a request one token
         assert [len(gaps) for gaps in per_request["itls"]] == [n - 1 for n in per_request["output_lens"]]

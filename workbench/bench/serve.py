@@ -9,6 +9,10 @@ starts when its last request has arrived and the previous batch is done); a stre
 its TTFT, ITL and latencies are defined the same way. JSON-schema requests run there under xgrammar's own
 transformers logits processor, with the schema compiled as the engine compiles it (no free whitespace).
 
+`--cb-baseline` replays it through transformers' own continuous batching (the machinery of `generate_batch`,
+workbench/bench/hf_continuous.py): each request added at its arrival while the earlier ones run, each token stamped
+by transformers as it is sampled, so TTFT, ITL and latencies are defined the same way again.
+
 `--base-url URL` sends the same seeded arrivals over HTTP instead, streaming, to any OpenAI-compatible server (ours,
 `workbench serve`, or a real vLLM): TTFT, ITL and latency measured at the client as `benchmark_serving` does (ITL
 = gaps between chunks that carried text), output lengths from the server's usage.
@@ -33,12 +37,12 @@ from engine import LLM, RequestOutput, SamplingParams, StepRecord, StructuredOut
 from engine.model import resolve_model
 from workbench.bench.args import add_common_args, add_executor_args, positive_float, positive_int, run_with_flags
 from workbench.bench.datasets import DATASET_DEFAULTS, DATASETS, BenchRequest, sample_dataset
-from workbench.bench.report import Part, Table, bold, described, formatters, machine_info, percentile
-from workbench.bench.throughput import HFBaseline, cold_start
+from workbench.bench.report import Line, Part, Table, bold, described, formatters, machine_info, percentile
+from workbench.bench.throughput import HFBaseline, cold_start, load_line
 
 HELP = "online serving: requests at a rate; TTFT, TPOT, ITL, E2E, goodput (vLLM keys)"
 # `workbench bench all` runs it: (place, flags)
-IN_ALL = (4, ["--request-rate", "1", "--baseline", "--goodput", "ttft:1000", "tpot:100"])
+IN_ALL = (4, ["--request-rate", "1", "--baseline", "--cb-baseline", "--goodput", "ttft:1000", "tpot:100"])
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (90, 99)  # the median is reported as median_*_ms, as vLLM does
@@ -367,16 +371,18 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
               hf_batch_size: int = 8, result_file: str | None = None, seed: int = 0,
               max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
               log: Callable[[str], None] = print, progress: bool = True, base_url: str | None = None,
-              served_model_name: str | None = None) -> dict[str, Any]:
-    """Serve one seeded workload on the engine (and on transformers if `baseline`); returns the settings and
-    vLLM-style metrics per side (plus the engine/transformers ratios); writes them as JSON to `result_file`.
+              served_model_name: str | None = None, cb_baseline: bool = False) -> dict[str, Any]:
+    """Serve one seeded workload on the engine (and on transformers `generate` if `baseline`, on transformers'
+    continuous batching if `cb_baseline`); returns the settings and vLLM-style metrics per side (plus the engine's
+    ratios to each); writes them as JSON to `result_file`.
     With `base_url`, the engine side is the server there, over HTTP (its model named `served_model_name`, default
     `model`); `model` gives the tokenizer of the dataset."""
+    load_before = os.getloadavg()
     engine_kwargs = dict(engine_kwargs or {})
     arrivals = request_arrivals(num_requests, request_rate, burstiness, seed)
     if base_url is not None:
-        if baseline:
-            raise ValueError("--baseline: runs in-process; not with --base-url")
+        if baseline or cb_baseline:
+            raise ValueError("--baseline, --cb-baseline: run in-process; not with --base-url")
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
@@ -404,6 +410,8 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
                      "base_url": base_url},
         "engine": compute_metrics(results, duration, goodput),
         "baseline": None,
+        "baseline_cb": None,
+        "load_average": {"before": list(load_before)},
     }
     files = {"engine": per_request(results)}
     if baseline:
@@ -416,28 +424,57 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
         log(f"transformers: {hf_duration:.2f} s")
         result["baseline"] = compute_metrics(hf_results, hf_duration, goodput)
         files["baseline"] = per_request(hf_results)
+    if cb_baseline:
+        cb_results, cb_duration = run_hf_continuous_serve(model, requests, arrivals, max_num_batched_tokens)
+        log(f"transformers generate_batch: {cb_duration:.2f} s")
+        result["baseline_cb"] = compute_metrics(cb_results, cb_duration, goodput)
+        files["baseline_cb"] = per_request(cb_results)
     result["ratio"] = _ratios(result["engine"], result["baseline"])
+    result["ratio_cb"] = _ratios(result["engine"], result["baseline_cb"])
+    result["load_average"]["after"] = list(os.getloadavg())
     if result_file:
         write_result_file(result_file, result, files)
     return result
 
 
+def run_hf_continuous_serve(model: str, requests: Sequence[BenchRequest], arrivals: Sequence[float],
+                            max_batch_tokens: int) -> tuple[list[RequestResult], float]:
+    """The schedule through transformers' continuous batching (warmed up on two requests first, as the engine is);
+    one result per request, in order, and the duration (s)."""
+    from workbench.bench.hf_continuous import HFContinuousBaseline
+
+    with HFContinuousBaseline(resolve_model(model), requests, max_batch_tokens) as cb:
+        cb.serve(requests[:2], [0.0, 0.0])
+        timelines, duration = cb.serve(requests, arrivals)
+    results = [RequestResult(t.prompt_len, t.output_len, t.times[0], t.times[-1], np.diff(t.times).tolist())
+               if t.times else RequestResult(t.prompt_len, 0, 0.0, 0.0, [], success=False) for t in timelines]
+    return results, duration
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser, runs=False)
     add_executor_args(parser)
-    parser.add_argument("--dataset-name", choices=DATASETS, default="random")
-    parser.add_argument("--num-prompts", type=positive_int, default=64)
-    parser.add_argument("--request-rate", type=positive_float, default=float("inf"), help="req/s; inf: all at once")
-    parser.add_argument("--burstiness", type=positive_float, default=1.0, help="Gamma shape; 1: Poisson (default)")
-    parser.add_argument("--max-concurrency", type=positive_int, default=None)
+    add_workload_args(parser)
     parser.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS", help="SLOs, e.g. ttft:1000 tpot:100")
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
     parser.add_argument("--baseline", action="store_true", help="also serve the schedule with transformers generate")
+    parser.add_argument("--cb-baseline", action="store_true",
+                        help="also serve it with transformers' continuous batching (generate_batch's machinery)")
     parser.add_argument("--hf-batch-size", type=positive_int, default=8, help="transformers static batch size")
     parser.add_argument("--base-url", default=None, help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1) "
                         "to send the requests to over HTTP, instead of the in-process engine")
     parser.add_argument("--served-model-name", default=None, help="the model name that server expects "
                         "(default: --model)")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's flags, vLLM's names: dataset, number of prompts, arrival rate and shape, concurrency cap and
+    each dataset's lengths (`workbench tune` takes the same)."""
+    parser.add_argument("--dataset-name", choices=DATASETS, default="random")
+    parser.add_argument("--num-prompts", type=positive_int, default=64)
+    parser.add_argument("--request-rate", type=positive_float, default=float("inf"), help="req/s; inf: all at once")
+    parser.add_argument("--burstiness", type=positive_float, default=1.0, help="Gamma shape; 1: Poisson (default)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None)
     for flag in ("--random-input-len", "--random-output-len", "--prefix-repetition-prefix-len",
                  "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes",
                  "--prefix-repetition-output-len", "--json-output-len"):
@@ -476,13 +513,16 @@ def _ratios(ours: dict[str, Any], theirs: dict[str, Any] | None) -> dict[str, fl
 
 def write_result_file(path: str | Path, result: dict[str, Any], per_side: dict[str, dict[str, list]]) -> None:
     """vLLM's flat layout for the engine (settings, metrics, per-request lists at the top level); the baseline's
-    metrics and lists under "baseline"."""
+    metrics and lists under "baseline" (transformers' continuous batching's under "baseline_cb")."""
     s = result["settings"]
     flat = {"date": result["date"], "backend": "workbench", "model_id": result["model"],
             "num_prompts": s["num_requests"], **s, **result["engine"], **per_side["engine"]}
     if result["baseline"] is not None:
         flat["baseline"] = {**result["baseline"], **per_side["baseline"]}
         flat["ratio"] = result["ratio"]
+    if result.get("baseline_cb") is not None:
+        flat["baseline_cb"] = {**result["baseline_cb"], **per_side["baseline_cb"]}
+        flat["ratio_cb"] = result["ratio_cb"]
     Path(path).write_text(json.dumps(flat, indent=2) + "\n", encoding="utf-8")
 
 
@@ -491,8 +531,12 @@ _ROWS = (("completed", "completed"), ("duration s", "duration"), ("request throu
          ("total token throughput (tok/s)", "total_token_throughput"))
 
 
+def _sides(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [result["engine"], *(result[k] for k in ("baseline", "baseline_cb") if result.get(k))]
+
+
 def _rows(result: dict[str, Any]) -> list[list[object]]:
-    sides = [result["engine"]] + ([result["baseline"]] if result["baseline"] else [])
+    sides = _sides(result)
     rows = [[label, *(s[key] for s in sides)] for label, key in _ROWS if key in result["engine"]]
     for m in METRICS:
         for stat in ("mean", "median", *(f"p{p}" for p in PERCENTILES)):
@@ -501,9 +545,12 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
 
 
 def _headers(result: dict[str, Any]) -> list[str]:
-    if result["baseline"] is None:
-        return ["metric", "engine"]
-    return ["metric", "engine", f"transformers (static batches of {result['settings']['hf_batch_size']})"]
+    headers = ["metric", "engine"]
+    if result["baseline"] is not None:
+        headers.append(f"transformers (static batches of {result['settings']['hf_batch_size']})")
+    if result.get("baseline_cb") is not None:
+        headers.append("transformers generate_batch (continuous batching)")
+    return headers
 
 
 _WORKLOAD = ("{model}: {num_requests} requests of the {dataset} dataset{args}, arriving at {rate} ({shape}, seed "
@@ -515,6 +562,10 @@ _DOCS = _WORKLOAD + (". {where} (max_num_batched_tokens="
 _BASELINE_NOTE = (" transformers: the same arrivals through `generate` in static batches, arrival order (a batch "
                   "starts when its last request has arrived and the previous one is done), each step timed by a "
                   "streamer.")
+_CB_NOTE = (" transformers generate_batch: the same arrivals through transformers' continuous batching (paged cache, "
+            "its own scheduler), each request added at its arrival, each token stamped by transformers as it is "
+            "sampled; its cache holds the whole workload and its token budget is max_num_batched_tokens. Each side "
+            "served the schedule once, one after the other, in this process.")
 
 
 def _workload_values(result: dict[str, Any]) -> dict[str, str]:
@@ -526,7 +577,8 @@ def _workload_values(result: dict[str, Any]) -> dict[str, str]:
             "shape": "Poisson" if s["burstiness"] == 1 else f"Gamma, burstiness {s['burstiness']:g}",
             "args": f" ({given})" if given else "", "slo": f", goodput SLOs {slos}" if slos else "",
             "cap": f", max concurrency {s['max_concurrency']}" if s["max_concurrency"] else "",
-            "baseline_note": _BASELINE_NOTE if result["baseline"] else "",
+            "baseline_note": (_BASELINE_NOTE if result["baseline"] else "")
+            + (_CB_NOTE if result.get("baseline_cb") else ""),
             "where": _where(s),
             "via": f"; over HTTP, streamed, to {s['base_url']} (times at the client)" if s.get("base_url") else ""}
 
@@ -542,16 +594,21 @@ def _where(s: dict[str, Any]) -> str:
 
 
 def ratio_line(result: dict[str, Any]) -> str:
-    r = result["ratio"]
-    if r is None:
-        return "no baseline run (--baseline runs transformers on the same schedule)"
-    return (f"engine / transformers: output throughput {r['output_throughput']:.2f}x, mean TTFT "
-            f"{r['mean_ttft_ms']:.2f}x lower, mean E2E latency {r['mean_e2el_ms']:.2f}x lower")
+    lines = []
+    for key, name in (("ratio", "transformers"), ("ratio_cb", "transformers generate_batch")):
+        r = result.get(key)
+        if r is not None:
+            lines.append(f"engine / {name}: output throughput {r['output_throughput']:.2f}x, mean TTFT "
+                         f"{r['mean_ttft_ms']:.2f}x lower, mean E2E latency {r['mean_e2el_ms']:.2f}x lower")
+    if not lines:
+        return ("no baseline run (--baseline runs transformers generate on the same schedule, --cb-baseline "
+                "transformers' continuous batching)")
+    return "; ".join(lines)
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
     return [described(result, _WORKLOAD, _DOCS, **_workload_values(result)), Table(_headers(result), _rows(result)),
-            bold(ratio_line(result))]
+            bold(ratio_line(result)), Line(load_line(result))]
 
 
 format_text, format_markdown = formatters("Serving: latency and throughput under a request rate", _parts)

@@ -1,14 +1,18 @@
-"""Engine throughput against Hugging Face transformers `generate` in static batches, on one seeded workload of
-mixed prompt and output lengths.
+"""Engine throughput against two Hugging Face transformers baselines on one seeded workload of mixed prompt and
+output lengths: `generate` in static batches, and transformers' own continuous batching (`generate_batch`'s
+machinery, workbench/bench/hf_continuous.py).
 
-The engine gets every request at once and batches continuously; transformers runs batches of `batch_size` in
-arrival order, left-padded, each generating its longest request's output length. Only the tokens each request
-asked for count as useful output: the padding and the tokens a short request makes while it waits for the long
-ones in its batch are the waste continuous batching removes.
+The engine and `generate_batch` get every request at once and batch continuously; static `generate` runs batches of
+`batch_size` in arrival order, left-padded, each generating its longest request's output length. Only the tokens
+each request asked for count as useful output: the padding and the tokens a short request makes while it waits for
+the long ones in its batch are the waste continuous batching removes. The three sides alternate in one process;
+medians. The machine's floor for the workload (weights read once per step, every token's FLOPs at the matmul peak,
+both measured here) says how far from the hardware all three are.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,7 +25,7 @@ from engine import LLM, SamplingParams
 from engine.model import resolve_model
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, random_requests, token_id_range
-from workbench.bench.report import Part, Table, bold, described, formatters
+from workbench.bench.report import Line, Part, Table, bold, described, formatters
 
 HELP = "engine vs transformers generate on a mixed workload"
 IN_ALL = (1, [])  # `workbench bench all` runs it: (place, flags)
@@ -114,29 +118,64 @@ def _summary(runs: list[RunStats]) -> dict[str, Any]:
             "runs_s": [r.elapsed_s for r in runs]}
 
 
+def workload_floor_s(llm: LLM, requests: Sequence[BenchRequest], bandwidth: float, matmul_flops: float) -> float:
+    """The least time any implementation on this machine needs for `requests`: the longest request's outputs are
+    sequential steps, each reading every weight once (at `bandwidth` bytes/s), and every token, prompt or output,
+    costs its linear-layer FLOPs (at `matmul_flops` FLOP/s). Attention is left out, so the true floor is higher."""
+    from workbench.bench.roofline import model_cost
+
+    shape = llm.engine.runner.model.shape
+    cost = model_cost(llm.engine.runner.model, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    num_prompt, num_output = _token_counts(requests)
+    memory_s = max(r.output_len for r in requests) * cost.weight_bytes / bandwidth
+    compute_s = (num_prompt + num_output) * cost.linear_flops_per_token / matmul_flops
+    return max(memory_s, compute_s)
+
+
 def run_throughput(model: str = "smollm2-135m", num_requests: int = 32, input_len_range: tuple[int, int] = (32, 512),
                    output_len_range: tuple[int, int] = (16, 128), runs: int = 3, seed: int = 0,
-                   baseline: bool = True, max_num_batched_tokens: int = 2048, batch_size: int = 8,
-                   engine_kwargs: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Time the engine (and transformers unless `baseline` is False) on one seeded workload, alternating,
-    `runs` times each; medians. `engine_kwargs`: more EngineConfig fields. Returns settings, token counts,
-    per-side summaries and the engine/HF ratio."""
+                   baseline: bool = True, cb_baseline: bool = True, max_num_batched_tokens: int = 2048,
+                   batch_size: int = 8, engine_kwargs: dict[str, Any] | None = None,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Time the engine, transformers `generate` (unless `baseline` is False) and transformers' continuous batching
+    (unless `cb_baseline` is False) on one seeded workload, alternating, `runs` times each; medians.
+    `engine_kwargs`: more EngineConfig fields. Returns settings, token counts, per-side summaries, the engine's
+    ratio to each baseline, the machine's floor for the workload and the load average before and after."""
+    from workbench.bench.roofline import measure_bandwidth, measure_matmul
+
+    load_before = os.getloadavg()
     engine_kwargs = dict(engine_kwargs or {})
     llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
     requests = random_requests(num_requests, input_len_range, output_len_range, token_id_range(llm.tokenizer), seed)
     hf = HFBaseline(resolve_model(model), batch_size) if baseline else None
+    cb = None
+    if cb_baseline:
+        from workbench.bench.hf_continuous import HFContinuousBaseline
+
+        cb = HFContinuousBaseline(resolve_model(model), requests, max_num_batched_tokens)
     warmup = [BenchRequest(r.prompt_token_ids[:16], 4) for r in requests[:2]]
     run_engine(llm, warmup)  # first calls pay for allocator and kernel warm-up; keep them out of the timings
     if hf is not None:
         hf.run(warmup)
-    ours: list[RunStats] = []
-    theirs: list[RunStats] = []
-    for i in range(runs):
-        ours.append(run_engine(llm, requests))
-        log(f"run {i + 1}/{runs}: engine {ours[-1].elapsed_s:.2f} s")
-        if hf is not None:
-            theirs.append(hf.run(requests))
-            log(f"run {i + 1}/{runs}: transformers {theirs[-1].elapsed_s:.2f} s")
+    sides: dict[str, list[RunStats]] = {"engine": [], "baseline": [], "baseline_cb": []}
+    timed: dict[str, Callable[[], RunStats]] = {"engine": lambda: run_engine(llm, requests)}
+    if hf is not None:
+        timed["baseline"] = lambda: hf.run(requests)
+    if cb is not None:
+        cb.run(warmup)
+        timed["baseline_cb"] = lambda: RunStats(cb.run(requests), *_token_counts(requests))
+    try:
+        for i in range(runs):
+            for side, run in timed.items():
+                sides[side].append(run())
+                log(f"run {i + 1}/{runs}: {_SIDE_NAMES[side]} {sides[side][-1].elapsed_s:.2f} s")
+    finally:
+        if cb is not None:
+            cb.close()
+    bandwidth, peak = measure_bandwidth(1 << 28, runs=3)["read"], measure_matmul(1024, runs=3)
+    # the roofline benchmark gives the peak of each matmul path it times (or one number): the machine's is the best
+    peak = max(peak.values()) if isinstance(peak, dict) else peak
+    floor_s = workload_floor_s(llm, requests, bandwidth, peak)
     num_prompt, num_output = _token_counts(requests)
     result = {
         "model": model,
@@ -146,11 +185,17 @@ def run_throughput(model: str = "smollm2-135m", num_requests: int = 32, input_le
                      "engine_kwargs": engine_kwargs},
         "num_prompt_tokens": num_prompt,
         "num_output_tokens": num_output,
-        "engine": _summary(ours),
-        "baseline": _summary(theirs) if theirs else None,
+        **{side: _summary(runs_) if runs_ else None for side, runs_ in sides.items()},
+        "floor": {"elapsed_s": floor_s, "output_tok_s": num_output / floor_s, "read_bytes_s": bandwidth,
+                  "matmul_flops": peak},
+        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
     }
-    result["ratio"] = (result["engine"]["output_tok_s"] / result["baseline"]["output_tok_s"]) if theirs else None
+    for side, key in (("baseline", "ratio"), ("baseline_cb", "ratio_cb")):
+        result[key] = result["engine"]["output_tok_s"] / result[side]["output_tok_s"] if result[side] else None
     return result
+
+
+_SIDE_NAMES = {"engine": "engine", "baseline": "transformers generate", "baseline_cb": "transformers generate_batch"}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -159,14 +204,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len-range", type=positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len-range", type=positive_int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
     parser.add_argument("--hf-batch-size", type=positive_int, default=8, help="transformers static batch size")
-    parser.add_argument("--no-baseline", action="store_true", help="time the engine only")
+    parser.add_argument("--no-baseline", action="store_true", help="leave out transformers generate")
+    parser.add_argument("--no-cb-baseline", action="store_true",
+                        help="leave out transformers' continuous batching (generate_batch)")
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """`workbench bench throughput`: run_throughput with the command line's settings."""
     return run_with_flags(run_throughput, args, input_len_range=tuple(args.input_len_range),
                           output_len_range=tuple(args.output_len_range), baseline=not args.no_baseline,
-                          batch_size=args.hf_batch_size)
+                          cb_baseline=not args.no_cb_baseline, batch_size=args.hf_batch_size)
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
@@ -176,6 +223,15 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
         b = result["baseline"]
         rows.append([f"transformers generate (static batches of {result['settings']['hf_batch_size']})",
                      b["elapsed_s"], b["output_tok_s"], b["total_tok_s"]])
+    if result.get("baseline_cb"):
+        b = result["baseline_cb"]
+        rows.append(["transformers generate_batch (its continuous batching)", b["elapsed_s"], b["output_tok_s"],
+                     b["total_tok_s"]])
+    if result.get("floor"):
+        f = result["floor"]
+        total = (result["num_prompt_tokens"] + result["num_output_tokens"]) / f["elapsed_s"]
+        rows.append(["machine floor (weights once per step, linear FLOPs at peak)", f["elapsed_s"],
+                     f["output_tok_s"], total])
     return rows
 
 
@@ -183,9 +239,27 @@ _HEADERS = ("", "median s", "output tok/s", "total tok/s")
 
 
 def ratio_line(result: dict[str, Any]) -> str:
-    if result["ratio"] is None:
-        return "ratio: no baseline run (--no-baseline)"
-    return f"ratio engine / transformers (output tok/s): {result['ratio']:.2f}x"
+    parts = []
+    if result["ratio"] is not None:
+        parts.append(f"{result['ratio']:.2f}x transformers generate (static batches)")
+    if result.get("ratio_cb") is not None:
+        parts.append(f"{result['ratio_cb']:.2f}x transformers generate_batch (continuous batching)")
+    if not parts:
+        return "ratio: no baseline run (--no-baseline, --no-cb-baseline)"
+    floor = result.get("floor")
+    at = f"; the engine at {floor['elapsed_s'] / result['engine']['elapsed_s']:.0%} of the floor" if floor else ""
+    return "ratio engine / transformers (output tok/s): " + ", ".join(parts) + at
+
+
+def load_line(result: dict[str, Any]) -> str:
+    """The load average (1, 5, 15 min) before and after a benchmark: other work on the machine shares its cores."""
+    load = result.get("load_average")
+    if not load:
+        return ""
+    before, after = (" / ".join(f"{x:.2f}" for x in load[k]) for k in ("before", "after"))
+    busy = max(load["before"][0], load["after"][0]) > (os.cpu_count() or 1)
+    return (f"Load average (1 / 5 / 15 min) before: {before}, after: {after}, on {os.cpu_count()} cores"
+            + (": above the core count, other work shared the machine during these runs" if busy else ""))
 
 
 _HEAD = ("{model}: {num_requests} requests, prompts {input_len_range}, outputs {output_len_range} ({num_prompt_tokens} "
@@ -195,11 +269,17 @@ _DOCS = ("Model {model}, fp32; {num_requests} requests, seed {seed}, prompt leng
          "{num_prompt_tokens} prompt and {num_output_tokens} output tokens. Engine: all requests at once, "
          "max_num_batched_tokens={max_num_batched_tokens}. transformers: `generate` in arrival-order batches of "
          "{hf_batch_size}, left-padded, min_new_tokens = max_new_tokens = the batch's longest output; only requested "
-         "tokens count. Median of {runs} alternating runs.{note}")
+         "tokens count. transformers generate_batch: the same requests at once through transformers' continuous "
+         "batching (paged cache, its own scheduler), its cache sized to hold them all and its token budget "
+         "max_batch_tokens={max_num_batched_tokens}, built and warmed up before the timings as the engine is. "
+         "Median of {runs} alternating runs. Machine floor: the longest request's output steps each read every "
+         "weight once at the read bandwidth measured here, or every token's linear-layer FLOPs at the fp32 matmul "
+         "peak measured here, whichever is longer (attention left out: the true floor is higher).{note}")
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
-    return [described(result, _HEAD, _DOCS), Table(_HEADERS, _rows(result)), bold(ratio_line(result))]
+    return [described(result, _HEAD, _DOCS), Table(_HEADERS, _rows(result)), bold(ratio_line(result)),
+            Line(load_line(result))]
 
 
 format_text, format_markdown = formatters("Throughput: engine vs transformers", _parts)

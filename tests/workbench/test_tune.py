@@ -1,0 +1,121 @@
+"""`workbench tune`: SLO parsing, the search's budget and pruning, the Pareto front, the verdict when nothing meets
+the SLOs, and a tiny run on tiny-llama whose printed command re-runs the winner. Behaviour only: no timing is
+asserted (the fake measurements below stand for a machine whose latencies follow the knobs as described)."""
+import shlex
+
+import pytest
+
+from workbench.bench import tune
+from workbench.cli import main
+
+SPACE = {"max_num_batched_tokens": [64, 256, 1024], "max_num_seqs": [4, 16, 64], "long_prefill_token_threshold": [0],
+         "enable_prefix_caching": [True], "num_speculative_tokens": [0], "block_size": [16]}
+
+
+def fake_measure(calls):
+    """Latency rises with the budget and the sequences per step (ITL), TTFT falls with both; goodput rises."""
+    def measure(config):
+        calls.append(config)
+        b, s = config["max_num_batched_tokens"], config["max_num_seqs"]
+        return {"goodput": b / 64 + s / 4, "output_throughput": 1.0,
+                "values": {"itl_p99": 10 * b / 64 + 5 * s, "ttft_p99": 4000 / b + 200 / s}}
+    return measure
+
+
+def test_slo_keys_are_parsed_and_bad_ones_refused_naming_the_key():
+    assert tune.parse_slo(["ttft_p99:1000", "itl_median:50", "e2el_mean:9000", "tpot_p90.5:20"]) == {
+        "ttft_p99": 1000.0, "itl_median": 50.0, "e2el_mean": 9000.0, "tpot_p90.5": 20.0}
+    for bad, named in (("ttft_p999:5", "ttft_p999"), ("latency_p99:5", "latency_p99"), ("itl:5", "'itl'"),
+                       ("ttft_p99:fast", "ttft_p99"), ("ttft_p99:-1", "ttft_p99"), ("ttft_p99", "ttft_p99")):
+        with pytest.raises(ValueError, match="--slo") as err:
+            tune.parse_slo([bad])
+        assert named in str(err.value)
+    with pytest.raises(ValueError, match="given twice"):
+        tune.parse_slo(["ttft_p99:1", "ttft_p99:2"])
+
+
+def test_goodput_counts_the_per_request_slos_unless_given():
+    slos = {"ttft_p99": 1000.0, "ttft_p90": 500.0, "itl_p99": 200.0, "e2el_mean": 9000.0}
+    assert tune.goodput_bounds(slos, None) == {"ttft": 500.0, "e2el": 9000.0}  # ITL is per gap, not per request
+    assert tune.goodput_bounds(slos, {"tpot": 50.0}) == {"tpot": 50.0}
+
+
+def test_the_search_honours_its_run_budget():
+    for budget in (1, 3, 5):
+        calls = []
+        result = tune.tune(SPACE, fake_measure(calls), {"itl_p99": 10_000}, budget, "itl_p99")
+        assert len(calls) == len(result["points"]) == budget
+
+
+def test_a_failed_itl_slo_prunes_larger_budgets_and_a_failed_ttft_slo_smaller_ones():
+    calls = []
+    result = tune.tune(SPACE, fake_measure(calls), {"itl_p99": 100}, 20, "itl_p99")
+    measured = [tune.config_key(c) for c in calls]
+    assert len(set(measured)) == len(measured)  # nothing measured twice
+    for p in result["points"]:
+        if "itl_p99" in p["failed"]:  # nothing with a larger budget or more sequences, the rest equal, was run
+            c = p["config"]
+            assert not any(o["max_num_batched_tokens"] > c["max_num_batched_tokens"]
+                           and o["max_num_seqs"] == c["max_num_seqs"] for o in calls if o is not c)
+    assert result["pruned"] and all("itl_p99" in p["reason"] for p in result["pruned"])
+    assert all(p["feasible"] for p in [result["best"]])
+    rule = tune.prune_rules({**tune.start_config(SPACE), "max_num_batched_tokens": 256}, {"ttft_p99": 900.0},
+                            {"ttft_p99": 500.0}, SPACE)
+    budget = next(r for r in rule if r.knob == "max_num_batched_tokens")
+    others = tune.start_config(SPACE)
+    assert budget.prunes({**others, "max_num_batched_tokens": 64})
+    assert not budget.prunes({**others, "max_num_batched_tokens": 1024})
+
+
+def test_the_pareto_front_is_non_dominated_and_holds_every_undominated_point():
+    calls = []
+    result = tune.tune(SPACE, fake_measure(calls), {"ttft_p99": 10_000}, 9, "ttft_p99")
+    front, points = tune.pareto_front(result["points"], "ttft_p99"), result["points"]
+    assert front
+    for p in points:
+        beaten = any(q["goodput"] >= p["goodput"] and q["values"]["ttft_p99"] <= p["values"]["ttft_p99"]
+                     and q is not p and (q["goodput"], q["values"]["ttft_p99"]) != (p["goodput"], p["values"]["ttft_p99"])
+                     for q in points)
+        assert (p in front) == (not beaten)
+
+
+def test_an_impossible_slo_names_the_closest_configuration():
+    result = {"settings": {"slos": {"itl_p99": 1.0}}, "best": None}
+    result["best"] = tune.tune(SPACE, fake_measure([]), {"itl_p99": 1.0}, 3, "itl_p99")["best"]
+    text = tune.verdict(result)
+    assert not result["best"]["feasible"]
+    assert text.startswith("no configuration meets itl_p99 <= 1 ms; the closest") and "max_num_batched_tokens=" in text
+
+
+def test_tiny_tune_through_the_cli_and_its_command_re_runs_the_winner(tmp_path, capsys):
+    out_json, doc = tmp_path / "tune.json", tmp_path / "BENCHMARKS.md"
+    workload = ["--model", "tiny-llama", "--num-kv-blocks", "256", "--num-prompts", "4", "--random-input-len", "16",
+                "--random-output-len", "4", "--request-rate", "50", "--slo", "ttft_p99:60000", "itl_p99:60000"]
+    argv = ["tune", *workload, "--max-num-batched-tokens", "32", "128", "--max-num-seqs", "4", "16",
+            "--max-runs", "3", "--output-json", str(out_json), "--write-docs", "--docs-path", str(doc)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    import json
+
+    result = json.loads(out_json.read_text())
+    assert len(result["points"]) <= 3 and result["best"]["feasible"]
+    assert "<!-- bench:tune:start -->" in doc.read_text() and (tmp_path / "bench" / "tune.json").exists()
+    command = result["command"]
+    assert command in out and command.startswith("workbench tune ")
+    # the printed command pins every knob to the winner's value and measures it again: it meets the SLOs again
+    assert main(shlex.split(command)[1:] + ["--output-json", str(out_json)]) == 0
+    again = json.loads(out_json.read_text())
+    assert len(again["points"]) == 1 and again["best"]["config"] == result["best"]["config"]
+    assert again["best"]["feasible"]
+
+
+@pytest.mark.parametrize("bad, named", [(["--slo", "ttft_p999:5"], "ttft_p999"),
+                                        (["--max-num-seqs", "0"], "--max-num-seqs"),
+                                        (["--block-size", "12"], "--block-size"),
+                                        (["--enable-prefix-caching", "maybe"], "--enable-prefix-caching")])
+def test_bad_flags_are_refused_naming_the_flag(bad, named, capsys):
+    try:
+        code = main(["tune", "--model", "tiny-llama", *bad])
+    except SystemExit as exc:  # argparse refuses types before anything runs
+        code = exc.code
+    assert code == 2 and named in capsys.readouterr().err

@@ -151,7 +151,7 @@ def test_replayed_step_times_give_the_real_schedulers_decisions() -> None:
     rng = random.Random(0)
     prefixes = [[rng.randrange(3, 49152) for _ in range(48)] for _ in range(3)]
     prompts = [prefixes[i % 3] + [rng.randrange(3, 49152) for _ in range(rng.randint(4, 90))] for i in range(24)]
-    params = [SamplingParams(max_tokens=rng.randint(4, 16), ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(max_tokens=rng.randint(4, 24), ignore_eos=True) for _ in prompts]
     kwargs = dict(block_size=16, num_kv_blocks=24, max_num_batched_tokens=64, max_model_len=256, seed=0)
     real = LLM(model="tiny-llama", **kwargs).engine
     real_records, ends, arrivals = _serve_real(real, prompts, params, rng)

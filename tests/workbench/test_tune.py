@@ -119,3 +119,18 @@ def test_bad_flags_are_refused_naming_the_flag(bad, named, capsys):
     except SystemExit as exc:  # argparse refuses types before anything runs
         code = exc.code
     assert code == 2 and named in capsys.readouterr().err
+
+
+def test_runs_left_after_the_one_knob_passes_go_to_configurations_that_change_several_knobs():
+    space = {**SPACE, "max_num_batched_tokens": [64, 256], "max_num_seqs": [4, 16]}
+    calls = []
+
+    def measure(config):  # the start, (64, 4), is the best of all: no one-knob change beats it
+        calls.append(config)
+        return {"goodput": 10.0 if (config["max_num_batched_tokens"], config["max_num_seqs"]) == (64, 4) else 1.0,
+                "output_throughput": 1.0, "values": {"ttft_p99": 1.0}}
+
+    result = tune.tune(space, measure, {"ttft_p99": 100.0}, 4, "ttft_p99")
+    assert [(c["max_num_batched_tokens"], c["max_num_seqs"]) for c in calls] == [(64, 4), (256, 4), (64, 16),
+                                                                                 (256, 16)]
+    assert result["untried"] == 0 and result["best"]["config"]["max_num_batched_tokens"] == 64

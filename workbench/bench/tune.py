@@ -9,7 +9,8 @@ tpot:MS e2el:MS`; by default the `--slo` bounds of ttft, tpot and e2el, applied 
 The search, under a budget of measured runs (`--max-runs`): start from the engine's defaults, then one knob at a
 time (`max_num_batched_tokens`, `max_num_seqs`, `long_prefill_token_threshold`, `enable_prefix_caching`,
 `num_speculative_tokens`, `block_size`), each candidate value with the other knobs at the best configuration so
-far, passes repeated until a pass finds nothing better or the budget is spent. As vLLM's `auto_tune.sh` narrows its
+far, passes repeated while one finds something better, then, with runs left, the configurations that change
+several knobs at once, nearest the best first, until the budget is spent. As vLLM's `auto_tune.sh` narrows its
 search when latency fails, a failed SLO prunes what cannot win: a larger token budget or more sequences per step
 only make steps longer, so an ITL or TPOT failure prunes the larger values of that knob (the others equal); a smaller
 budget or fewer sequences only delay first tokens, so a TTFT failure prunes the smaller ones. Pruned configurations
@@ -270,6 +271,18 @@ def tune(space: dict[str, Sequence[Any]], measure: Callable[[dict[str, Any]], di
             if point is not None and (best is None or _rank(point, primary) > _rank(best, primary)):
                 best, improved = point, True
                 break  # a new incumbent: the next pass varies the knobs around it
+        if not improved and len(points) < max_runs:
+            # one knob at a time found nothing better: spend what is left on the configurations that change several
+            # knobs, nearest the best first (the rules prune along one knob only, so these may still win)
+            centre = best["config"] if best else incumbent
+            rest = [dict(zip(space, values)) for values in itertools.product(*space.values()) if values not in seen]
+            for config in sorted(rest, key=lambda c: sum(c[k] != centre[k] for k in space)):
+                if len(points) >= max_runs:
+                    break
+                point = try_config(config)
+                if point is not None and (best is None or _rank(point, primary) > _rank(best, primary)):
+                    best, improved = point, True
+                    break
     untried = sum(1 for c in itertools.product(*space.values()) if c not in seen)
     return {"points": points, "pruned": pruned, "refused": refused, "best": best, "untried": untried}
 
@@ -579,7 +592,8 @@ def _parts(result: dict[str, Any]) -> list[Part]:
 
 
 _DOCS = ("{workload}; {slo}. One engine per configuration, warmed up on two requests, serves the workload once; "
-         "the search starts at the engine's defaults and varies one knob at a time around the best so far; a "
+         "the search starts at the engine's defaults and varies one knob at a time around the best so far, then, "
+         "with runs left, configurations that change several knobs, nearest first; a "
          "failed ITL/TPOT SLO prunes larger budgets and sequence caps, a failed TTFT SLO smaller ones. Pareto: no "
          "other run has both more goodput and a lower {primary}.{note}")
 

@@ -9,6 +9,9 @@ from kernels import reference
 
 SMALL_M = 8  # rows of input up to which a linear layer streams its weights once (above: a GEMM)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+# Above SMALL_M rows a float32 linear is a GEMM: oneDNN's runs at about twice the rate of torch's default (MKL) on
+# these CPUs over the model's shapes (docs/BENCHMARKS.md, the roofline's matmul rates); it takes the weight as is.
+_ONEDNN = torch.backends.mkldnn.is_available()
 
 
 def linear(
@@ -16,6 +19,8 @@ def linear(
 ) -> torch.Tensor:
     if x.dtype == torch.float32 and x.shape[0] <= SMALL_M and weight.dtype in _WEIGHT_DTYPES:
         return torch.ops.workbench_cpu.linear_small_m(x, weight, scale, bias)
+    if _ONEDNN and x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and scale is None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return reference.linear(x, weight, scale, bias)
 
 

@@ -86,15 +86,25 @@ def test_linear_equals_the_reference_for_each_stored_dtype(rows, out_features, i
         torch.testing.assert_close(got, reference.linear(x, stored, scale, bias), **tolerance)
 
 
-def test_linear_past_eight_rows_and_in_float16_falls_back_to_the_reference():
+@pytest.mark.parametrize("rows", [9, 64, 300])
+def test_linear_past_eight_rows_is_a_gemm_equal_to_the_reference_for_each_stored_dtype(rows):
     from kernels.cpu import ops
 
-    x, weight = torch.randn(9, 64), torch.randn(32, 64)
-    torch.testing.assert_close(ops.linear(x, weight), reference.linear(x, weight))
-    half = weight.to(torch.float16)
-    torch.testing.assert_close(ops.linear(x[:2], half), reference.linear(x[:2], half))
+    gen = torch.Generator().manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen), torch.randn(960)
+    for stored, scale in ((weight, None), (weight.to(torch.bfloat16), None), quantized(weight)):
+        for b in (None, bias):
+            torch.testing.assert_close(ops.linear(x, stored, scale, b), reference.linear(x, stored, scale, b),
+                                       atol=1e-4 * 576 ** 0.5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="at most 8 rows"):
         torch.ops.workbench_cpu.linear_small_m(x, weight, None, None)
+
+
+def test_a_float16_weight_falls_back_to_the_reference():
+    from kernels.cpu import ops
+
+    x, half = torch.randn(2, 64), torch.randn(32, 64).to(torch.float16)
+    torch.testing.assert_close(ops.linear(x, half), reference.linear(x, half))
 
 
 @pytest.mark.parametrize("rows, hidden", [(1, 576), (3, 960), (37, 64), (2, 13)])

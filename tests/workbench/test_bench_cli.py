@@ -64,7 +64,7 @@ def test_bench_all_runs_the_cpu_benchmarks_in_their_order() -> None:
     assert cli.ALL_BENCHES == {"throughput": [], "prefix": [], "profile": [],
                                "serve": ["--request-rate", "1", "--baseline", "--cb-baseline", "--goodput", "ttft:1000",
                                          "tpot:100"],
-                               "sweep": [], "guided": [], "roofline": [], "spec": ["--runs", "2"], "pd": []}
+                               "sweep": [], "guided": [], "roofline": [], "spec": ["--runs", "2"], "pd": [], "decode": []}
     listed = [b.name for b in cli.BENCHMARKS]
     assert listed[:len(cli.ALL_BENCHES)] == list(cli.ALL_BENCHES) and "kernels" in listed[len(cli.ALL_BENCHES):]
 

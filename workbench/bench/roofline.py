@@ -9,6 +9,7 @@ same weights serve more tokens, until compute binds.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections import Counter
@@ -45,60 +46,73 @@ class ModelCost:
         return nbytes, flops
 
 
-def model_cost(model: nn.Module, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> ModelCost:
-    """The decode cost of `model` (an engine LlamaForCausalLM: parameters shared by tying are counted once)."""
-    params = {p.data_ptr(): p for p in model.parameters()}.values()
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+def linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's linear layers in forward order (torch's or the engine's `Linear`, whatever they store)."""
+    return [m for m in model.modules() if hasattr(m, "in_features") and getattr(m, "weight", None) is not None]
+
+
+def model_cost(model: nn.Module, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               kv_element_size: int = 4) -> ModelCost:
+    """The decode cost of `model` (an engine LlamaForCausalLM: parameters shared by tying are counted once, each in
+    the dtype it is stored in, int8 weights with their per-row scales)."""
+    tensors = {p.data_ptr(): p for p in model.parameters()}
+    linears = linear_layers(model)
+    tensors.update({m.weight_scale.data_ptr(): m.weight_scale for m in linears
+                    if getattr(m, "weight_scale", None) is not None})
     embed = model.get_submodule("model.embed_tokens").weight
     tied = any(m.weight.data_ptr() == embed.data_ptr() for m in linears)
-    elt = embed.element_size()
-    weight_bytes = sum(p.numel() for p in params) * elt - (0 if tied else embed.numel() * elt)
+    stored = sum(t.numel() * t.element_size() for t in tensors.values())
     return ModelCost(
-        num_params=sum(p.numel() for p in params),
-        weight_bytes=weight_bytes,
+        num_params=sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values()),
+        weight_bytes=stored - (0 if tied else embed.numel() * embed.element_size()),  # a lookup reads B rows
         linear_flops_per_token=2 * sum(m.weight.numel() for m in linears),
-        kv_bytes_per_context_token=2 * num_layers * num_kv_heads * head_dim * elt,
+        kv_bytes_per_context_token=2 * num_layers * num_kv_heads * head_dim * kv_element_size,
         attn_flops_per_context_token=2 * 2 * num_layers * num_heads * head_dim,
         linear_shapes=dict(Counter(tuple(m.weight.shape) for m in linears)),
     )
 
 
-def _best_s(fn: Callable[[], object], runs: int, inner: int = 1) -> float:
+def _median_s(fn: Callable[[], object], runs: int) -> float:
+    """Median seconds of `runs` calls: this machine is shared, and one run reads 44-74 GB/s from the next."""
     fn()  # first touch: page faults and allocator warm-up stay out of the timing
-    best = float("inf")
+    times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def measure_bandwidth(nbytes: int = 1 << 30, runs: int = 5) -> dict[str, float]:
-    """Memory bandwidth (bytes/s), best of `runs`: a sum over an fp32 array of `nbytes` (read) and a copy into
-    another (read + write, 2 x nbytes moved)."""
+    """Memory bandwidth (bytes/s), median of `runs`, with the engine's threads (torch's intra-op pool): a sum over
+    an fp32 array of `nbytes` (read) and a copy into another (read + write, 2 x nbytes moved)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    read = nbytes / _best_s(src.sum, runs)
-    copy = 2 * nbytes / _best_s(lambda: dst.copy_(src), runs)
-    return {"read": read, "copy": copy}
+    read = nbytes / _median_s(src.sum, runs)
+    copy = 2 * nbytes / _median_s(lambda: dst.copy_(src), runs)
+    return {"read": read, "copy": copy, "threads": torch.get_num_threads()}
 
 
-def measure_matmul(n: int = 2048, runs: int = 5) -> float:
-    """fp32 matmul throughput (FLOP/s) of an n x n by n x n product, best of `runs`: the machine's compute peak."""
+def measure_matmul(n: int = 2048, runs: int = 5) -> dict[str, float]:
+    """fp32 matmul throughput (FLOP/s) of an n x n by n x n product, median of `runs`: torch's default (MKL) and
+    oneDNN with the weight as is (where torch has it); the better one is the machine's compute peak."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n ** 3 / _best_s(lambda: a @ b, runs)
+    rates = {"mkl": 2 * n ** 3 / _median_s(lambda: a @ b, runs)}
+    if torch.backends.mkldnn.is_available():
+        w = b.t().contiguous()
+        rates["onednn"] = 2 * n ** 3 / _median_s(
+            lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), runs)
+    return rates
 
 
 @torch.inference_mode()
-def time_linears(cost: ModelCost, batch: int, runs: int = 5) -> float:
-    """Seconds the model's linear layers alone take at `batch` tokens: each distinct shape timed (best of
-    `runs`), times how many layers have it. What the matmuls cost without anything around them."""
-    total = 0.0
-    for (out_f, in_f), count in cost.linear_shapes.items():
-        x, w = torch.randn(batch, in_f), torch.randn(out_f, in_f)
-        total += count * _best_s(lambda: torch.nn.functional.linear(x, w), runs, inner=5)
-    return total
+def time_linears(model: nn.Module, batch: int, runs: int = 5) -> float:
+    """Seconds the model's own linear layers take at `batch` rows, one after another as in a step: the weights
+    are read from memory as a decode step reads them (all of them exceed the caches), not reused hot from a
+    cache, which would put the time below the memory floor. What the matmuls cost without anything around them."""
+    layers = linear_layers(model)
+    inputs = {m.in_features: torch.randn(batch, m.in_features) for m in layers}
+    return _median_s(lambda: [m(inputs[m.in_features]) for m in layers], runs)
 
 
 def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int = 2,
@@ -130,39 +144,51 @@ def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: in
             "context": prompt_len + 1 + warmup + steps // 2}
 
 
+# how a decode step's weights are stored on a CPU (the arithmetic is float32 in each): the engine's settings
+WEIGHT_FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+
+
 def run_roofline(model: str = "smollm2-135m", batch_sizes: Sequence[int] = (1, 8, 64), prompt_len: int = 128,
+                 weight_formats: Sequence[str] = tuple(WEIGHT_FORMATS),
                  steps: int = 10, runs: int = 5, bandwidth_bytes: int = 1 << 30, matmul_n: int = 2048, seed: int = 0,
                  max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure the machine (bandwidth, matmul peak), compute the model's per-step cost, and time the engine's
     decode step at each batch size; returns the floors and where the engine stands."""
     engine_kwargs = dict(engine_kwargs or {})
-    llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
-    runner = llm.engine.runner
-    shape = runner.model.shape
-    cost = model_cost(runner.model, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim)
     bandwidth = measure_bandwidth(bandwidth_bytes, runs)
-    peak = measure_matmul(matmul_n, runs)
-    log(f"bandwidth {bandwidth['read'] / 1e9:.1f} GB/s read, matmul {peak / 1e9:.0f} GFLOP/s")
-    decode_step_ms(llm, 1, prompt_len, 1, warmup=0, seed=seed)  # first steps pay for allocation: untimed
-    rows = []
-    for batch in batch_sizes:
-        measured = decode_step_ms(llm, batch, prompt_len, steps, seed=seed)
-        nbytes, flops = cost.step(batch, measured["context"])
-        memory_ms, compute_ms = nbytes / bandwidth["read"] * 1e3, flops / peak * 1e3
-        rows.append({"batch": batch, **measured, "bytes": nbytes, "flops": flops, "memory_floor_ms": memory_ms,
-                     "compute_floor_ms": compute_ms, "floor_ms": max(memory_ms, compute_ms),
-                     "linears_ms": time_linears(cost, batch, runs) * 1e3})
-        log(f"batch {batch}: forward {measured['forward_ms']:.1f} ms, floor {rows[-1]['floor_ms']:.1f} ms")
+    rates = measure_matmul(matmul_n, runs)
+    peak = max(rates.values())
+    log(f"bandwidth {bandwidth['read'] / 1e9:.1f} GB/s read ({bandwidth['threads']} threads), matmul "
+        + ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in rates.items()) + " GFLOP/s")
+    rows, costs = [], {}
+    for weights in weight_formats:
+        llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+                  **{**engine_kwargs, **WEIGHT_FORMATS[weights]})
+        model_ = llm.engine.runner.model
+        shape = model_.shape
+        costs[weights] = cost = model_cost(model_, shape.num_layers, shape.num_heads, shape.num_kv_heads,
+                                           shape.head_dim, llm.engine.config.torch_dtype.itemsize)
+        decode_step_ms(llm, 1, prompt_len, 1, warmup=0, seed=seed)  # first steps pay for allocation: untimed
+        for batch in batch_sizes:
+            measured = decode_step_ms(llm, batch, prompt_len, steps, seed=seed)
+            nbytes, flops = cost.step(batch, measured["context"])
+            memory_ms, compute_ms = nbytes / bandwidth["read"] * 1e3, flops / peak * 1e3
+            rows.append({"weights": weights, "batch": batch, **measured, "bytes": nbytes, "flops": flops,
+                         "memory_floor_ms": memory_ms, "compute_floor_ms": compute_ms,
+                         "floor_ms": max(memory_ms, compute_ms), "linears_ms": time_linears(model_, batch, runs) * 1e3})
+            log(f"{weights} batch {batch}: forward {measured['forward_ms']:.1f} ms, floor {rows[-1]['floor_ms']:.1f} ms")
+        del llm, model_
+    first = costs[weight_formats[0]]
     return {
         "model": model,
         "settings": {"batch_sizes": list(batch_sizes), "prompt_len": prompt_len, "steps": steps, "runs": runs,
                      "bandwidth_bytes": bandwidth_bytes, "matmul_n": matmul_n, "seed": seed,
                      "max_num_batched_tokens": max_num_batched_tokens, "engine_kwargs": engine_kwargs,
-                     "dtype": llm.engine.config.dtype},
-        "num_params": cost.num_params, "weight_bytes": cost.weight_bytes,
-        "flops_per_token": cost.linear_flops_per_token,
-        "bandwidth": bandwidth, "matmul_flops": peak,
+                     "weight_formats": list(weight_formats)},
+        "num_params": first.num_params, "weight_bytes": {w: c.weight_bytes for w, c in costs.items()},
+        "flops_per_token": first.linear_flops_per_token,
+        "bandwidth": bandwidth, "matmul_flops": peak, "matmul_rates": rates, "load_average": os.getloadavg(),
         "rows": rows,
     }
 
@@ -170,6 +196,8 @@ def run_roofline(model: str = "smollm2-135m", batch_sizes: Sequence[int] = (1, 8
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser)
     parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--weight-formats", nargs="+", choices=tuple(WEIGHT_FORMATS), default=list(WEIGHT_FORMATS),
+                        help="how the weights are stored, each a set of rows (default: all)")
     add_positive_ints(parser, prompt_len=128)
     parser.add_argument("--steps", type=positive_int, default=10, help="decode steps timed per batch size")
     parser.add_argument("--bandwidth-mib", type=positive_int, default=1024, help="array size for the bandwidth test")
@@ -181,33 +209,40 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return run_with_flags(run_roofline, args, bandwidth_bytes=args.bandwidth_mib << 20)
 
 
-_HEADERS = ("batch", "context", "MB read", "GFLOP", "memory floor ms", "compute floor ms", "floor ms",
+_HEADERS = ("weights", "batch", "context", "MB read", "GFLOP", "memory floor ms", "compute floor ms", "floor ms",
             "linears alone ms", "forward ms", "step ms", "forward / floor")
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
-    return [[r["batch"], r["context"], r["bytes"] / 1e6, r["flops"] / 1e9, r["memory_floor_ms"], r["compute_floor_ms"],
+    return [[r.get("weights", "float32"), r["batch"], r["context"], r["bytes"] / 1e6, r["flops"] / 1e9, r["memory_floor_ms"], r["compute_floor_ms"],
              r["floor_ms"], r["linears_ms"], r["forward_ms"], r["total_ms"], f"{r['forward_ms'] / r['floor_ms']:.2f}x"]
             for r in result["rows"]]
 
 
-_MACHINE = ("{model} ({dtype}): {params_m:.1f} M parameters, {weight_mb:.0f} MB of weights read per decode step, "
-            "{mflop:.0f} MFLOP per token in linear layers. Machine: {read_gbs:.1f} GB/s read ({copy_gbs:.1f} GB/s "
-            "copy), fp32 matmul {gflops:.0f} GFLOP/s ({matmul_n}^3)")
-_DOCS = _MACHINE + (". Bandwidth: best of {runs} sums over (and copies of) a {array_mib} MiB array. A step of B "
+_MACHINE = ("{model}: {params_m:.1f} M parameters, weights read per decode step {weight_mb}, {mflop:.0f} MFLOP "
+            "per token in linear layers (the arithmetic is float32 whatever the weights are stored in). Machine: {read_gbs:.1f} GB/s read ({copy_gbs:.1f} "
+            "GB/s copy) with {threads} threads, fp32 matmul {gflops:.0f} GFLOP/s ({matmul_n}^3, {rates}); load "
+            "average {load}")
+_DOCS = _MACHINE + (". Bandwidth: median of {runs} sums over (and copies of) a {array_mib} MiB array. A step of B "
                     "sequences reads every weight once plus their K/V (MB read) and computes 2 FLOPs per linear weight "
                     "per token plus attention (GFLOP); floor = max(bytes / read bandwidth, FLOPs / matmul peak). "
-                    "Linears alone: the model's linear shapes timed at B rows without the model around them. Engine: "
+                    "Linears alone: the model's own linear layers run one after another at B rows (weights read from "
+                    "memory, as in a step), without the model around them. Engine: "
                     "B requests of {prompt_len}-token prompts in steady decode, median of {steps} steps (forward = "
                     "model + LM head; step = the whole engine step).{note}")
 
 
 def _machine_values(result: dict[str, Any]) -> dict[str, float]:
     """The model's and the machine's numbers in the units the text gives them."""
-    return {"params_m": result["num_params"] / 1e6, "weight_mb": result["weight_bytes"] / 1e6,
+    stored = result["weight_bytes"] if isinstance(result["weight_bytes"], dict) else {"float32": result["weight_bytes"]}
+    return {"params_m": result["num_params"] / 1e6,
+            "weight_mb": ", ".join(f"{w} {n / 1e6:.0f} MB" for w, n in stored.items()),
             "mflop": result["flops_per_token"] / 1e6, "read_gbs": result["bandwidth"]["read"] / 1e9,
             "copy_gbs": result["bandwidth"]["copy"] / 1e9, "gflops": result["matmul_flops"] / 1e9,
-            "array_mib": result["settings"]["bandwidth_bytes"] >> 20}
+            "array_mib": result["settings"]["bandwidth_bytes"] >> 20,
+            "threads": result["bandwidth"].get("threads", "?"),
+            "rates": ", ".join(f"{k} {v / 1e9:.0f}" for k, v in result.get("matmul_rates", {}).items()),
+            "load": " ".join(f"{x:.1f}" for x in result.get("load_average", ()))}
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:

@@ -5,7 +5,8 @@ engine-core process).
 `async for out in llm.generate(prompt, params, request_id)` yields the request's output as it grows (each a
 cumulative RequestOutput, as vLLM's default output kind; steps that ran while the consumer was busy coalesce into
 one). Leaving the loop early, or the task being cancelled (an HTTP client that disconnected), aborts the request:
-its blocks are freed before the next step.
+its blocks are freed before the next step. A request with n > 1 streams under its own id: each output holds every
+child's completion in `outputs` (the engine's children "{i}_{id}" step and finish apart; the stream follows them all).
 
 The loop can be held between steps: `pause()` (requests still queue), `step(n)` (run exactly n steps while paused),
 `resume()`. The dashboard's Pause / Step / Play buttons and the server's `/pause`, `/step`, `/resume` call these.
@@ -103,6 +104,8 @@ class AsyncLLM:
         self._aborts: list[str] = []
         self._stopped = False
         self._collectors: dict[str, _Collector] = {}  # under self.lock
+        # n > 1: the engine's events name the children; their outputs go to the parent's collector (under self.lock)
+        self._parent_of: dict[str, str] = {}
         self._ids = itertools.count()
         self.errors: list[str] = []  # steps that raised: the loop goes on, their requests finish with an error
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -117,8 +120,6 @@ class AsyncLLM:
 
     def _add(self, prompt: Any, params: SamplingParams | None, request_id: str | None, priority: int,
              cache_salt: str | None, collector: _Collector | None) -> str:
-        if params is not None and getattr(params, "n", 1) > 1:  # streams follow one request id's events
-            raise ValueError(f"n: parallel sampling (n={params.n}) runs offline (LLM, LLMEngine), not served yet")
         with self.lock:
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
@@ -126,6 +127,8 @@ class AsyncLLM:
                                           cache_salt=cache_salt)
             if collector is not None:  # registered before the loop can step it: no output is missed
                 self._collectors[rid] = collector
+                for child in self.engine.child_ids(rid):
+                    self._parent_of[child] = rid
         self._notify()
         return rid
 
@@ -258,6 +261,7 @@ class AsyncLLM:
             for rid in request_ids:
                 self.engine.abort(rid)
                 if self._collectors.pop(rid, None) is not None:
+                    self._forget(rid)
                     self.engine.pop_output(rid)  # its consumer left: nobody will take the output
 
     def _step(self) -> None:
@@ -267,16 +271,22 @@ class AsyncLLM:
             except Exception as exc:  # the loop must outlive one bad step; its requests end with the error
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 return
-            touched = {e.request_id for e in record.events if e.kind in ("request.tokens", "request.finished")}
+            touched = {self._parent_of.get(e.request_id, e.request_id) for e in record.events
+                       if e.kind in ("request.tokens", "request.finished")}
             for rid in touched:
                 collector = self._collectors.get(rid)
                 if collector is None:
                     continue  # not awaited here (a dashboard's request): its output stays in the engine
                 output = self.engine.get_output(rid)
                 if output.finished:
+                    self._forget(rid)
                     self.engine.pop_output(rid)
                     del self._collectors[rid]
                 collector.put(output)
+
+    def _forget(self, request_id: str) -> None:
+        for child in self.engine.child_ids(request_id):
+            self._parent_of.pop(child, None)
 
     def _fail_all(self, message: str) -> None:
         self.errors.append(message)
@@ -286,6 +296,7 @@ class AsyncLLM:
             output.finish_reason, output.error = "error", message
             collector.put(output)
         self._collectors.clear()
+        self._parent_of.clear()
         for rid in list(self.engine.scheduler.requests):  # the dashboard's requests, too: nothing runs on
             self.engine.abort(rid)
 

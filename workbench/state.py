@@ -212,6 +212,20 @@ class PrefixState:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else None
 
 
+@dataclass
+class MoEState:
+    """Owns a mixture-of-experts model's routing as its moe.routed events tell it: the sparse layers, the number
+    of experts, the tokens each expert took in each sparse layer in the last routed step (`step_counts[layer
+    row][expert]`, that step's number `step`) and since the first one (`total`), and how many steps routed."""
+
+    layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    step: int | None = None
+    step_counts: list[list[int]] = field(default_factory=list)
+    total: list[list[int]] = field(default_factory=list)
+    num_steps: int = 0
+
+
 def _chains(blocks: dict[int, BlockState]) -> dict[str, ChainNode]:
     """The hashes the blocks hold as chain nodes, by block id, each after its ancestors (a snapshot's cache)."""
     cached = {b.block_hash: ChainNode(b.block_hash, b.parent_hash, block_id) for block_id, b in blocks.items()
@@ -250,12 +264,13 @@ class StepDelta:
     lookups: list[Lookup] = field(default_factory=list)
     cached: list[str] = field(default_factory=list)  # hashes cached (again, after an eviction, too)
     evicted: list[str] = field(default_factory=list)  # hashes of `PrefixState.chains` evicted
+    moe_routed: bool = False  # the step routed tokens to experts (`EngineState.moe` changed)
 
 
 class EngineState:
     """Owns the event-derived model of the engine shared by the views: requests by id, KV blocks by id
     (only those that ever changed; the rest are free), each request's block table, the KV size, the last step
-    applied, and the feature states `grammar`, `spec`, `kv_transfer` and `prefix`."""
+    applied, and the feature states `grammar`, `spec`, `kv_transfer`, `prefix` and `moe`."""
 
     def __init__(self) -> None:
         self.clear()
@@ -271,6 +286,7 @@ class EngineState:
         self.spec = SpecState()
         self.kv_transfer = TransferState()
         self.prefix = PrefixState()
+        self.moe = MoEState()
 
     def load(self, snapshot: EngineSnapshot) -> None:
         """Start from an engine's state between steps (a view attached mid-run, a trace begun mid-run)."""
@@ -451,6 +467,20 @@ class EngineState:
         moved.transfers.append(transfer)
         delta.transfers.append(transfer)
 
+    def _moe_routed(self, e, record: StepRecord, delta: StepDelta) -> None:
+        moe = self.moe
+        if (moe.layers, moe.num_experts) != (tuple(e.layers), e.num_experts):  # the first event (or a new model)
+            moe.layers, moe.num_experts, moe.num_steps, moe.step = tuple(e.layers), e.num_experts, 0, None
+            moe.total = [[0] * e.num_experts for _ in e.layers]
+        if moe.step != record.step:  # a step's first moe.routed starts its counts; a second one adds to them
+            moe.step, moe.num_steps = record.step, moe.num_steps + 1
+            moe.step_counts = [[0] * e.num_experts for _ in e.layers]
+        for row, counts in enumerate(e.counts):
+            for expert, n in enumerate(counts):
+                moe.step_counts[row][expert] += n
+                moe.total[row][expert] += n
+        delta.moe_routed = True
+
     def _touch(self, rid: str, delta: StepDelta) -> RequestState | None:
         # a trace cut at its start can name requests whose request.added it never saw
         req = self.requests.get(rid)
@@ -485,4 +515,5 @@ _HANDLERS = {
     "kv_transfer.save": EngineState._transfer,
     "kv_transfer.load": EngineState._transfer,
     "kv_transfer.fail": EngineState._transfer,
+    "moe.routed": EngineState._moe_routed,
 }

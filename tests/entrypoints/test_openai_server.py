@@ -1,5 +1,6 @@
 """The OpenAI-compatible server with the real `openai` client: completions and chat, streamed and not, equal to the
-offline engine; guided JSON; 64 concurrent streams with 16 disconnects and no block leaked; every bad input a 400
+offline engine; guided JSON; presence/frequency/repetition penalties, logit_bias and n > 1 equal to the offline engine;
+64 concurrent streams with 16 disconnects and no block leaked; every bad input a 400
 (or 404, 401) naming its field, the server serving on after each; /metrics in vLLM's names agreeing with the step
 records; Pause / Step / Resume over HTTP."""
 from __future__ import annotations
@@ -113,6 +114,76 @@ def test_models_and_health(served):
     assert httpx.get(f"{served.base_url}/health").status_code == 200
 
 
+# ---- sampling options passed through: penalties, logit_bias, n ----------------------------------------------
+def test_penalties_and_logit_bias_equal_the_offline_engine(served, offline):
+    client = served.client()
+    plain = _greedy(offline, PROMPT, 12)
+    forced = plain.token_ids[0] + 1  # not the greedy first token: only the bias can make it win everywhere
+    biased = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                       logit_bias={str(forced): 100})
+    assert biased.choices[0].text == offline.engine.tokenizer.decode([forced] * 5)
+    # a bias of 40 alone keeps the forced token every time; the penalties grow with its count until it loses
+    options = dict(presence_penalty=0.5, frequency_penalty=1.0, logit_bias={str(forced): 40})
+    expected = _greedy(offline, PROMPT, 12, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=1.0,
+                       logit_bias={forced: 40})
+    bias_only = _greedy(offline, PROMPT, 12, logit_bias={forced: 40})
+    assert bias_only.token_ids == [forced] * 12 and forced in expected.token_ids  # the bias acts
+    assert expected.token_ids != bias_only.token_ids != plain.token_ids  # and the penalties act on top of it
+    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, **options,
+                                      extra_body={"repetition_penalty": 2.0})
+    assert reply.choices[0].text == expected.text
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat_expected = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=8, logit_bias={forced: 100}),
+                                 use_tqdm=False)[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                          logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == chat_expected.text
+
+
+def test_n_samples_equal_the_offline_children_streamed_and_not(served, offline):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    expected = offline.generate([PROMPT], params, use_tqdm=False)[0]
+    texts = [c.text for c in expected.outputs]
+    assert len(set(texts)) > 1  # seeds 7, 8, 9 sample different sequences
+    client = served.client()
+    body = dict(model=MODEL, prompt=PROMPT, n=3, temperature=1.0, seed=7, max_tokens=8,
+                extra_body={"ignore_eos": True})
+    reply = client.completions.create(**body)
+    assert [(c.index, c.text) for c in reply.choices] == list(enumerate(texts))
+    assert reply.usage.completion_tokens == 24 and reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    streamed, finishes = ["", "", ""], [0, 0, 0]
+    chunks = list(client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices  # one choice per chunk, named by its index
+        streamed[choice.index] += choice.text
+        finishes[choice.index] += choice.finish_reason is not None
+    assert streamed == texts and finishes == [1, 1, 1] and chunks[-1].usage.completion_tokens == 24
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          temperature=1.0, seed=3, max_tokens=6, stream=True)
+    roles, contents = [0, 0], ["", ""]
+    for chunk in chat:
+        roles[chunk.choices[0].index] += chunk.choices[0].delta.role == "assistant"
+        contents[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert roles == [1, 1] and all(contents)
+    stats = _idle(served)
+    assert stats["kv"].used == 0 and stats["num_running"] == 0
+
+
+def test_n_stream_cut_aborts_every_child(served):
+    async def cut() -> None:
+        async with served.async_client() as client:
+            stream = await client.completions.create(model=MODEL, prompt=PROMPT, n=4, max_tokens=60, seed=1,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            async for _ in stream:
+                break
+            await stream.close()
+
+    asyncio.run(cut())
+    stats = _idle(served)
+    assert stats["kv"].used == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert not served.llm._collectors and not served.llm._parent_of  # nothing kept for the children
+
+
 # ---- load: 64 streams, 16 of them cut ---------------------------------------------------------------------------
 def test_64_streams_with_16_disconnects_finish_exactly_and_leak_nothing(served, offline):
     rng = random.Random(0)
@@ -165,7 +236,13 @@ BAD = [
     ("completions", {"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": [5] * 100_000}, 400, "prompt"),
     ("chat", {"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages"),
-    ("completions", {"prompt": PROMPT, "n": 2}, 400, "n"),
+    ("completions", {"prompt": PROMPT, "n": 0}, 400, "n"),
+    ("completions", {"prompt": PROMPT, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("completions", {"prompt": PROMPT, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"five": 1.0}}, 400, "logit_bias"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"10000000": 1}}, 400, "logit_bias"),
     ("completions", {"prompt": PROMPT, "logprobs": 50}, 400, "logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "x"}],
               "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "objekt"}}}},

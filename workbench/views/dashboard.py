@@ -12,6 +12,7 @@ from workbench.views.grammar import GrammarView
 from workbench.views.kv_blocks import KVBlockMap
 from workbench.views.kv_transfer import KVTransferView
 from workbench.views.metrics import MetricsView
+from workbench.views.moe import MoEView
 from workbench.views.prefix import PrefixCacheView
 from workbench.views.requests import RequestsView
 from workbench.views.spec import SpecDecodeView
@@ -19,7 +20,8 @@ from workbench.views.timeline import SchedulerTimeline
 
 
 class Dashboard:
-    """Owns one EngineState and every view drawn from it; feeds them records and lays them out as tabs."""
+    """Owns one EngineState and every view drawn from it; feeds them records and lays them out as tabs (the
+    Experts tab joins them at the first routed step of a mixture-of-experts model, and leaves at a reset)."""
 
     def __init__(self, budget: int | None = None, num_blocks: int | None = None) -> None:
         self.state = EngineState()
@@ -31,8 +33,10 @@ class Dashboard:
         self.grammar = GrammarView(self.state)
         self.spec = SpecDecodeView(self.state)
         self.kv_transfer = KVTransferView(self.state)
+        self.moe = MoEView(self.state)
         self.views: list[View] = [self.timeline, self.kv_blocks, self.prefix, self.requests, self.metrics,
-                                  self.grammar, self.spec, self.kv_transfer]
+                                  self.grammar, self.spec, self.kv_transfer, self.moe]
+        self._tab_sets: list[pn.Tabs] = []  # every layout tabs() built: each gains the Experts tab
         self.requests.table.param.watch(self._select_request, "selection")
 
     def _select_request(self, event) -> None:
@@ -50,6 +54,15 @@ class Dashboard:
                 view.render(record, delta)
         for view in self.views:
             view.flush()
+        self._show_moe(not self.moe.empty.is_empty)
+
+    def _show_moe(self, show: bool) -> None:
+        # a dense model never routes: its dashboard keeps the tabs it always had
+        for tabs in self._tab_sets:
+            if show and self.moe.panel not in tabs.objects:
+                tabs.append((self.moe.title, self.moe.panel))
+            elif not show and self.moe.panel in tabs.objects:
+                tabs.remove(self.moe.panel)
 
     def update(self, record: StepRecord) -> None:
         self.extend([record])
@@ -69,12 +82,17 @@ class Dashboard:
             view.show_state()
             view.flush()
         self.kv_blocks.show_blocks(num_blocks)
+        self._show_moe(False)
 
     def tabs(self) -> pn.Tabs:
         overview = pn.Column(
             pn.Row(pn.Column(self.timeline, sizing_mode="stretch_width"),
                    pn.Column(self.kv_blocks, sizing_mode="stretch_width"), sizing_mode="stretch_width"),
             self.requests, sizing_mode="stretch_width")
-        return pn.Tabs(("Overview", overview), (self.prefix.title, self.prefix), (self.metrics.title, self.metrics),
+        tabs = pn.Tabs(("Overview", overview), (self.prefix.title, self.prefix), (self.metrics.title, self.metrics),
                        (self.grammar.title, self.grammar), (self.spec.title, self.spec),
                        (self.kv_transfer.title, self.kv_transfer), sizing_mode="stretch_width")
+        self._tab_sets.append(tabs)
+        if not self.moe.empty.is_empty:
+            tabs.append((self.moe.title, self.moe.panel))
+        return tabs

@@ -67,7 +67,8 @@ class StructuredOutputsRequest(OpenAIBaseModel):
 
 class SamplingRequest(OpenAIBaseModel):
     """The fields completions and chat share: the model, sampling, stopping, streaming and vLLM's extras
-    (top_k, min_p, structured_outputs, priority, cache_salt, ignore_eos, ...)."""
+    (top_k, min_p, repetition_penalty, bad_words, allowed_token_ids, structured_outputs, priority, cache_salt,
+    ignore_eos, ...)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -85,9 +86,12 @@ class SamplingRequest(OpenAIBaseModel):
     structured_outputs: StructuredOutputsRequest | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key, a string) -> bias in [-100, 100]
     user: str | None = None
     # vLLM's extras
+    repetition_penalty: float = 1.0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     priority: int = 0
     cache_salt: str | None = None
     ignore_eos: bool = False

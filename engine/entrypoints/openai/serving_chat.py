@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest
 from engine.entrypoints.openai.serving_engine import OpenAIServing, RequestError, until_disconnected, usage
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -36,16 +36,16 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, len(ids), max_tokens, None, logprobs, {"max_tokens": max_field})
         request_id, stream = await self.open(ids, params, request, {"prompt": "messages", "max_tokens": max_field})
         if request.stream:
-            first = {"object": self.chunk_object, "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(params.n)]
             return StreamingResponse(self.stream_events(stream, request_id, request, self._chunk, first),
                                      media_type="text/event-stream")
         output = await until_disconnected(self.last_output(stream), raw_request)
-        choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
-                  "logprobs": self._logprobs(output, 0), "finish_reason": output.finish_reason,
-                  "stop_reason": output.stop_reason}
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in output.outputs]
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": [choice], "usage": usage(output)})
+                             "model": self.model_name, "choices": choices, "usage": usage(output)})
 
     @staticmethod
     def _message(index: int, message: Any) -> dict[str, str]:
@@ -65,16 +65,15 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:  # the template's own refusals (jinja's raise_exception): the conversation's fault
             raise RequestError(400, f"messages: the chat template refused them: {exc}", "messages") from None
 
-    def _chunk(self, output: RequestOutput, text_from: int, tokens_from: int) -> dict[str, Any] | None:
-        delta = output.text[text_from:]
-        if not delta and not output.finished and len(output.token_ids) == tokens_from:
+    def _chunk(self, c: CompletionOutput, text_from: int, tokens_from: int) -> dict[str, Any] | None:
+        if not self.has_news(c, text_from, tokens_from):
             return None
-        choice = {"index": 0, "delta": {"content": delta} if delta else {},
-                  "logprobs": self._logprobs(output, tokens_from), "finish_reason": output.finish_reason,
-                  "stop_reason": output.stop_reason if output.finished else None}
-        return {"object": self.chunk_object, "choices": [choice]}
+        delta = c.text[text_from:]
+        return {"index": c.index, "delta": {"content": delta} if delta else {},
+                "logprobs": self._logprobs(c, tokens_from), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason if c.finish_reason else None}
 
-    def _logprobs(self, output: RequestOutput, tokens_from: int) -> dict[str, Any] | None:
+    def _logprobs(self, output: CompletionOutput, tokens_from: int) -> dict[str, Any] | None:
         if output.logprobs is None:
             return None
 

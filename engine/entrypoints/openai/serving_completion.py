@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.entrypoints.openai.serving_engine import (OpenAIServing, RequestError, until_disconnected, usage)
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -44,22 +44,19 @@ class OpenAIServingCompletion(OpenAIServing):
             return StreamingResponse(self.stream_events(stream, request_id, request, self._chunk),
                                      media_type="text/event-stream")
         output = await until_disconnected(self.last_output(stream), raw_request)
-        choice = {"index": 0, "text": output.text, "finish_reason": output.finish_reason,
-                  "stop_reason": output.stop_reason, "logprobs": self._logprobs(output, 0, 0)}
+        choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "logprobs": self._logprobs(c, 0, 0)} for c in output.outputs]
         return JSONResponse({"id": request_id, "object": "text_completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": [choice], "usage": usage(output)})
+                             "model": self.model_name, "choices": choices, "usage": usage(output)})
 
-    def _chunk(self, output: RequestOutput, text_from: int, tokens_from: int) -> dict[str, Any] | None:
-        # a stop string found later trims text a chunk already carried: never send a negative delta
-        delta = output.text[text_from:]
-        if not delta and not output.finished and len(output.token_ids) == tokens_from:
+    def _chunk(self, c: CompletionOutput, text_from: int, tokens_from: int) -> dict[str, Any] | None:
+        if not self.has_news(c, text_from, tokens_from):
             return None
-        choice = {"index": 0, "text": delta, "logprobs": self._logprobs(output, tokens_from, text_from),
-                  "finish_reason": output.finish_reason,
-                  "stop_reason": output.stop_reason if output.finished else None}
-        return {"object": "text_completion", "choices": [choice]}
+        # a stop string found later trims text a chunk already carried: never send a negative delta
+        return {"index": c.index, "text": c.text[text_from:], "logprobs": self._logprobs(c, tokens_from, text_from),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason if c.finish_reason else None}
 
-    def _logprobs(self, output: RequestOutput, tokens_from: int, text_offset: int) -> dict[str, Any] | None:
+    def _logprobs(self, output: CompletionOutput, tokens_from: int, text_offset: int) -> dict[str, Any] | None:
         if output.logprobs is None:
             return None
         tokens, token_logprobs, top, offsets = [], [], [], []

@@ -15,14 +15,15 @@ from fastapi.responses import JSONResponse
 
 from engine.async_llm import AsyncLLM, RequestStream
 from engine.entrypoints.openai.protocol import MAX_LOGPROBS, ErrorInfo, ErrorResponse, SamplingRequest
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
-# the engine's messages start with the field they refuse ("max_tokens: must be >= 1, got 0")
-_FIELD = re.compile(r"^([A-Za-z_][\w.]*):")
+# the engine's messages start with the field they refuse ("max_tokens: must be >= 1, got 0", "logit_bias[5]: must
+# be in [-100, 100]", "logit_bias (token id): expected int")
+_FIELD = re.compile(r"^([A-Za-z_]\w*)(?:[.\[][^:\s]*| \([^)]*\))?:")
 
 
 class RequestError(Exception):
@@ -44,7 +45,7 @@ def engine_refusal(exc: ValueError | TypeError, field_map: dict[str, str] | None
     """The engine's ValueError/TypeError as a 400 naming the field (engine names mapped to the API's)."""
     message = str(exc)
     match = _FIELD.match(message)
-    param = match.group(1).split(".")[0] if match else None
+    param = match.group(1) if match else None
     if param is not None and field_map and param in field_map:
         # the message names the field as the client sent it ("max_completion_tokens: must be >= 1")
         message = field_map[param] + message[len(param):]
@@ -53,7 +54,9 @@ def engine_refusal(exc: ValueError | TypeError, field_map: dict[str, str] | None
 
 
 def usage(output: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+    """OpenAI's usage: the prompt once, the tokens of every sampled sequence (n > 1: all n)."""
+    prompt = len(output.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in output.outputs) if output.outputs else len(output.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -101,17 +104,10 @@ class OpenAIServing:
         self.policy = engine.config.scheduling_policy
 
     def check(self, request: SamplingRequest) -> None:
-        """The model name (404 if it is not this server's), then fields the API has that this engine does not do
-        yet: refused, never silently ignored."""
+        """The model name (404 if it is not this server's), then fields this server cannot honour as sent: refused,
+        never silently ignored."""
         if request.model is not None and request.model != self.model_name:
             raise RequestError(404, f"The model `{request.model}` does not exist.", "model")
-        if request.n != 1:
-            raise RequestError(400, f"n: only n=1 is supported, got {request.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name) != 0:
-                raise RequestError(400, f"{name}: penalties are not supported; send 0", name)
-        if request.logit_bias:
-            raise RequestError(400, "logit_bias: not supported", "logit_bias")
         if request.priority != 0 and self.policy != "priority":
             raise RequestError(400, f"priority: {request.priority} given, but the server schedules "
                                f"{self.policy!r}; start it with --scheduling-policy priority", "priority")
@@ -133,8 +129,17 @@ class OpenAIServing:
             max_tokens = max(min(room, default_max_tokens or room), 1)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise RequestError(400, f"logprobs: must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+        logit_bias = None
+        if request.logit_bias is not None:  # JSON keys are strings; the engine's are token ids
+            bad = next((k for k in request.logit_bias if not k.strip().lstrip("-").isdigit()), None)
+            if bad is not None:
+                raise RequestError(400, f"logit_bias: keys must be token ids, got {bad!r}", "logit_bias")
+            logit_bias = {int(k): float(v) for k, v in request.logit_bias.items()}
         try:
             return SamplingParams(
+                n=request.n, presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+                logit_bias=logit_bias, bad_words=request.bad_words, allowed_token_ids=request.allowed_token_ids,
                 temperature=1.0 if request.temperature is None else request.temperature,
                 top_p=1.0 if request.top_p is None else request.top_p,
                 top_k=request.top_k or 0, min_p=request.min_p or 0.0, seed=request.seed, max_tokens=max_tokens,
@@ -201,38 +206,53 @@ class OpenAIServing:
         return output
 
     async def stream_events(self, stream: RequestStream, request_id: str, request: SamplingRequest,
-                            chunk: Callable[[RequestOutput, int, int], dict[str, Any] | None],
-                            first: dict[str, Any] | None = None) -> AsyncIterator[str]:
-        """Server-sent events: `first` (the role, for chat), a chunk per output from `chunk(output, text_from,
-        tokens_from)` (None: nothing new to send), the usage chunk when asked for, then `data: [DONE]`. The
-        request is aborted if the client leaves (Starlette cancels this generator) or sending fails."""
+                            chunk: Callable[[CompletionOutput, int, int], dict[str, Any] | None],
+                            first: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per choice in `first` (the role, for chat), a chunk per sampled sequence
+        that grew, from `chunk(completion, text_from, tokens_from)` (a choice, or None: nothing new to send), the
+        usage chunk when asked for, then `data: [DONE]`. With n > 1 each chunk carries one choice, named by its
+        index (as OpenAI and vLLM stream them). The request is aborted if the client leaves (Starlette cancels
+        this generator) or sending fails."""
         created = int(time.time())
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
-        base = {"id": request_id, "created": created, "model": self.model_name}
-        text_from = tokens_from = 0
+        base = {"id": request_id, "created": created, "model": self.model_name, "object": self.chunk_object}
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (text, tokens) already streamed
+        done: set[int] = set()  # choice indices whose finish was streamed
         output = None
         try:
-            if first is not None:
-                yield sse({**base, **first, **({"usage": None} if include_usage else {})})
+            for choice in first or []:
+                yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
             async for output in stream:
                 if output.finish_reason == "error":
                     yield sse({"error": ErrorInfo(message=f"the request failed: {output.error}",
                                                   type=ERROR_TYPES[500], code=500).model_dump()})
                     break
-                body = chunk(output, text_from, tokens_from)
-                text_from, tokens_from = len(output.text), len(output.token_ids)
-                if body is None:
-                    continue
-                extra = {}
-                if include_usage:
-                    extra["usage"] = usage(output) if continuous else None
-                yield sse({**base, **body, **extra})
+                for completion in output.outputs:
+                    if completion.index in done:  # n > 1: a sequence that finished earlier is repeated, unchanged
+                        continue
+                    if completion.finish_reason is not None:
+                        done.add(completion.index)
+                    text_from, tokens_from = sent.get(completion.index, (0, 0))
+                    choice = chunk(completion, text_from, tokens_from)
+                    sent[completion.index] = len(completion.text), len(completion.token_ids)
+                    if choice is None:
+                        continue
+                    extra = {}
+                    if include_usage:
+                        extra["usage"] = usage(output) if continuous else None
+                    yield sse({**base, "choices": [choice], **extra})
             else:
                 if include_usage and output is not None:
-                    yield sse({**base, "object": self.chunk_object, "choices": [], "usage": usage(output)})
+                    yield sse({**base, "choices": [], "usage": usage(output)})
             yield sse("[DONE]")
         finally:
             stream.close()
+
+    @staticmethod
+    def has_news(completion: CompletionOutput, text_from: int, tokens_from: int) -> bool:
+        """Whether a sequence has anything to stream: new text, new tokens (logprobs) or its finish."""
+        return bool(completion.text[text_from:]) or completion.finish_reason is not None \
+            or len(completion.token_ids) != tokens_from
 
     chunk_object = "text_completion"

@@ -2,6 +2,7 @@
 // in kernels/reference.py that it must equal within float32 tolerance:
 //   linear_small_m  weights streamed once for a few rows of input: fp32, bf16 or int8 (per-row scales) weights
 //   paged_attention every sequence of a step over its blocks in place: no gather, online softmax per block
+//   store_kvcache   each new token's K and V into its flat slot (-1: skipped), converted to the cache's dtype
 //   rms_norm        RMS normalisation, with the residual add fused in front of it (vLLM's fused_add_rms_norm)
 //   rotary          rotate-half RoPE of q and k read where the fused q/k/v projection left them
 //   silu_and_mul    SiLU(gate) * up of the fused gate/up projection
@@ -303,6 +304,39 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 
+// ---- KV cache write ----------------------------------------------------------------------------------------------
+template <typename C>
+inline void store_row(const float* src, C* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<C>(src[i]);
+}
+
+void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
+              "store_kvcache: key and value must be [T, Hkv, D] float32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kvcache: caches must be contiguous");
+  auto k = key.contiguous(), v = value.contiguous();
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2), num_slots = k_cache.numel() / row;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] < num_slots, "store_kvcache: slot ", sp[t], " is past the cache's ", num_slots, " slots");
+  auto write = [&](auto* kc, auto* vc) {
+    for (int64_t t = 0; t < T; ++t) {
+      if (sp[t] < 0) continue;  // a token that must not be written (its slot is -1)
+      store_row(kp + t * row, kc + sp[t] * row, row);
+      store_row(vp + t * row, vc + sp[t] * row, row);
+    }
+  };
+  if (k_cache.scalar_type() == at::kFloat)
+    write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else if (k_cache.scalar_type() == at::kBFloat16)
+    write(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  else
+    TORCH_CHECK(false, "store_kvcache: the cache must be float32 or bfloat16");
+}
+
 // ---- the small per-layer ops -----------------------------------------------------------------------------------
 // Rows are independent; a task takes whole rows, enough of them to be worth a thread (a decode step's single row
 // runs inline). The arithmetic follows the torch reference's order where it is a sequence of roundings.
@@ -433,6 +467,7 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale) -> Tensor");
+  m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
@@ -442,6 +477,7 @@ TORCH_LIBRARY(workbench_cpu, m) {
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
   m.impl("linear_small_m", &linear_small_m);
   m.impl("paged_attention", &paged_attention);
+  m.impl("store_kvcache", &store_kvcache);
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary", &rotary);

@@ -24,6 +24,15 @@ def linear(
     return reference.linear(x, weight, scale, bias)
 
 
+def store_kvcache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    if key.dtype == value.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.bfloat16):
+        torch.ops.workbench_cpu.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -137,3 +137,18 @@ def test_silu_and_mul_equals_the_reference_over_both_signs_and_large_magnitudes(
     x = torch.cat((torch.linspace(-90, 90, 3 * 1536).view(3, 1536), torch.randn(3, 1536)), dim=1)
     torch.testing.assert_close(torch.ops.workbench_cpu.silu_and_mul(x), reference.silu_and_mul(x),
                                atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kvcache_writes_each_slot_skips_minus_one_and_equals_the_reference(dtype):
+    gen = torch.Generator().manual_seed(0)
+    key, value = torch.randn(5, 3, 64, generator=gen), torch.randn(5, 3, 64, generator=gen)
+    slots = torch.tensor([17, -1, 0, 63, 40])
+    caches = [[torch.zeros(4, 16, 3, 64, dtype=dtype) for _ in range(2)] for _ in range(2)]
+    torch.ops.workbench_cpu.store_kvcache(key, value, *caches[0], slots)
+    reference.store_kvcache(key, value, *caches[1], slots)
+    assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
+    assert caches[0][0].view(-1, 3, 64)[[17, 0, 63, 40]].abs().sum(dim=(1, 2)).all()  # written
+    assert caches[0][0].view(-1, 3, 64).abs().sum(dim=(1, 2)).count_nonzero() == 4  # the -1 token nowhere
+    with pytest.raises(RuntimeError, match="slot 64 is past the cache's 64 slots"):
+        torch.ops.workbench_cpu.store_kvcache(key[:1], value[:1], *caches[0], torch.tensor([64]))

@@ -119,8 +119,10 @@ class EngineConfig:
     # later features: accepted only when their subsystem exists
     speculative_config: dict | None = None
     kv_transfer_config: dict | None = None
-    # execution (vLLM's names): "uniproc" runs the model in this process; "simulated" runs the scheduler and KV
-    # cache over a cost model of `hardware` (a name of its table or a dict) in simulated time, no weights
+    # execution (vLLM's names): "uniproc" runs the model in this process; "multiproc" in tensor_parallel_size worker
+    # processes on torch.distributed (chosen by itself when tensor_parallel_size > 1, as vLLM does); "simulated"
+    # runs the scheduler and KV cache over a cost model of `hardware` (a name of its table or a dict) in simulated
+    # time, no weights
     executor: str = "uniproc"
     hardware: str | dict | None = None
     tensor_parallel_size: int = 1
@@ -171,14 +173,17 @@ class EngineConfig:
             raise TypeError(f"gpu_memory_utilization: expected float, got {type(self.gpu_memory_utilization).__name__}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.executor not in ("uniproc", "simulated"):
-            raise ValueError(f"executor: must be 'uniproc' or 'simulated', got {self.executor!r}")
+        if self.executor not in ("uniproc", "multiproc", "simulated"):
+            raise ValueError(f"executor: must be 'uniproc', 'multiproc' or 'simulated', got {self.executor!r}")
         if self.executor != "simulated":
             if self.hardware is not None:
                 raise ValueError("hardware: only the simulated executor reads it (executor='simulated')")
             if self.tensor_parallel_size != 1:
-                raise ValueError(f"tensor_parallel_size: {self.tensor_parallel_size} needs executor='simulated' "
-                                 "(no multi-process executor yet)")
+                self.executor = "multiproc"  # one process cannot hold several ranks
+            if self.executor == "multiproc":
+                for name in ("speculative_config", "kv_transfer_config"):
+                    if getattr(self, name) is not None:
+                        raise ValueError(f"{name}: not supported by the multiproc executor yet")
             return
         from engine.executor.sim.hardware import get_hardware, hardware_table
 

@@ -186,6 +186,17 @@ class MoERouted(Event):
 
 
 @dataclass(frozen=True)
+class ParallelStep(Event):
+    """What each tensor-parallel rank did in this step (the multiproc executor): one dict per rank, rank order, with
+    `rank`, `forward_ms` (its forward and logits, collectives included), `sample_ms`, and `collectives`:
+    {kind ("all_reduce", "all_gather"): {"count", "bytes" (this rank's tensor), "ms" (wall time inside)}}."""
+
+    kind: ClassVar[str] = "parallel.step"
+    tensor_parallel_size: int
+    ranks: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
 class StepTiming(Event):
     kind: ClassVar[str] = "step.timing"
     schedule_ms: float

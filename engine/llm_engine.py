@@ -244,6 +244,16 @@ class LLMEngine:
     def unsubscribe(self, callback: Subscriber) -> None:
         self._subscribers.remove(callback)
 
+    def close(self) -> None:
+        """Release what the executor holds (the tensor-parallel worker processes); idempotent."""
+        self.executor.shutdown()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     # ---- numbers a lesson or a view reads ----------------------------------------------------------
     @property
     def vocab_size(self) -> int:

@@ -29,6 +29,16 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also on leaving a `with LLM(...)` block."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -1,5 +1,6 @@
 """Executors: what runs the model for the engine (vLLM's `vllm/v1/executor/`). `UniProcExecutor` runs the
-ModelRunner in this process (the default); `SimulatedExecutor` runs no model, only a cost model in simulated time.
+ModelRunner in this process (the default); `MultiProcExecutor` runs one worker process per tensor-parallel rank;
+`SimulatedExecutor` runs no model, only a cost model in simulated time.
 Each is an `Executor` (abstract.py); `get_executor_class` picks the one the config names (vLLM's
 `Executor.get_class`, here beside the classes so that the interface imports none of them)."""
 from __future__ import annotations
@@ -18,4 +19,8 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
         from engine.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor
+    if config.executor == "multiproc":
+        from engine.executor.multiproc import MultiProcExecutor
+
+        return MultiProcExecutor
     raise ValueError(f"executor: {config.executor!r} is not available")

@@ -36,3 +36,18 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         quant = ", int8 weights" if self.weight_scale is not None else ""
         return f"in={self.in_features}, out={self.out_features}, {self.weight.dtype}{quant}"
+
+
+class RowParallelLinear(Linear):
+    """vLLM's RowParallelLinear: this rank's columns of the weight ``[out, in / tp]`` (the input arrives already
+    split: heads from attention, columns of the MLP's intermediate), so each rank computes a partial sum of the
+    full output and one all-reduce adds them. The bias is added by rank 0 only, so it counts once in the sum.
+    Column-parallel layers need no class of their own here: a rank's q/k/v or gate/up rows are an ordinary
+    `Linear` whose loader reads only that rank's slice (LlamaForCausalLM.load_weights)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.distributed.parallel_state import get_tp_group
+
+        tp = get_tp_group()
+        out = kernels.linear(x, self.weight, self.weight_scale, self.bias if tp.rank == 0 else None)
+        return tp.all_reduce(out)

@@ -5,13 +5,18 @@ attention reads and writes the paged cache through ``kernels``. Module and param
 names follow Hugging Face's, with q/k/v fused into ``qkv_proj`` and gate/up into
 ``gate_up_proj`` as in vLLM. Sliding-window attention (Mistral; Qwen2/Qwen3 with ``use_sliding_window``) is
 applied in the layers the config names (``layer_sliding_window``).
+
+Tensor parallelism (vLLM's layers; the group from ``engine.distributed.parallel_state``, size 1 outside a multiproc
+worker, where nothing below changes): q/k/v and gate/up hold this rank's heads and columns, o_proj and down_proj its
+rows (``RowParallelLinear``: one all-reduce each), the embedding and LM head its share of the vocabulary. Each rank
+reads only its slice of every checkpoint tensor (``LlamaForCausalLM._rank_slice``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,8 +26,10 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import kernels
+from engine.distributed.parallel_state import get_tp_group, tp_head_split
 from engine.model.attention import AttentionMetadata, sliding_window_attention
-from engine.model.linear import Linear
+from engine.model.linear import Linear, RowParallelLinear
+from engine.model.vocab_parallel_embedding import VocabParallelEmbedding, padded_vocab_per_rank
 
 # "dynamic" matches HF while the context stays within max_position_embeddings;
 # "longrope" switches frequencies with the context length and is not supported.
@@ -122,8 +129,10 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = get_tp_group()
+        # this rank's heads (all of them outside tensor parallelism); kv_head_start is its first KV head
+        self.num_heads, self.num_kv_heads, self.kv_head_start = tp_head_split(
+            config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
         self.head_dim = _head_dim(config)
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
@@ -132,7 +141,8 @@ class LlamaAttention(nn.Module):
         # Qwen2 has biases on q/k/v only; Llama's attention_bias covers o_proj too.
         qkv_bias = attention_bias or config.model_type == "qwen2"
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=attention_bias)
+        row_linear = RowParallelLinear if tp.size > 1 else Linear
+        self.o_proj = row_linear(self.q_size, config.hidden_size, bias=attention_bias)
         self.sliding_window: int | None = None  # this layer's window, set by LlamaModel
 
     def forward(
@@ -164,9 +174,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        tp = get_tp_group()
+        self.intermediate_size = config.intermediate_size // tp.size  # this rank's columns of gate and of up
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        row_linear = RowParallelLinear if tp.size > 1 else Linear
+        self.down_proj = row_linear(self.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
         self.silu = config.hidden_act == "silu"  # fused with the product in one kernel
 
@@ -223,7 +235,10 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if get_tp_group().size > 1:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
         for i, layer in enumerate(self.layers):
             layer.self_attn.sliding_window = layer_sliding_window(config, i)
@@ -265,9 +280,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.shape = ModelShape.from_config(config)
+        self.tp = get_tp_group()
         self.model = self.model_cls(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        attn = self.model.layers[0].self_attn
+        # this rank's shape: its heads and KV heads (the cache it allocates); the whole model's outside TP
+        self.shape = replace(ModelShape.from_config(config), num_heads=attn.num_heads,
+                             num_kv_heads=attn.num_kv_heads)
+        self.lm_head = Linear(config.hidden_size, padded_vocab_per_rank(config.vocab_size, self.tp.size),
+                              bias=False)
         if config.tie_word_embeddings:
             self.tie_weights()
 
@@ -283,7 +303,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` (only rows that sample) -> float32 logits ``[N, vocab]``."""
-        return self.lm_head(hidden).float()
+        if self.tp.size == 1:
+            return self.lm_head(hidden).float()
+        # every rank gets the whole row (an all-gather, where vLLM gathers to rank 0 on CUDA), so that every rank
+        # runs the runner's sampling code unchanged; padding rows past the vocabulary are cut off
+        return self.tp.all_gather(self.lm_head(hidden).float())[:, :self.config.vocab_size]
 
     def tie_weights(self) -> None:
         """Share the input embedding as the LM head."""
@@ -319,6 +343,8 @@ class LlamaForCausalLM(nn.Module):
             target = params[name].data
             if shard is not None:
                 target = self._shard(name, target, shard)
+            if self.tp.size > 1:
+                tensor = self._rank_slice(name, shard, tensor, target)
             if target.shape != tensor.shape:
                 raise ValueError(
                     f"model: weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
@@ -345,6 +371,26 @@ class LlamaForCausalLM(nn.Module):
         else:
             sizes = [param.shape[0] // 2] * 2  # gate and up halves (an MoE expert's are moe_intermediate_size)
         return param.split(sizes, dim=0)[shard]
+
+    def _rank_slice(self, name: str, shard: int | None, tensor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (vLLM's weight_loader): q rows by query heads, k/v rows by KV
+        heads (a replicated KV head read whole), gate/up rows and o_proj/down_proj columns evenly, embedding and LM
+        head rows by vocabulary (zero padding past its end). Norms and anything else are replicated."""
+        rank = self.tp.rank
+        if name.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
+            attn = self.model.layers[0].self_attn
+            if shard == 0:
+                return tensor.narrow(0, rank * attn.q_size, attn.q_size)
+            return tensor.narrow(0, attn.kv_head_start * attn.head_dim, attn.kv_size)
+        if name.endswith((".gate_up_proj.weight", ".gate_up_proj.bias")):
+            return tensor.narrow(0, rank * target.shape[0], target.shape[0])
+        if name.endswith((".o_proj.weight", ".down_proj.weight")):
+            return tensor.narrow(1, rank * target.shape[1], target.shape[1])
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows = target.shape[0]
+            part = tensor[rank * rows:(rank + 1) * rows]
+            return torch.nn.functional.pad(part, (0, 0, 0, rows - part.shape[0]))
+        return tensor
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

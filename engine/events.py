@@ -189,7 +189,8 @@ class MoERouted(Event):
 class ParallelStep(Event):
     """What each tensor-parallel rank did in this step (the multiproc executor): one dict per rank, rank order, with
     `rank`, `forward_ms` (its forward and logits, collectives included), `sample_ms`, and `collectives`:
-    {kind ("all_reduce", "all_gather"): {"count", "bytes" (this rank's tensor), "ms" (wall time inside)}}."""
+    {kind ("all_reduce", "all_gather"): {"count", "bytes" (this rank's tensor), "ms" (wall time inside it, waiting
+    for a slower peer included)}}."""
 
     kind: ClassVar[str] = "parallel.step"
     tensor_parallel_size: int

@@ -151,10 +151,15 @@ class GrammarStep(Event):
 
 @dataclass(frozen=True)
 class SpecProposed(Event):
+    """Drafts set for the next step's verification. For a guided request, the grammar checks them first and cuts
+    them at the first token it refuses: `draft_token_ids` is what is left (maybe nothing), `num_cut_by_grammar`
+    how many the proposer made past that point."""
+
     kind: ClassVar[str] = "spec.proposed"
     request_id: str
     method: str
     draft_token_ids: tuple[int, ...]
+    num_cut_by_grammar: int = 0
 
 
 @dataclass(frozen=True)

@@ -127,12 +127,14 @@ class Verification:
 @dataclass
 class SpecState:
     """Owns speculative decoding as its events tell it: the proposer's method, every verification in order, and
-    per draft position the drafts verified (`proposed`) and accepted there."""
+    per draft position the drafts verified (`proposed`) and accepted there, and the drafts a grammar cut before
+    verification (`num_cut_by_grammar`)."""
 
     method: str = ""
     verifications: list[Verification] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    num_cut_by_grammar: int = 0
 
     def rate(self, position: int) -> float:
         """Accepted over verified drafts at a draft position."""
@@ -439,6 +441,7 @@ class EngineState:
 
     def _spec_proposed(self, e, record: StepRecord, delta: StepDelta) -> None:
         self.spec.method = e.method
+        self.spec.num_cut_by_grammar += e.num_cut_by_grammar
         delta.spec_proposed.append(e.request_id)
 
     def _spec_verified(self, e, record: StepRecord, delta: StepDelta) -> None:

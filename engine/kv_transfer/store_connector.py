@@ -92,6 +92,10 @@ class KVStoreConnector(KVConnectorBase):
         self._saved: dict[str, dict[str, Any]] = {}  # rid -> kv_transfer_params for the decode side
         self._load_errors: set[int] = set()
         self._missed: set[str] = set()  # requests whose miss was reported
+        # requests whose load came back bad: they compute their KV here from then on. An asynchronous load that
+        # failed at block 0 sends its request back to the waiting queue with nothing computed; matched again, it
+        # would load the same bad entry again, forever
+        self._failed_loads: set[str] = set()
         extra = self.config.kv_connector_extra_config
         self.async_transfers = bool(extra.get("async_transfers", False))
         # a decode request can arrive before its producer's asynchronous save is stored: look again for a while
@@ -119,6 +123,8 @@ class KVStoreConnector(KVConnectorBase):
         params = request.kv_transfer_params or {}
         wanted = bool(params.get("do_remote_prefill"))
         if not self.config.is_kv_consumer or not (wanted or self.config.kv_role == "kv_consumer"):
+            return 0, False
+        if request.request_id in self._failed_loads:
             return 0, False
         key = prompt_key(request, self.block_size)
         try:
@@ -182,6 +188,7 @@ class KVStoreConnector(KVConnectorBase):
         rid = request.request_id
         self._matched.pop(rid, None)
         self._missed.discard(rid)
+        self._failed_loads.discard(rid)
         self._first_miss.pop(rid, None)
         self._manifests.pop(rid, None)
         # a transfer thread still reading (save) or writing (load) the blocks: they stay held until it ends
@@ -229,6 +236,7 @@ class KVStoreConnector(KVConnectorBase):
         meta = result.meta
         if result.bad:
             self._load_errors.update(meta.block_ids[b] for b in result.bad)
+            self._failed_loads.add(meta.request_id)
             policy = self.config.kv_load_failure_policy
             start = max(meta.start, min(result.bad) * self.block_size)
             self._emit_fail(meta.request_id, result.failure, policy,

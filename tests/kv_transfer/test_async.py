@@ -159,3 +159,25 @@ def test_corrupt_kv_in_an_async_load_goes_by_the_policy(engines, reference, poli
     else:
         assert outs[0].finish_reason == "error" and "kv_transfer" in outs[0].error
     assert_no_leaks(consumer)
+
+
+def test_an_async_load_missing_a_layer_is_recomputed_once(engines, reference) -> None:
+    """A missing layer spoils every block: the request comes back from its load with nothing computed and goes
+    through admission again; it must compute its prompt here, not match the same bad entry and load it again."""
+    prompt = ["This prompt's stored KV loses a layer file before the decode side loads it, so every block is bad"]
+    params = prefill(engines.producer, prompt)
+    damage(engines.producer.connector, params[0]["remote_key"], 1, "missing")
+    consumer = engines.consumer
+    rid = consumer.add_request(prompt[0], GREEDY, kv_transfer_params=params[0])
+    records = []
+    while consumer.has_unfinished_requests() and len(records) < 40:
+        records.append(consumer.step())
+    assert not consumer.has_unfinished_requests(), "the request loads its bad entry over and over"
+    (fail,) = events(records, "kv_transfer.fail")
+    outs = [consumer.pop_output(rid)]
+    assert (fail.failure, fail.policy_action) == ("missing", "recompute")
+    assert len(events(records, "kv_transfer.load")) == 0
+    first = next(r.scheduled[rid] for r in records if rid in r.scheduled)
+    assert first == len(outs[0].prompt_token_ids)  # the whole prompt, computed here
+    assert_same(outs, reference.generate(prompt, GREEDY, use_tqdm=False))
+    assert_no_leaks(consumer)

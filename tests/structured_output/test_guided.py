@@ -336,3 +336,43 @@ def test_a_lone_compiling_request_waits_instead_of_spinning(monkeypatch) -> None
         temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")))
     first = llm.engine.step()
     assert first.scheduled == {rid: 3} and first.of_kind("grammar.compiled")
+
+
+def test_drafts_the_grammar_refuses_are_cut_and_counted(tiny_model_path) -> None:
+    """The scheduler checks a guided request's drafts against its grammar before they are verified, cuts them at
+    the first refused token, and says how many it cut in spec.proposed (even when it cut them all)."""
+    from transformers import AutoTokenizer
+
+    from engine.core.kv_cache_manager import KVCacheManager
+    from engine.core.sched.scheduler import Scheduler
+    from engine.events import EventLog
+    from engine.structured_output.manager import StructuredOutputManager
+    from tests.core.helpers import make_config, make_request
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    digit = {d: tokenizer.convert_tokens_to_ids(d) for d in "123"}
+    letter = tokenizer.convert_tokens_to_ids("x")
+    config = make_config(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    events = EventLog()
+    kv = KVCacheManager(64, config.block_size, False, config.prefix_caching_hash_algo, events)
+    scheduler = Scheduler(config, kv, events, StructuredOutputManager(tokenizer, len(tokenizer), events))
+    request = make_request("digits", 8, max_tokens=32, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    scheduler.add_request(request)
+
+    def step(sampled: int, drafts: list[int]) -> list:
+        events.begin(events.step + 1)
+        out = scheduler.schedule()
+        while not out.scheduled:  # the grammar compiles on its thread
+            scheduler.structured.wait_for_any(["digits"], timeout=5.0)
+            out = scheduler.schedule()
+        scheduler.update_from_output(out, {"digits": [sampled]}, {"digits": (drafts, None)})
+        return [e for e in events.drain() if e.kind == "spec.proposed"]
+
+    (partly,) = step(digit["1"], [digit["2"], digit["3"], letter, digit["1"]])
+    assert (partly.draft_token_ids, partly.num_cut_by_grammar) == ((digit["2"], digit["3"]), 2)
+    assert request.spec_token_ids == [digit["2"], digit["3"]]
+    # both drafts rejected, "2" recovered; then the first new draft is refused, so none is left to verify
+    (whole,) = step(digit["2"], [letter, digit["1"], digit["2"], digit["3"]])
+    assert (whole.draft_token_ids, whole.num_cut_by_grammar) == ((), 4) and request.spec_token_ids == []
+    (none_cut,) = step(digit["3"], [digit["1"], digit["2"]])
+    assert (none_cut.draft_token_ids, none_cut.num_cut_by_grammar) == ((digit["1"], digit["2"]), 0)

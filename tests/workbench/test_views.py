@@ -224,6 +224,12 @@ def test_spec_view_is_empty_until_spec_events(run):
     assert cells["token_id"] == [5, 6, 7, 3, 8, 9, 4] and cells["y"] == [0, 0, 0, 0, -1, -1, -1]
     acceptance = view.by_position.source.data
     assert acceptance["proposed"] == [2, 2, 1] and acceptance["rate"] == [1.0, 1.0, 0.0]
+    assert "cut by the grammar" not in view.methods.object
+    # a guided request's drafts: the grammar cut 2 of them, then all 3 (nothing left to verify)
+    view.update(_record(2, [SpecProposed(2, "g", "ngram", (5,), num_cut_by_grammar=2),
+                            SpecProposed(2, "g", "ngram", (), num_cut_by_grammar=3)]))
+    assert view.state.spec.num_cut_by_grammar == 5 and "drafts cut by the grammar: 5" in view.methods.object
+    assert len(view.cells.source.data["x"]) == 7  # nothing verified: no new cells
 
 
 # ---- the dashboard and the buffers under it -------------------------------------------------------------------

@@ -18,7 +18,8 @@ class SpecDecodeView(View):
     (green accepted, red rejected; hover gives p_target and p_draft), then the token the step emitted after
     the accepted prefix (gold: the bonus token, all drafts accepted; purple: the recovered token after a
     rejection); and the acceptance rate by draft position, from the state's `spec`. Shows an empty state until
-    the first spec.* event."""
+    the first spec.* event. Above them, the method and, for guided requests, how many drafts the grammar cut
+    before verification."""
 
     title = "Speculative decoding"
 
@@ -66,6 +67,8 @@ class SpecDecodeView(View):
             return
         self.empty.fill()
         text = f"method: {self.state.spec.method}"
+        if self.state.spec.num_cut_by_grammar:  # guided requests: drafts that never reached verification
+            text += f" · drafts cut by the grammar: {self.state.spec.num_cut_by_grammar}"
         if self.state.spec.method and self.methods.object != text:
             self.methods.object = text
         for verification in delta.verifications:

@@ -378,14 +378,16 @@ class Scheduler:
         return taken
 
     def _set_drafts(self, request: Request, tokens: list[int], probs) -> None:
+        num_proposed = len(tokens)
         if self.structured is not None and self.structured.is_guided(request.request_id):
             tokens = tokens[:self.structured.validate_tokens(request, tokens)]  # drafts the grammar allows
-        if not tokens:
-            return
-        request.spec_token_ids = tokens
-        request.spec_draft_probs = None if probs is None else probs[:len(tokens)]
-        self.events.emit(SpecProposed, request_id=request.request_id, method=self.spec_method,
-                         draft_token_ids=tuple(tokens))
+        if tokens:
+            request.spec_token_ids = tokens
+            request.spec_draft_probs = None if probs is None else probs[:len(tokens)]
+        # reported even when the grammar cut every draft: the proposer's work is visible, and what it cost
+        if num_proposed:
+            self.events.emit(SpecProposed, request_id=request.request_id, method=self.spec_method,
+                             draft_token_ids=tuple(tokens), num_cut_by_grammar=num_proposed - len(tokens))
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         # vLLM's order: length first, then (past min_tokens) EOS, then stop token ids

@@ -23,7 +23,8 @@ def _check_keys(cls: type, d: Any, name: str) -> None:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, vLLM's keys: method "ngram" (prompt_lookup_max/min) or "draft_model" (model)."""
+    """Speculative decoding, vLLM's keys: method "ngram" (prompt_lookup_max/min), "draft_model" (model: a model),
+    "eagle" or "medusa" (model: a draft head folder; none: the target's default head)."""
 
     method: str
     num_speculative_tokens: int

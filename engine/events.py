@@ -175,6 +175,7 @@ class SpecVerified(Event):
     p_draft: tuple[float, ...]
     emitted_token: int  # the recovered token after a rejection, or the bonus token when all were accepted
     bonus: bool
+    method: str = ""  # the proposer's speculative_config.method
 
 
 @dataclass(frozen=True)

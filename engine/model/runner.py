@@ -93,7 +93,8 @@ class ModelRunner:
 
     def _as_target(self) -> TargetModel:
         """What a proposer may know of this runner's model."""
-        return TargetModel(self.config, self.num_blocks, self.vocab_size, self.device, self.default_generator)
+        return TargetModel(self.config, self.num_blocks, self.vocab_size, self.device, self.default_generator,
+                           self.model)
 
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None,
@@ -110,7 +111,7 @@ class ModelRunner:
         if self.moe_blocks:
             self._emit_routing(output, batch)
         if self.spec is not None:
-            self.spec.mirror(batch.input_ids, batch.positions, batch.attn)
+            self.spec.mirror(output.scheduled, batch.input_ids, batch.positions, batch.attn, hidden)
         prompt_logprobs = self._prompt_logprobs(output, batch, hidden)
         if not batch.sampling_rows:
             return ModelRunnerOutput({}, {}, forward_ms=(time.perf_counter() - t0) * 1e3,

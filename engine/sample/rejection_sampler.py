@@ -19,6 +19,7 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    proposer_seconds: float = 0.0  # wall time spent drafting (the proposer's mirror and propose)
 
     @property
     def acceptance_rate(self) -> float:
@@ -45,12 +46,13 @@ class RejectionSampler:
     Greedy requests keep drafts while they equal the target's argmax; random ones accept with probability
     min(1, p_target / p_draft) and, at the first rejection, draw from normalize(max(p_target - p_draft, 0));
     when every draft stands, a bonus token comes from the (k+1)-th distribution. N-gram drafts have no
-    probabilities: a point mass."""
+    probabilities: a point mass; the draft model's, EAGLE's and Medusa's drafts come with their distributions."""
 
-    def __init__(self, sampler, events: EventLog, method: str) -> None:
+    def __init__(self, sampler, events: EventLog, method: str, with_draft_probs: bool = False) -> None:
         self.sampler = sampler
         self.events = events
         self.method = method
+        self.with_draft_probs = with_draft_probs  # the proposer's drafts come with their distributions
         self.stats = SpecDecodingStats()
 
     def __call__(self, logits: torch.Tensor, rows: list, first_rows: list[int],
@@ -68,7 +70,7 @@ class RejectionSampler:
         is_greedy = torch.tensor([s.request.sampling_params.greedy for s in rows], device=logits.device)
         drafts = torch.tensor([t for s in rows for t in s.spec_token_ids], device=logits.device)
         draft_probs = None
-        if self.method == "draft_model":
+        if self.with_draft_probs:
             draft_probs = torch.cat([s.request.spec_draft_probs[:n] for s, n in zip(rows, counts)])
         dev, gens, default = logits.device, bonus_meta.generators, bonus_meta.default_generator
         out = kernels.rejection_sample(
@@ -89,7 +91,7 @@ class RejectionSampler:
             self.events.emit(SpecVerified, request_id=s.request_id, draft_token_ids=tuple(s.spec_token_ids),
                              accepted=tuple(i < accepted for i in range(n)),
                              p_target=tuple(p_target[start:start + n]), p_draft=tuple(p_draft[start:start + n]),
-                             emitted_token=tokens[-1], bonus=accepted == n)
+                             emitted_token=tokens[-1], bonus=accepted == n, method=self.method)
             result[s.request_id] = tokens
             start += n
         return result

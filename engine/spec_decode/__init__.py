@@ -1,4 +1,4 @@
-"""Speculative decoding: proposers (n-gram, draft model) behind one interface (proposer.py), verification by
+"""Speculative decoding: proposers (n-gram, draft model, EAGLE, Medusa) behind one interface (proposer.py), verification by
 rejection sampling (engine/sample/rejection_sampler.py), the SpecDecoder that joins them (decoder.py).
 
 PROPOSERS is the one list of methods: EngineConfig validates speculative_config.method against it and the
@@ -9,6 +9,8 @@ SpecDecoder imports the named class. A new method is its Proposer subclass and o
 PROPOSERS: dict[str, str] = {
     "ngram": "engine.spec_decode.ngram_proposer:NgramProposer",
     "draft_model": "engine.spec_decode.draft_model:DraftModelProposer",
+    "eagle": "engine.spec_decode.eagle:EagleProposer",
+    "medusa": "engine.spec_decode.medusa:MedusaProposer",
 }
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import time
 
 import torch
 
@@ -12,7 +13,7 @@ from engine.model.attention import AttentionMetadata
 from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler
 from engine.spec_decode import PROPOSERS, method_names
-from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetModel
+from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetBatch, TargetModel
 
 def proposer_class(spec: SpeculativeConfig) -> type[Proposer]:
     """The proposer registered under `spec.method` in PROPOSERS; an unknown method raises ValueError naming the
@@ -31,21 +32,41 @@ class SpecDecoder:
         spec = config.speculative
         self.k = spec.num_speculative_tokens
         self.config = config  # max_model_len is resolved after the runner (and this) is built
-        self.proposer = proposer_class(spec).from_config(target)
-        self.rejection_sampler = RejectionSampler(sampler, events, spec.method)
+        cls = proposer_class(spec)
+        self.proposer = cls.from_config(target)
+        self.rejection_sampler = RejectionSampler(sampler, events, spec.method, cls.drafts_have_probs)
+        self._batch: TargetBatch | None = None  # this step's, between mirror and propose
+        self._first_rows: dict[str, int] = {}  # each request's first row in that batch
 
     @property
     def stats(self):
         return self.rejection_sampler.stats
 
-    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> None:
-        self.proposer.mirror(input_ids, positions, attn)
+    def mirror(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+               attn: AttentionMetadata, hidden_states: torch.Tensor) -> None:
+        """Show the proposer the step's batch as the target ran it (with the target's final hidden states), and
+        keep it for this step's propose."""
+        t0 = time.perf_counter()
+        starts = attn.query_start_loc.tolist()
+        next_ids = input_ids.roll(-1)
+        ends = [b - 1 for b in starts[1:]]
+        # the token after each request's last position: the next prompt token mid-prefill; not drawn yet otherwise
+        following = [-1 if s.samples else s.request.all_token_ids[s.num_computed_tokens + s.num_new_tokens]
+                     for s in scheduled]
+        next_ids[ends] = torch.tensor(following, dtype=next_ids.dtype, device=next_ids.device)
+        self._batch = TargetBatch(input_ids, positions, attn, hidden_states, next_ids)
+        self._first_rows = {s.request_id: start for s, start in zip(scheduled, starts)}
+        self.proposer.mirror(self._batch)
+        self.stats.proposer_seconds += time.perf_counter() - t0
 
     def propose(self, rows: list[ScheduledRequest], sampled: dict[str, list[int]]) -> Drafts:
         """Drafts for every request that just sampled, capped so that drafts plus the bonus token stay
         within max_tokens and max_model_len."""
+        t0 = time.perf_counter()
         requests = [r for s in rows if (r := self._draft_request(s, sampled[s.request_id])) is not None]
-        return self.proposer.propose(requests) if requests else {}
+        drafts = self.proposer.propose(requests) if requests else {}
+        self.stats.proposer_seconds += time.perf_counter() - t0
+        return drafts
 
     def _draft_request(self, s: ScheduledRequest, new: list[int]) -> DraftRequest | None:
         request = s.request
@@ -54,5 +75,8 @@ class SpecDecoder:
         k = min(self.k, left - 1, self.config.max_model_len - len(tokens) - 1)
         if k < 1:
             return None
+        # the target's state at the position before the newest token: it sampled that token (after the accepted
+        # drafts of a verification, whose later rows saw rejected drafts)
+        row = self._first_rows[s.request_id] + len(tokens) - 2 - s.num_computed_tokens
         return DraftRequest(request.request_id, tokens, s.block_ids, k, request.sampling_params.temperature,
-                            request.generator)
+                            request.generator, self._batch.hidden_states[row])

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from engine.model.attention import AttentionMetadata, allocate_kv_caches
+from engine.model.attention import allocate_kv_caches
 from engine.model.loader import resolve_model
 from engine.model.registry import load_model
-from engine.sample.sampler import exponential_noise
-from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetModel
+from engine.spec_decode.proposer import (DraftRequest, Drafts, Proposer, TargetBatch, TargetModel, chain_drafts,
+                                         decode_metadata, sample_drafts)
 
 
 class DraftModelProposer(Proposer):
     """Owns the draft model's weights and KV cache tensors; proposes drafts with their probabilities."""
 
     method = "draft_model"
+    drafts_have_probs = True
 
     def __init__(self, path: Path, num_speculative_tokens: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, target_vocab_size: int,
@@ -44,51 +44,22 @@ class DraftModelProposer(Proposer):
         return cls(resolve_model(spec.model), spec.num_speculative_tokens, target.num_blocks, config.block_size,
                    config.torch_dtype, target.device, target.vocab_size, target.default_generator)
 
-    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> None:
+    def mirror(self, batch: TargetBatch) -> None:
         """Run the target's batch through the draft so its cache holds the same tokens."""
-        self.model(input_ids, positions, attn, self.kv_caches)
+        self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
 
     def propose(self, inputs: list[DraftRequest]) -> Drafts:
         """For each request, `num_drafts` tokens sampled from the draft (argmax at temperature 0), from its newest
         token on, and their draft distributions [num_drafts, V]."""
-        live = list(range(len(inputs)))
-        tokens = [[] for _ in inputs]
-        probs: list[list[torch.Tensor]] = [[] for _ in inputs]
-        current = [inp.token_ids[-1] for inp in inputs]
-        for step in range(max((inp.num_drafts for inp in inputs), default=0)):
-            live = [i for i in live if inputs[i].num_drafts > step]
-            logits = self._decode([current[i] for i in live], [inputs[i] for i in live], step)
-            drafted, dist = self._sample(logits, [inputs[i] for i in live])
-            for row, i in enumerate(live):
-                tokens[i].append(drafted[row])
-                probs[i].append(dist[row])
-                current[i] = drafted[row]
-        return {inp.request_id: (t, torch.stack(p) if p else torch.empty(0))
-                for inp, t, p in zip(inputs, tokens, probs)}
+        def draft(live: list[int], tokens: list[int], step: int) -> tuple[list[int], torch.Tensor]:
+            live_inputs = [inputs[i] for i in live]
+            return sample_drafts(self._decode(tokens, live_inputs, step), live_inputs, self.default_generator)
+
+        return chain_drafts(inputs, draft)
 
     def _decode(self, token_ids: list[int], inputs: list[DraftRequest], step: int) -> torch.Tensor:
-        bs = self.block_size
         positions = [len(inp.token_ids) - 1 + step for inp in inputs]  # the newest token's, then each draft's
-        max_blocks = max(len(inp.block_ids) for inp in inputs)
-        tables = np.zeros((len(inputs), max_blocks), dtype=np.int32)
-        for i, inp in enumerate(inputs):
-            tables[i, :len(inp.block_ids)] = inp.block_ids
-        slots = [int(tables[i, p // bs]) * bs + p % bs for i, p in enumerate(positions)]
-        dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev),
-            query_start_loc=torch.arange(len(inputs) + 1, dtype=torch.int32, device=dev),
-        )
-        hidden = self.model(torch.tensor(token_ids, device=dev), torch.tensor(positions, device=dev), attn,
-                            self.kv_caches)
+        attn = decode_metadata(inputs, positions, self.block_size, self.device)
+        hidden = self.model(torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device),
+                            attn, self.kv_caches)
         return self.model.compute_logits(hidden)
-
-    def _sample(self, logits: torch.Tensor, inputs: list[DraftRequest]) -> tuple[list[int], torch.Tensor]:
-        temps = torch.tensor([max(inp.temperature, 1e-5) for inp in inputs], device=logits.device)
-        dist = torch.softmax(logits / temps[:, None], dim=-1)
-        greedy = torch.tensor([inp.temperature < 1e-5 for inp in inputs], device=logits.device)
-        generators = {i: inp.generator for i, inp in enumerate(inputs) if inp.generator is not None}
-        sampled = (dist / exponential_noise(dist, generators, self.default_generator)).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled).tolist(), dist

@@ -1,15 +1,20 @@
-"""The interface every proposer implements, and what it is given: a new method (EAGLE, Medusa, ...) is a subclass
-of Proposer plus one entry in `PROPOSERS` (engine/spec_decode/decoder.py), under its speculative_config.method."""
+"""The interface every proposer implements, and what it is given: a new method is a subclass of Proposer plus one
+entry in `PROPOSERS` (engine/spec_decode/__init__.py), under its speculative_config.method. Also what the proposers
+that run a network share: decode-step attention metadata over the target's block ids, and drawing drafts."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
+from torch import nn
 
 from engine.config import EngineConfig
 from engine.model.attention import AttentionMetadata
+from engine.sample.sampler import exponential_noise
 
 # drafts by request id, with their draft distributions [len(drafts), V], or None where the method has none
 # (the rejection sampler then takes the drafts as certain)
@@ -19,19 +24,36 @@ Drafts = dict[str, tuple[list[int], torch.Tensor | None]]
 @dataclass(frozen=True)
 class TargetModel:
     """What a proposer may know of the target model it drafts for: the engine config, and the model runner's
-    KV cache size (a draft model's cache shares its block ids), vocabulary, device and default generator."""
+    KV cache size (a draft model's cache shares its block ids), vocabulary, device and default generator; and the
+    model itself, whose embedding and LM head EAGLE and Medusa read through."""
 
     config: EngineConfig
     num_blocks: int
     vocab_size: int
     device: torch.device
     default_generator: torch.Generator
+    model: nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class TargetBatch:
+    """This step's flattened batch as the target ran it: its inputs and attention metadata, its final hidden state
+    at every position (what the LM head reads), and the token that follows each position where it is known before
+    sampling (the next one in the same request; at the end of a prompt chunk, the next prompt token); -1 at the end
+    of a request that samples this step (its next token is not drawn yet)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    hidden_states: torch.Tensor
+    next_token_ids: torch.Tensor
 
 
 @dataclass(frozen=True)
 class DraftRequest:
     """One request that just sampled: its tokens (the new ones included), its block ids, how many drafts it may
-    take (capped by max_tokens and max_model_len), and how to sample them."""
+    take (capped by max_tokens and max_model_len), and how to sample them; and the target's final hidden state at
+    the position before its newest token (the state that sampled that token), for proposers that read it."""
 
     request_id: str
     token_ids: list[int]
@@ -39,6 +61,7 @@ class DraftRequest:
     num_drafts: int
     temperature: float
     generator: torch.Generator | None
+    hidden_state: torch.Tensor | None = None
 
 
 class Proposer(ABC):
@@ -46,6 +69,8 @@ class Proposer(ABC):
     tokens for n-gram; a model and its KV cache for a draft model)."""
 
     method: ClassVar[str]  # its speculative_config.method
+    # True where drafts come with their draft distributions (the rejection sampler then uses them)
+    drafts_have_probs: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -56,6 +81,55 @@ class Proposer(ABC):
     def propose(self, requests: list[DraftRequest]) -> Drafts:
         """Drafts for the requests that just sampled (never an empty list); a request without drafts is left out."""
 
-    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> None:
+    def mirror(self, batch: TargetBatch) -> None:
         """See the target's batch of this step, after the target ran it: a proposer with its own KV cache runs it
         too, so that cache holds the same tokens. Nothing to do for the others."""
+
+
+def decode_metadata(inputs: list[DraftRequest], positions: list[int], block_size: int,
+                    device: torch.device) -> AttentionMetadata:
+    """Attention metadata for one new token per request at `positions`, over each request's own block ids (the
+    target's: a proposer's cache shares them, and the scheduler allocated the lookahead slots drafts write)."""
+    max_blocks = max(len(inp.block_ids) for inp in inputs)
+    tables = np.zeros((len(inputs), max_blocks), dtype=np.int32)
+    for i, inp in enumerate(inputs):
+        tables[i, :len(inp.block_ids)] = inp.block_ids
+    slots = [int(tables[i, p // block_size]) * block_size + p % block_size for i, p in enumerate(positions)]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.from_numpy(tables).to(device),
+        seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(len(inputs) + 1, dtype=torch.int32, device=device),
+    )
+
+
+def sample_drafts(logits: torch.Tensor, inputs: list[DraftRequest],
+                  default_generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
+    """One draft per row of `logits` [N, V'] (row i for inputs[i]): the argmax for a greedy request, else a draw
+    from softmax(logits / temperature) with the request's generator; and those distributions [N, V'], which the
+    rejection sampler needs to keep the target's distribution."""
+    temps = torch.tensor([max(inp.temperature, 1e-5) for inp in inputs], device=logits.device)
+    dist = torch.softmax(logits / temps[:, None], dim=-1)
+    greedy = torch.tensor([inp.temperature < 1e-5 for inp in inputs], device=logits.device)
+    generators = {i: inp.generator for i, inp in enumerate(inputs) if inp.generator is not None}
+    sampled = (dist / exponential_noise(dist, generators, default_generator)).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled).tolist(), dist
+
+
+
+def chain_drafts(inputs: list[DraftRequest],
+                 draft: Callable[[list[int], list[int], int], tuple[list[int], torch.Tensor]]) -> Drafts:
+    """Autoregressive drafting: round j calls `draft(live, tokens, j)` for the requests that may take more than j
+    drafts (their indices into `inputs`, and each one's newest token: its last sampled one, then its last draft),
+    which returns one draft per live request and the distributions [len(live), V] they were drawn from."""
+    drafted: list[list[int]] = [[] for _ in inputs]
+    probs: list[list[torch.Tensor]] = [[] for _ in inputs]
+    live = list(range(len(inputs)))
+    for step in range(max(inp.num_drafts for inp in inputs)):
+        live = [i for i in live if inputs[i].num_drafts > step]
+        newest = [drafted[i][-1] if drafted[i] else inputs[i].token_ids[-1] for i in live]
+        tokens, dist = draft(live, newest, step)
+        for row, i in enumerate(live):
+            drafted[i].append(tokens[row])
+            probs[i].append(dist[row])
+    return {inp.request_id: (t, torch.stack(p)) for inp, t, p in zip(inputs, drafted, probs)}

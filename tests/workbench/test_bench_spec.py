@@ -1,18 +1,41 @@
 """Smoke test of `workbench bench spec` on the tiny model (no timed assertions)."""
 from __future__ import annotations
 
-from workbench.bench.spec import format_markdown, run_spec
+import torch
+from transformers import AutoConfig
+
+from engine.model.loader import resolve_model
+from engine.spec_decode import draft_heads
+from engine.spec_decode.draft_heads import save_head
+from workbench import train_draft as td
+from workbench.bench.spec import format_markdown, format_text, run_spec
 
 
-def test_spec_bench_reports_every_configuration() -> None:
+def _default_heads(tmp_path, monkeypatch) -> None:
+    """Random tiny-llama heads where `workbench train-draft` would put them (the cache of heads), so run_spec finds them."""
+    target = AutoConfig.from_pretrained(resolve_model("tiny-llama"))
+    monkeypatch.setattr(draft_heads, "trained_heads_dir", lambda: tmp_path)
+    ids = torch.arange(256)
+    for config in (td.eagle_config(target, 64, 256, "tiny-llama"), td.medusa_config(target, 3, 256, "tiny-llama")):
+        save_head(tmp_path / "tiny-llama" / config["method"], config,
+                  td.head_tensors(td.new_head(config, 0), ids), {})
+
+
+def test_spec_bench_reports_every_configuration(tmp_path, monkeypatch) -> None:
+    _default_heads(tmp_path, monkeypatch)
     result = run_spec(model="tiny-llama", k=3, batch_sizes=(1, 4), num_requests=4, output_len=12, runs=1,
                       log=lambda line: None)
+    methods = ("none", "ngram", "draft_model", "eagle", "medusa")
     keys = {(r["workload"], r["batch"], r["method"]) for r in result["rows"]}
-    assert keys == {(w, b, m) for w in ("editing", "chat") for b in (1, 4) for m in ("none", "ngram", "draft_model")}
+    assert keys == {(w, b, m) for w in ("editing", "chat") for b in (1, 4) for m in methods}
     for r in result["rows"]:
         assert r["output_tokens"] > 0 and r["seconds"] > 0
         if r["method"] == "draft_model":  # the target drafting for itself: every greedy draft stands
             assert r["acceptance_rate"] == 1.0
         if r["method"] == "none":
-            assert r["speedup"] == 1.0
+            assert r["speedup"] == 1.0 and r["draft_share"] == 0.0
+        else:
+            assert 0 < r["draft_share"] < 1
+    assert len(result["load_average"]) == 2 and set(result["heads"]) == {"eagle", "medusa"}
     assert "## Speculative decoding" in format_markdown(result, "workbench bench spec")
+    assert "load average" in format_text(result)

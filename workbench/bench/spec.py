@@ -2,12 +2,15 @@
 input-grounded editing workload (the answer repeats the prompt: n-gram lookup helps) and on free chat.
 
 Greedy decoding: with or without drafts the tokens are identical, so every configuration does the same useful
-work and the speedup is a plain ratio of times. Methods: n-gram lookup, and a draft model (by default the target
-drafting for itself: every greedy draft is accepted, so it shows the mechanism's ceiling and the drafting cost).
+work and the speedup is a plain ratio of times. Methods: n-gram lookup, a draft model (by default the target
+drafting for itself: every greedy draft is accepted, so it shows the mechanism's ceiling and the drafting cost), and
+the learned heads EAGLE and Medusa (the target's default heads, made by `workbench train-draft`). Each row also
+gives the draft's share of the run's time, and the load average around the runs (the machine may be shared).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -15,7 +18,7 @@ from typing import Any, Callable, Sequence
 from engine import LLM, SamplingParams
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, chat_prompt_ids, editing_requests
-from workbench.bench.report import Part, Table, describe, docs_only, formatters
+from workbench.bench.report import Line, Part, Table, describe, docs_only, formatters
 
 HELP = "speculative decoding: tokens/s with and without drafts, batch 1 and 8"
 IN_ALL = (8, ["--runs", "2"])  # `workbench bench all` runs it: (place, flags)
@@ -30,10 +33,18 @@ def chat_requests(tokenizer, num_requests: int, output_len: int) -> list[BenchRe
             for i in range(num_requests)]
 
 
-def methods(k: int, draft_model: str) -> dict[str, dict | None]:
-    return {"none": None,
-            "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2},
-            "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k}}
+METHODS = ("none", "ngram", "draft_model", "eagle", "medusa")
+
+
+def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[str, dict | None]:
+    configs = {"none": None,
+               "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5,
+                         "prompt_lookup_min": 2},
+               "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k},
+               # no "model": the target's default head
+               "eagle": {"method": "eagle", "num_speculative_tokens": k},
+               "medusa": {"method": "medusa", "num_speculative_tokens": k}}
+    return {name: configs[name] for name in ("none", *names) if name in configs}
 
 
 def _run(llm: LLM, requests: Sequence[BenchRequest], batch_size: int) -> tuple[float, int, list[list[int]]]:
@@ -50,19 +61,24 @@ def _run(llm: LLM, requests: Sequence[BenchRequest], batch_size: int) -> tuple[f
 def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = None, batch_sizes=(1, 8),
              num_requests: int = 8, output_len: int = 96, runs: int = 2, seed: int = 0,
              max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
+             methods_: Sequence[str] = METHODS, workloads_: Sequence[str] = ("editing", "chat"),
              log: Callable[[str], None] = print) -> dict[str, Any]:
     """Median seconds per (workload, batch size, method), alternating methods within each run; acceptance
-    statistics from the engines' SpecDecodingStats."""
-    configs = methods(k, draft_model or model)
+    statistics and the proposer's time from the engines' SpecDecodingStats; the 1-minute load average before each
+    run and after the last."""
+    configs = methods(k, draft_model or model, methods_)
     llms = {name: LLM(model=model, seed=seed, speculative_config=cfg, max_num_batched_tokens=max_num_batched_tokens,
                       **(engine_kwargs or {})) for name, cfg in configs.items()}
     tok = llms["none"].tokenizer
     editing = [BenchRequest(r.prompt_token_ids, min(r.output_len, output_len), ignore_eos=False)
                for r in editing_requests(num_requests, tok, seed=seed)]
-    workloads = {"editing": editing, "chat": chat_requests(tok, num_requests, output_len)}
+    workloads = {name: w for name, w in (("editing", editing), ("chat", chat_requests(tok, num_requests, output_len)))
+                 if name in workloads_}
     times: dict[tuple, list[float]] = {}
     results: dict[tuple, dict] = {}
+    load = []
     for run in range(runs):
+        load.append(os.getloadavg()[0])
         for wname, requests in workloads.items():
             for bs in batch_sizes:
                 reqs = requests[:max(bs, 2)] if bs == 1 else requests  # batch 1: two requests, one at a time
@@ -74,7 +90,8 @@ def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = 
                     if tokens != reference:
                         raise RuntimeError(f"{name}: greedy tokens differ from the run without speculation")
                     times.setdefault((wname, bs, name), []).append(seconds)
-                    results[(wname, bs, name)] = {"output_tokens": num_tokens, **_delta(before, _stats(llm))}
+                    results[(wname, bs, name)] = {"output_tokens": num_tokens,
+                                                  **_delta(before, _stats(llm), seconds)}
                     log(f"run {run + 1}/{runs} {wname} batch {bs} {name}: {seconds:.2f} s, {num_tokens} tokens")
     rows = []
     for (wname, bs, name), r in results.items():
@@ -82,7 +99,9 @@ def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = 
         base = statistics.median(times[(wname, bs, "none")])
         rows.append({"workload": wname, "batch": bs, "method": name, "seconds": median,
                      "tok_s": r["output_tokens"] / median, "speedup": base / median, **r})
-    return {"model": model, "k": k, "draft_model": draft_model or model, "runs": runs, "rows": rows}
+    load.append(os.getloadavg()[0])
+    return {"model": model, "k": k, "draft_model": draft_model or model, "runs": runs, "rows": rows,
+            "load_average": load, "heads": _heads(llms)}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -90,42 +109,67 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=positive_int, default=4, help="draft tokens per step (default: %(default)s)")
     parser.add_argument("--draft-model", default=None, help="the draft model (default: the target itself)")
     add_positive_ints(parser, num_requests=8, output_len=96)
+    parser.add_argument("--methods", nargs="+", choices=METHODS[1:], default=list(METHODS[1:]),
+                        help="the speculative methods beside none (default: all)")
+    parser.add_argument("--workloads", nargs="+", choices=("editing", "chat"), default=["editing", "chat"])
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """`workbench bench spec`: run_spec with the command line's settings."""
-    return run_with_flags(run_spec, args)
+    return run_with_flags(run_spec, args, methods_=args.methods, workloads_=args.workloads)
 
 
-def _stats(llm: LLM) -> tuple[int, int, int]:
+def _stats(llm: LLM) -> tuple[float, ...]:
     s = llm.engine.spec_stats
-    return (0, 0, 0) if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+    return (0, 0, 0, 0.0) if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                                             s.proposer_seconds)
 
 
-def _delta(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict[str, float]:
-    drafts, drafted, accepted = (a - b for a, b in zip(after, before))
+def _delta(before: tuple[float, ...], after: tuple[float, ...], seconds: float) -> dict[str, float]:
+    drafts, drafted, accepted, drafting = (a - b for a, b in zip(after, before))
     return {"acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0}
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "draft_share": drafting / seconds if seconds else 0.0}
 
 
-_HEADERS = ("workload", "batch", "method", "median s", "output tok/s", "speedup", "acceptance", "tokens/verify")
+def _heads(llms: dict[str, LLM]) -> dict[str, str]:
+    """The head folder each learned method used (its manifest says how it was made)."""
+    heads = {}
+    for name in ("eagle", "medusa"):
+        if name in llms:
+            from engine.spec_decode.draft_heads import head_path
+
+            heads[name] = str(head_path(None, llms[name].engine.config.model, name))
+    return heads
+
+
+_HEADERS = ("workload", "batch", "method", "median s", "output tok/s", "speedup", "acceptance", "tokens/verify",
+            "draft share")
 
 
 def _table_rows(result: dict[str, Any]) -> list[list[object]]:
     return [[r["workload"], r["batch"], r["method"], r["seconds"], r["tok_s"], f"{r['speedup']:.2f}x",
              f"{r['acceptance_rate']:.0%}" if r["method"] != "none" else "-",
-             r["mean_acceptance_length"] if r["method"] != "none" else "-"] for r in result["rows"]]
+             r["mean_acceptance_length"] if r["method"] != "none" else "-",
+             f"{r.get('draft_share', 0.0):.0%}" if r["method"] != "none" else "-"] for r in result["rows"]]
 
 
 _DOCS = ("Model {model}, fp32, greedy (identical tokens with and without drafts: checked), k={k} draft tokens; n-gram "
          "lookup windows 5..2; draft model {draft_model} (drafting for itself accepts every greedy draft: the ceiling "
          "of the mechanism, paying a full draft forward per token). Batch 1: two requests one after the other; batch "
          "8: eight together. Median of {runs} alternating runs. Editing prompts ask to rewrite a code passage "
-         "(input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown.")
+         "(input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and Medusa: the "
+         "target's default heads ({heads}; each folder's manifest.json says how it was made). Draft share: the "
+         "proposer's time over the run's. 1-minute load average before each run and after the last: {load_average} "
+         "(2 cores; above 2 the machine was shared and every number is slower and noisier).")
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
-    return [docs_only(describe(_DOCS, result)), Table(_HEADERS, _table_rows(result))]
+    values = {"heads": ", ".join(f"{m}: {p}" for m, p in result.get("heads", {}).items()) or "none run",
+              "load_average": ", ".join(f"{x:.1f}" for x in result.get("load_average", [])) or "not recorded"}
+    return [docs_only(describe(_DOCS, result, **values)), Table(_HEADERS, _table_rows(result)),
+            Line(describe("load average (1 min) before each run and after the last: {load_average}", result,
+                          **values), "")]  # the docs say it in the paragraph above
 
 
 format_text, format_markdown = formatters("Speculative decoding", _parts)

@@ -1,0 +1,175 @@
+"""EAGLE (EAGLE-1, as vLLM's EagleProposer and llama_eagle.py): a light network drafts with the target's features.
+
+At position t the head reads ``fc([embed(x_{t+1}); h_t])`` - the target's embedding of the next token beside the
+target's final hidden state at t - through one Llama decoder layer, and predicts the next hidden state, which the
+target's own LM head reads out (over the head's draft vocabulary). Drafting chains it: the first step uses the
+target's state before the newest token, each later step the head's own prediction and the draft it just made.
+
+The head's attention keeps a paged KV cache of its own on the target's block ids. Every step it runs over the
+target's whole batch (``mirror``: position t paired with the token after it), so its cache holds the same context,
+prompt chunks and prefix hits included; the last position of a request that samples is paired once its token is
+drawn, as the first step of ``propose``. Slots written past a rejection are overwritten later, as the draft model's.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+
+import kernels
+from engine.model.attention import AttentionMetadata, allocate_kv_caches
+from engine.model.llama import ModelShape, RotaryEmbedding
+from engine.spec_decode.draft_heads import DRAFT_IDS, DraftVocab, head_path, load_head
+from engine.spec_decode.proposer import (DraftRequest, Drafts, Proposer, TargetBatch, TargetModel, chain_drafts,
+                                         decode_metadata, sample_drafts)
+
+# q [N, Hq, D], k and v [N, Hkv, D] of the N tokens -> attention output [N, Hq, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _ops():
+    # Training needs autograd, which the C++/Triton kernels do not have; their torch references do.
+    return kernels.reference if torch.is_grad_enabled() else kernels
+
+
+class EagleLayer(nn.Module):
+    """Owns the head's one Llama decoder layer (pre-norm attention and gated MLP, q/k/v and gate/up fused). Its
+    attention is given: over the paged cache when drafting, causal over whole sequences when training."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.eps = config.rms_norm_eps
+        hidden = config.hidden_size
+        self.input_layernorm = nn.Parameter(torch.ones(hidden))
+        self.qkv_proj = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, hidden))
+        self.o_proj = nn.Parameter(torch.empty(hidden, self.q_size))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(hidden))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(hidden, config.intermediate_size))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
+        ops, n = _ops(), x.shape[0]
+        h = ops.rms_norm(x, self.input_layernorm, self.eps)
+        q, k, v = ops.linear(h, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = ops.rotary(q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim),
+                          *rope)
+        out = attend(q, k, v.reshape(n, self.num_kv_heads, self.head_dim))
+        x = x + ops.linear(out.reshape(n, self.q_size), self.o_proj)
+        h = ops.rms_norm(x, self.post_attention_layernorm, self.eps)
+        return x + ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up_proj)), self.down_proj)
+
+
+class EagleHead(nn.Module):
+    """Owns EAGLE's own weights: ``fc`` over [token embedding; target hidden state] and one decoder layer. Its
+    output is the predicted next hidden state (no final norm: it imitates the target's normed state, which the
+    target's LM head reads)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Parameter(torch.empty(config.hidden_size, 2 * config.hidden_size))
+        self.layers = nn.ModuleList([EagleLayer(config)])
+        self.rotary_emb = RotaryEmbedding(config)
+        self.shape = ModelShape.from_config(config)  # what allocate_kv_caches reads
+
+    @staticmethod
+    def llama_config(config: dict) -> LlamaConfig:
+        """The decoder layer's config from a head's config.json."""
+        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "rope_parameters", "max_position_embeddings", "vocab_size")
+        return LlamaConfig(num_hidden_layers=1, **{k: config[k] for k in keys})
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                attend: Attend) -> torch.Tensor:
+        """Token embeddings and target (or predicted) hidden states [N, H] at `positions` -> predicted next
+        hidden states [N, H]."""
+        x = _ops().linear(torch.cat((embeds, hidden), dim=-1), self.fc)
+        return self.layers[0](x, self.rotary_emb(positions, x.dtype), attend)
+
+
+def paged_attention(attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> Attend:
+    """Attention over the head's paged cache: write this step's K/V at the slots, attend over each context."""
+    k_cache, v_cache = kv_cache
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kernels.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
+        return kernels.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                                       scale)
+    return attend
+
+
+def causal_attention(batch_size: int, seq_len: int, scale: float) -> Attend:
+    """Causal attention within each of `batch_size` sequences of `seq_len` tokens laid end to end (training)."""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(batch_size, seq_len, t.shape[1], t.shape[2]).transpose(1, 2)
+        group = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(split(q), split(k).repeat_interleave(group, dim=1),
+                                             split(v).repeat_interleave(group, dim=1), is_causal=True, scale=scale)
+        return out.transpose(1, 2).reshape(q.shape)
+    return attend
+
+
+class EagleProposer(Proposer):
+    """Owns an EAGLE head, its KV cache (the target's block ids) and its draft vocabulary; reads the target's
+    embedding and LM head."""
+
+    method = "eagle"
+    drafts_have_probs = True
+
+    def __init__(self, head: EagleHead, draft_ids: torch.Tensor, target: TargetModel) -> None:
+        model, config = target.model, target.config
+        self.head = head
+        self.embed_tokens = model.model.embed_tokens
+        self.vocab = DraftVocab(draft_ids, model.lm_head, target.vocab_size)
+        self.block_size = config.block_size
+        self.device = target.device
+        self.default_generator = target.default_generator
+        self.scale = head.config.head_dim ** -0.5
+        self.kv_caches = allocate_kv_caches(head, target.num_blocks, config.block_size, config.torch_dtype,
+                                            target.device)
+
+    @classmethod
+    def from_config(cls, target: TargetModel) -> EagleProposer:
+        config = target.config
+        folder = head_path(config.speculative.model, config.model, cls.method)
+        head_config, tensors = load_head(folder, cls.method, target.model.shape.hidden_size)
+        head = EagleHead(EagleHead.llama_config(head_config))
+        draft_ids = tensors.pop(DRAFT_IDS)
+        head.load_state_dict(tensors)
+        head.requires_grad_(False)
+        return cls(head.to(device=target.device, dtype=config.torch_dtype), draft_ids, target)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids).to(self.head.fc.dtype)  # the embedding may be stored narrower
+
+    def mirror(self, batch: TargetBatch) -> None:
+        """Pair each position of the target's batch with the token after it, into the head's cache. A sampling
+        request's last position has no next token yet (-1): any token will do, propose pairs it again."""
+        self.head(self._embed(batch.next_token_ids.clamp(min=0)), batch.hidden_states.to(self.head.fc.dtype),
+                  batch.positions, paged_attention(batch.attn, self.kv_caches[0], self.scale))
+
+    def propose(self, inputs: list[DraftRequest]) -> Drafts:
+        """Chain the head `num_drafts` times per request, from the target's state before the newest token."""
+        states = torch.stack([inp.hidden_state for inp in inputs]).to(self.head.fc.dtype)
+
+        def draft(live: list[int], tokens: list[int], step: int) -> tuple[list[int], torch.Tensor]:
+            live_inputs = [inputs[i] for i in live]
+            # step 0 pairs the target's state at the newest token's predecessor with that token
+            positions = [len(inp.token_ids) - 2 + step for inp in live_inputs]
+            rows = torch.tensor(live, device=self.device)
+            predicted = self.head(self._embed(torch.tensor(tokens, device=self.device)), states[rows],
+                                  torch.tensor(positions, device=self.device),
+                                  paged_attention(decode_metadata(live_inputs, positions, self.block_size,
+                                                                  self.device), self.kv_caches[0], self.scale))
+            states[rows] = predicted
+            drafted, dist = sample_drafts(self.vocab.logits(predicted), live_inputs, self.default_generator)
+            return self.vocab.to_target(drafted), self.vocab.to_target_probs(dist)
+
+        return chain_drafts(inputs, draft)

@@ -1,0 +1,399 @@
+"""`workbench train-draft`: an EAGLE or Medusa head for a target model, self-distilled on a CPU, no outside data.
+
+1. The target writes the data: it answers a bundled, varied prompt set (topics x kinds of request, through its
+   chat template) at temperature 0.8, seeded.
+2. The engine's own model reads each answer once more and gives its final hidden state at every position (exactly
+   what the runner hands a proposer) and, through its LM head, its next-token distribution there.
+3. The draft vocabulary is the tokens the target wrote most (the head reads out only those rows of the LM head).
+4. Training, with a progress bar. EAGLE: the head reads (h_t, x_{t+1}) and learns h_{t+1} (smooth L1) and the
+   target's next-token distribution read from its prediction (cross-entropy, weight 0.1, as EAGLE's paper). Medusa:
+   head i reads h_t and learns the target's distribution at t+1+i, i.e. of token x_{t+2+i} (weights 0.8^i).
+   After each epoch, the held-out acceptance estimate: how often the first draft (argmax) equals the target's
+   greedy token on held-out prompts' answers, the features being the target's own.
+5. The head folder (fp16 safetensors, config, manifest with the command, seed, data, steps, loss and held-out
+   acceptance), then the acceptance the engine really gets with it on held-out prompts (greedy).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.model.attention import AttentionMetadata, allocate_kv_caches
+from engine.model.loader import resolve_model
+from engine.model.registry import load_model
+from engine.spec_decode.draft_heads import DRAFT_IDS, save_head, trained_heads_dir
+from engine.spec_decode.eagle import EagleHead, causal_attention
+from engine.spec_decode.medusa import MedusaHeads
+
+METHODS = ("eagle", "medusa")
+
+# The bundled prompt set: every kind of request about every topic. Held out for the acceptance estimate: every
+# tenth prompt. The spec benchmark's chat prompts are not among them.
+_TOPICS = ("the ocean", "volcanoes", "the Roman Empire", "photosynthesis", "jazz music", "chess", "a rainy city",
+           "the moon landing", "coffee", "friendship", "a lighthouse keeper", "electric cars", "mountain climbing",
+           "the printing press", "dinosaurs", "a small bakery", "learning a language", "the internet", "gardening",
+           "a robot", "the desert", "ancient Egypt", "football", "a dragon", "recycling", "the human heart",
+           "a train journey", "winter", "saving money", "the solar system", "a detective", "bread", "birds",
+           "a haunted house", "Python programming", "sleep", "music lessons", "rivers", "a space station", "honesty")
+_KINDS = ("Tell me about {}.", "Write a short story about {}.", "Explain {} to a child.",
+          "Give me three interesting facts about {}.", "Write a short poem about {}.", "What is the history of {}?",
+          "Describe {} in a few sentences.", "What are the pros and cons of {}?")
+
+
+def prompt_set() -> list[str]:
+    """The bundled prompts, in a fixed order (topic-major)."""
+    return [kind.format(topic) for topic in _TOPICS for kind in _KINDS]
+
+
+@dataclass
+class Sample:
+    """One answer of the target: its tokens (prompt and answer), where the answer starts, the target's final
+    hidden state at every position [T, H] and its greedy next token at every position [T]."""
+
+    token_ids: list[int]
+    prompt_len: int
+    hidden: torch.Tensor
+    greedy: torch.Tensor
+
+
+def generate_answers(model: str, prompts: list[str], max_tokens: int, temperature: float,
+                     seed: int) -> list[tuple[list[int], int]]:
+    """The target's answers through its chat template: (prompt + answer token ids, prompt length) each."""
+    # at most 64 at once: every answer's KV fits the default cache, so none is preempted and recomputed
+    llm = LLM(model=model, seed=seed, max_num_seqs=64)
+    tok = llm.tokenizer
+    if getattr(tok, "chat_template", None):
+        ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)) for p in prompts]
+    else:
+        ids = [tok.encode(p) for p in prompts]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(len(ids))]
+    outs = llm.generate(ids, params, use_tqdm=True)
+    return [(p + list(o.token_ids), len(p)) for p, o in zip(ids, outs)]
+
+
+@torch.inference_mode()
+def target_features(model: str, sequences: list[tuple[list[int], int]],
+                    batch_tokens: int = 4096) -> tuple[list[Sample], torch.nn.Module]:
+    """The engine's model over each whole sequence (prefill, several per forward): the final hidden states the
+    runner would hand a proposer, and the greedy token at each position."""
+    net, _ = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
+    block = 16
+    longest = max(len(t) for t, _ in sequences)
+    caches = allocate_kv_caches(net, -(-max(batch_tokens, longest) // block) + len(sequences), block, torch.float32,
+                                torch.device("cpu"))
+    samples: list[Sample] = []
+    i = 0
+    while i < len(sequences):
+        group = [sequences[i]]
+        while i + len(group) < len(sequences) and sum(len(t) for t, _ in group) + len(
+                sequences[i + len(group)][0]) <= batch_tokens:
+            group.append(sequences[i + len(group)])
+        lens = [len(t) for t, _ in group]
+        blocks = [-(-n // block) for n in lens]
+        first = [sum(blocks[:j]) for j in range(len(group))]
+        tables = torch.zeros(len(group), max(blocks), dtype=torch.int32)
+        for j, (b0, nb) in enumerate(zip(first, blocks)):
+            tables[j, :nb] = torch.arange(b0, b0 + nb)
+        slots = torch.cat([torch.arange(n) + b0 * block for n, b0 in zip(lens, first)])
+        attn = AttentionMetadata(slot_mapping=slots, block_tables=tables,
+                                 seq_lens=torch.tensor(lens, dtype=torch.int32),
+                                 query_start_loc=torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32))
+        ids = torch.tensor([t for toks, _ in group for t in toks])
+        positions = torch.cat([torch.arange(n) for n in lens])
+        hidden = net(ids, positions, attn, caches)
+        greedy = torch.cat([net.compute_logits(rows).argmax(-1) for rows in hidden.split(512)])
+        for (toks, plen), h, g in zip(group, hidden.split(lens), greedy.split(lens)):
+            samples.append(Sample(toks, plen, h.clone(), g.clone()))
+        i += len(group)
+    return samples, net
+
+
+def draft_vocabulary(samples: list[Sample], size: int) -> tuple[torch.Tensor, float]:
+    """The `size` tokens the target wrote or would write greedily most often, and the share of its answers'
+    greedy tokens they cover."""
+    counts: Counter[int] = Counter()
+    for s in samples:
+        counts.update(s.token_ids[s.prompt_len:])
+        counts.update(s.greedy[s.prompt_len - 1:].tolist())
+    ids = sorted(t for t, _ in counts.most_common(size))
+    chosen = set(ids)
+    greedy = [t for s in samples for t in s.greedy[s.prompt_len - 1:].tolist()]
+    return torch.tensor(ids, dtype=torch.long), sum(t in chosen for t in greedy) / max(1, len(greedy))
+
+
+def eagle_config(target_config: Any, intermediate_size: int, draft_vocab_size: int, target: str) -> dict:
+    """A head's config.json: the target's attention shape, its own MLP width."""
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    return {"method": "eagle", "architectures": ["EagleHead"], "target": target,
+            "hidden_size": target_config.hidden_size, "intermediate_size": intermediate_size,
+            "num_attention_heads": target_config.num_attention_heads,
+            "num_key_value_heads": target_config.num_key_value_heads, "head_dim": head_dim,
+            "rms_norm_eps": target_config.rms_norm_eps,
+            "rope_parameters": dict(getattr(target_config, "rope_parameters", None) or {}),
+            "max_position_embeddings": target_config.max_position_embeddings,
+            "vocab_size": target_config.vocab_size, "draft_vocab_size": draft_vocab_size}
+
+
+def medusa_config(target_config: Any, num_heads: int, draft_vocab_size: int, target: str) -> dict:
+    return {"method": "medusa", "architectures": ["MedusaModel"], "target": target,
+            "hidden_size": target_config.hidden_size, "num_heads": num_heads, "num_hidden_layers": 1,
+            "vocab_size": target_config.vocab_size, "draft_vocab_size": draft_vocab_size}
+
+
+def new_head(config: dict, seed: int) -> torch.nn.Module:
+    """A freshly initialised head of the config's method (seeded): EAGLE's linear weights ~ N(0, 1/fan_in) with
+    fc starting near the target's own state, Medusa's blocks at zero (each head starts as the LM head's guess)."""
+    torch.manual_seed(seed)
+    if config["method"] == "medusa":
+        return MedusaHeads(config["hidden_size"], config["num_heads"], config["num_hidden_layers"])
+    head = EagleHead(EagleHead.llama_config(config))
+    for name, p in head.named_parameters():
+        if "layernorm" in name:
+            continue
+        torch.nn.init.normal_(p, std=p.shape[1] ** -0.5 * (0.5 if name != "fc" else 0.1))
+    with torch.no_grad():  # fc starts as "the target's state": the layer refines it
+        hidden = config["hidden_size"]
+        head.fc[:, hidden:] += torch.eye(hidden)
+    return head
+
+
+def head_tensors(head: torch.nn.Module, draft_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {**{k: v.detach().clone() for k, v in head.state_dict().items()}, DRAFT_IDS: draft_ids}
+
+
+# ---- training -----------------------------------------------------------------------------------------------------
+def _batches(samples: list[Sample], batch_size: int, max_len: int, rng: random.Random | None):
+    """Batches of samples cut to `max_len`, padded: tokens [B, T], hidden [B, T, H], mask [B, T] (real rows)."""
+    order = list(range(len(samples)))
+    if rng is not None:
+        rng.shuffle(order)
+    for i in range(0, len(order), batch_size):
+        group = [samples[j] for j in order[i:i + batch_size]]
+        t = min(max_len, max(len(s.token_ids) for s in group))
+        tokens = torch.zeros(len(group), t, dtype=torch.long)
+        hidden = torch.zeros(len(group), t, group[0].hidden.shape[1])
+        mask = torch.zeros(len(group), t, dtype=torch.bool)
+        for b, s in enumerate(group):
+            n = min(t, len(s.token_ids))
+            tokens[b, :n] = torch.tensor(s.token_ids[:n])
+            hidden[b, :n] = s.hidden[:n]
+            mask[b, :n] = True
+        yield tokens, hidden, mask
+
+
+class Trainer:
+    """Owns one head's training: the target's embedding and draft-vocabulary LM head rows (frozen), the loss of the
+    head's method, and its held-out acceptance estimate."""
+
+    def __init__(self, head: torch.nn.Module, method: str, embed: torch.Tensor, lm_head: torch.Tensor,
+                 draft_ids: torch.Tensor) -> None:
+        self.head, self.method = head, method
+        self.embed = embed
+        self.readout = lm_head[draft_ids].float()  # [V_draft, H]
+        self.draft_ids = draft_ids
+
+    def _eagle(self, tokens: torch.Tensor, hidden: torch.Tensor, noise: float) -> torch.Tensor:
+        """Predicted h_{t+1} from (h_t, x_{t+1}) for t < T-1: [B, T-1, H]."""
+        b, t = tokens.shape[0], tokens.shape[1] - 1
+        h = hidden[:, :-1]
+        if noise:  # EAGLE's feature noise: later draft steps read the head's own, imperfect states
+            h = h + noise * torch.randn_like(h) * h.pow(2).mean(-1, keepdim=True).sqrt()
+        embeds = F.embedding(tokens[:, 1:], self.embed)
+        positions = torch.arange(t).repeat(b)
+        config = self.head.config
+        out = self.head(embeds.reshape(b * t, -1), h.reshape(b * t, -1), positions,
+                        causal_attention(b, t, config.head_dim ** -0.5))
+        return out.view(b, t, -1)
+
+    def predictions(self, tokens: torch.Tensor, hidden: torch.Tensor, noise: float = 0.0) -> list[torch.Tensor]:
+        """Per draft position i, the head's predicted states aligned so that entry t should match target's state
+        at t+1+i: EAGLE gives one (i=0); Medusa one per head."""
+        if self.method == "eagle":
+            return [self._eagle(tokens, hidden, noise)]
+        return list(self.head(hidden.flatten(0, 1)).view(len(self.head.blocks), *hidden.shape))
+
+    def loss(self, tokens: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, noise: float) -> torch.Tensor:
+        total = torch.zeros(())
+        for i, pred in enumerate(self.predictions(tokens, hidden, noise)):
+            t = hidden.shape[1] - 1 - i  # positions whose target state t+1+i exists
+            if t < 1:
+                break
+            pred, want = pred[:, :t], hidden[:, 1 + i:1 + i + t]
+            valid = mask[:, 1 + i:1 + i + t]
+            soft = F.softmax(want @ self.readout.T, dim=-1)
+            ce = -(soft * F.log_softmax(pred @ self.readout.T, dim=-1)).sum(-1)
+            if self.method == "eagle":
+                reg = F.smooth_l1_loss(pred, want, reduction="none").mean(-1)
+                total = total + ((reg + 0.1 * ce) * valid).sum() / valid.sum()
+            else:
+                total = total + 0.8 ** i * (ce * valid).sum() / valid.sum()
+        return total
+
+    @torch.no_grad()
+    def acceptance(self, samples: list[Sample], max_len: int) -> list[float]:
+        """Per draft position, how often the head's argmax equals the target's greedy token, over the answers'
+        positions (the first draft position is the estimate the manifest keeps)."""
+        hits: list[int] = []
+        seen: list[int] = []
+        for s in samples:
+            tokens = torch.tensor(s.token_ids[:max_len])[None]
+            hidden = s.hidden[:max_len][None]
+            for i, pred in enumerate(self.predictions(tokens, hidden)):
+                # the state at t predicts the token the target writes after position t+1+i
+                lo, hi = s.prompt_len - 1, tokens.shape[1] - 1 - i
+                if hi <= lo:
+                    continue
+                drafted = self.draft_ids[(pred[0, lo:hi] @ self.readout.T).argmax(-1)]
+                want = s.greedy[1 + i + lo:1 + i + hi]
+                while len(hits) <= i:
+                    hits.append(0)
+                    seen.append(0)
+                hits[i] += int((drafted == want).sum())
+                seen[i] += hi - lo
+        return [h / n for h, n in zip(hits, seen)]
+
+
+def train(trainer: Trainer, data: list[Sample], held_out: list[Sample], epochs: int, batch_size: int, max_len: int,
+          lr: float, seed: int, noise: float = 0.1, log: Callable[[str], None] = print,
+          progress: bool = True) -> dict[str, Any]:
+    """AdamW with a linear warm-up and cosine decay; the held-out acceptance before training and after each epoch."""
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    params = [p for p in trainer.head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    steps_per_epoch = -(-len(data) // batch_size)
+    total = epochs * steps_per_epoch
+    warmup = max(1, total // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, s / max(1, total)))))
+    history = {"untrained": trainer.acceptance(held_out, max_len), "epochs": []}
+    log(f"held-out acceptance before training: {_fmt(history['untrained'])}")
+    step, t0 = 0, time.perf_counter()
+    for epoch in range(epochs):
+        bar = tqdm(_batches(data, batch_size, max_len, rng), total=steps_per_epoch, desc=f"epoch {epoch + 1}/{epochs}",
+                   disable=not progress, file=sys.stderr)
+        losses = []
+        for tokens, hidden, mask in bar:
+            loss = trainer.loss(tokens, hidden, mask, noise)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        acc = trainer.acceptance(held_out, max_len)
+        history["epochs"].append({"epoch": epoch + 1, "loss": sum(losses) / len(losses), "held_out_acceptance": acc})
+        log(f"epoch {epoch + 1}: loss {history['epochs'][-1]['loss']:.4f}, held-out acceptance {_fmt(acc)}")
+    history.update(steps=step, train_seconds=time.perf_counter() - t0)
+    return history
+
+
+def _fmt(acc: list[float]) -> str:
+    return " ".join(f"{a:.1%}" for a in acc)
+
+
+def engine_acceptance(model: str, method: str, folder: Path, prompts: list[str], k: int, max_tokens: int,
+                      seed: int) -> dict[str, float]:
+    """The acceptance the engine gets with the head on `prompts` (greedy, chat template)."""
+    llm = LLM(model=model, seed=seed,
+              speculative_config={"method": method, "model": str(folder), "num_speculative_tokens": k})
+    tok = llm.tokenizer
+    ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)) if getattr(tok, "chat_template", None) else tok.encode(p)
+           for p in prompts]
+    llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    s = llm.engine.spec_stats
+    return {"acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+            "num_speculative_tokens": k}
+
+
+def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None, num_prompts: int | None = None,
+                max_tokens: int = 128, temperature: float = 0.8, epochs: int = 4, batch_size: int = 8,
+                max_len: int = 256, lr: float = 2e-3, seed: int = 0, draft_vocab_size: int = 4096,
+                intermediate_size: int = 768, num_heads: int = 4, k: int = 4, command: str = "",
+                log: Callable[[str], None] = print, progress: bool = True) -> dict[str, Any]:
+    """Self-distil a head of `method` for `model` and write its folder (default: the cache's
+    draft_heads/<model>/<method>); returns the manifest."""
+    if method not in METHODS:
+        raise ValueError(f"method: must be one of {', '.join(METHODS)}, got {method!r}")
+    t_start = time.perf_counter()
+    prompts = prompt_set()[:num_prompts]
+    held = [p for i, p in enumerate(prompts) if i % 10 == 9]
+    t0 = time.perf_counter()
+    # the answers depend only on these settings: a second method's run reuses the first one's
+    cached = trained_heads_dir() / model / f"answers-{len(prompts)}-{max_tokens}-{temperature}-{seed}.json"
+    if cached.is_file():
+        log(f"the {len(prompts)} answers of an earlier run: {cached}")
+        sequences = [tuple(x) for x in json.loads(cached.read_text())]
+    else:
+        log(f"generating {len(prompts)} answers with {model} (temperature {temperature}, up to {max_tokens} tokens)")
+        sequences = generate_answers(model, prompts, max_tokens, temperature, seed)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(json.dumps(sequences))
+    gen_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    samples, net = target_features(model, sequences)
+    feat_s = time.perf_counter() - t0
+    train_set = [s for i, s in enumerate(samples) if i % 10 != 9]
+    held_set = [s for i, s in enumerate(samples) if i % 10 == 9]
+    draft_ids, coverage = draft_vocabulary(train_set, draft_vocab_size)
+    log(f"{sum(len(s.token_ids) - s.prompt_len for s in samples)} answer tokens ({gen_s:.0f} s), features "
+        f"({feat_s:.0f} s); draft vocabulary {len(draft_ids)} tokens covering {coverage:.1%} of greedy tokens")
+    config = (eagle_config(net.config, intermediate_size, len(draft_ids), model) if method == "eagle"
+              else medusa_config(net.config, num_heads, len(draft_ids), model))
+    head = new_head(config, seed)
+    trainer = Trainer(head, method, net.model.embed_tokens.weight.detach().float(),
+                      net.lm_head.weight.detach().float(), draft_ids)
+    history = train(trainer, train_set, held_set or train_set[:4], epochs, batch_size, max_len, lr, seed, log=log,
+                    progress=progress)
+    folder = Path(out) if out else trained_heads_dir() / model / method
+    manifest = {
+        "method": method, "target": model, "command": command, "seed": seed,
+        "data": {"prompts": len(prompts), "held_out_prompts": len(held), "temperature": temperature,
+                 "max_tokens": max_tokens, "train_tokens": sum(len(s.token_ids) for s in train_set),
+                 "answer_tokens": sum(len(s.token_ids) - s.prompt_len for s in samples),
+                 "source": "the target's own answers to workbench/train_draft.py's bundled prompt set"},
+        "draft_vocab": {"size": len(draft_ids), "greedy_coverage": coverage},
+        "training": {"epochs": epochs, "steps": history["steps"], "batch_size": batch_size, "max_len": max_len,
+                     "lr": lr, "final_loss": history["epochs"][-1]["loss"] if history["epochs"] else None},
+        "held_out_acceptance": {"untrained": history["untrained"], "per_epoch": history["epochs"]},
+        "seconds": {"generate": gen_s, "features": feat_s, "train": history["train_seconds"]},
+    }
+    save_head(folder, config, head_tensors(head, draft_ids), manifest)
+    if held:
+        t0 = time.perf_counter()
+        manifest["engine_acceptance"] = engine_acceptance(model, method, folder, held[:8], min(k, num_heads)
+                                                          if method == "medusa" else k, 64, seed)
+        manifest["engine_acceptance"]["prompts"] = min(8, len(held))
+        manifest["seconds"]["engine_check"] = time.perf_counter() - t0
+        log(f"engine on held-out prompts: acceptance {manifest['engine_acceptance']['acceptance_rate']:.1%}, "
+            f"{manifest['engine_acceptance']['mean_acceptance_length']:.2f} tokens per verification")
+    manifest["seconds"]["total"] = time.perf_counter() - t_start
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    log(f"wrote {folder} in {manifest['seconds']['total']:.0f} s")
+    return manifest
+
+
+def main(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
+    """`workbench train-draft` (its flags are in workbench/cli.py, which starts without torch)."""
+    return train_draft(args.method, args.model, args.out, args.num_prompts, args.max_tokens, epochs=args.epochs,
+                       batch_size=args.batch_size, lr=args.lr, seed=args.seed, draft_vocab_size=args.draft_vocab_size,
+                       intermediate_size=args.intermediate_size, num_heads=args.num_heads, command=command)

@@ -12,6 +12,7 @@ import hashlib
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -35,6 +36,29 @@ def build_name() -> str:
     return "workbench_cpu_" + hashlib.sha256(key).hexdigest()[:12]
 
 
+# A build takes about a minute, several on a loaded machine. torch's build lock (a file beside the build) is never
+# cleared by a build that died, and torch waits on it forever: one older than this was left behind.
+STALE_LOCK_S = 15 * 60
+
+
+def wait_for_other_build(name: str, stale_s: float = STALE_LOCK_S, poll_s: float = 1.0) -> None:
+    """Wait while another process builds `name`; remove its lock once older than `stale_s` (a dead build)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_s:
+            warnings.warn(f"kernels.cpu: removing a build lock left {age / 60:.0f} min ago by a build that did not "
+                          f"finish ({lock})", RuntimeWarning, stacklevel=3)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll_s)
+
+
 @functools.cache
 def available() -> bool:
     """Whether torch.ops.workbench_cpu is loaded (built now if needed)."""
@@ -47,6 +71,7 @@ def available() -> bool:
     # ninja, which the build runs, is installed beside this interpreter (a venv's bin may not be on PATH)
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
+        wait_for_other_build(build_name())
         load(name=build_name(), sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the references still run, slower

@@ -152,3 +152,24 @@ def test_store_kvcache_writes_each_slot_skips_minus_one_and_equals_the_reference
     assert caches[0][0].view(-1, 3, 64).abs().sum(dim=(1, 2)).count_nonzero() == 4  # the -1 token nowhere
     with pytest.raises(RuntimeError, match="slot 64 is past the cache's 64 slots"):
         torch.ops.workbench_cpu.store_kvcache(key[:1], value[:1], *caches[0], torch.tensor([64]))
+
+
+def test_a_build_lock_left_by_a_dead_build_is_removed_and_a_fresh_one_waited_for(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from kernels.cpu import build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "some_ext" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    with pytest.warns(RuntimeWarning, match="removing a build lock"):
+        build.wait_for_other_build("some_ext", stale_s=600)
+    assert not lock.exists()
+    lock.touch()  # a build in progress: waited for until it is older than stale_s
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="removing a build lock"):
+        build.wait_for_other_build("some_ext", stale_s=0.3, poll_s=0.05)
+    assert time.monotonic() - t0 >= 0.25 and not lock.exists()

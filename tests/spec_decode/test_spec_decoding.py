@@ -24,7 +24,7 @@ DRAFT = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
      "prompt_lookup_min"),
-    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "method"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
 ])
@@ -34,15 +34,15 @@ def test_invalid_speculative_config_names_the_field(spec, field) -> None:
 
 
 def test_an_unknown_method_is_refused_naming_the_known_ones() -> None:
-    for refuse in (lambda: EngineConfig(speculative_config={"method": "medusa", "num_speculative_tokens": 2}),
+    for refuse in (lambda: EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
                    lambda: proposer_class(SpeculativeConfig("medusa", 2))):  # a config built by hand, unchecked
         with pytest.raises(ValueError, match="speculative_config.method") as error:
             refuse()
-        assert "'medusa'" in str(error.value) and all(repr(method) in str(error.value) for method in PROPOSERS)
+        assert "'mtp'" in str(error.value) and all(repr(method) in str(error.value) for method in PROPOSERS)
 
 
 def test_proposers_are_chosen_by_method_name() -> None:
-    assert {"ngram", "draft_model"} <= set(PROPOSERS)
+    assert {"ngram", "draft_model", "eagle", "medusa"} <= set(PROPOSERS)
     for method in PROPOSERS:
         cls = proposer_class(SpeculativeConfig(method, 2, model="tiny-llama"))
         assert issubclass(cls, Proposer) and cls.method == method

@@ -35,7 +35,7 @@ def test_invalid_speculative_config_names_the_field(spec, field) -> None:
 
 def test_an_unknown_method_is_refused_naming_the_known_ones() -> None:
     for refuse in (lambda: EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
-                   lambda: proposer_class(SpeculativeConfig("medusa", 2))):  # a config built by hand, unchecked
+                   lambda: proposer_class(SpeculativeConfig("mtp", 2))):  # a config built by hand, unchecked
         with pytest.raises(ValueError, match="speculative_config.method") as error:
             refuse()
         assert "'mtp'" in str(error.value) and all(repr(method) in str(error.value) for method in PROPOSERS)

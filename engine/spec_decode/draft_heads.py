@@ -21,6 +21,14 @@ from engine.model.loader import cache_dir
 # Default heads made by `workbench train-draft` and committed: heads/<target>/<method>/
 BUNDLED_HEADS = Path(__file__).resolve().parent / "heads"
 WEIGHTS, CONFIG, MANIFEST = "model.safetensors", "config.json", "manifest.json"
+# A head is written in shards of at most this many bytes (model-0000i-of-0000n.safetensors, as HF shards): no file
+# of a committed head passes the repository's 5 MB limit on a tracked file; all of a target's heads stay under 10 MB.
+SHARD_BYTES = 4 << 20
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """A head folder's safetensors: one file, or its shards in order."""
+    return sorted(folder.glob("model*.safetensors"))
 DRAFT_IDS = "draft_id_to_target_id"
 
 
@@ -35,7 +43,7 @@ def default_head_path(target: str | os.PathLike, method: str) -> Path:
     name = str(target)
     for root in (trained_heads_dir(), BUNDLED_HEADS):
         folder = root / name / method
-        if (folder / WEIGHTS).is_file():
+        if weight_files(folder):
             return folder
     raise ValueError(f"speculative_config.model: no {method} head for {name!r} (looked in {trained_heads_dir()} and "
                      f"{BUNDLED_HEADS}); give a head folder, or train one (a few minutes on a CPU): "
@@ -47,7 +55,7 @@ def head_path(model: str | None, target: str | os.PathLike, method: str) -> Path
     if model is None:
         return default_head_path(target, method)
     folder = Path(model).expanduser()
-    if not (folder / WEIGHTS).is_file() or not (folder / CONFIG).is_file():
+    if not weight_files(folder) or not (folder / CONFIG).is_file():
         raise ValueError(f"speculative_config.model: {model!r} is not a draft head folder ({CONFIG} and {WEIGHTS})")
     return folder
 
@@ -63,7 +71,7 @@ def load_head(folder: Path, method: str, target_hidden_size: int) -> tuple[dict,
     if config.get("hidden_size") != target_hidden_size:
         raise ValueError(f"speculative_config.model: the head's hidden size ({config.get('hidden_size')}) differs "
                          f"from the target's ({target_hidden_size}); it was made for {config.get('target')!r}")
-    return config, load_file(str(folder / WEIGHTS))
+    return config, {name: t for file in weight_files(folder) for name, t in load_file(str(file)).items()}
 
 
 def save_head(folder: Path, config: dict, tensors: dict[str, torch.Tensor], manifest: dict) -> Path:
@@ -72,8 +80,17 @@ def save_head(folder: Path, config: dict, tensors: dict[str, torch.Tensor], mani
 
     folder.mkdir(parents=True, exist_ok=True)
     stored = {k: (v.detach().to(torch.float16) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
-    save_file(stored, str(folder / WEIGHTS), metadata={"format": "pt"})
-    (folder / WEIGHTS).chmod(0o644)  # safetensors writes owner-only; a shared cache or a commit wants it readable
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    for name, t in stored.items():
+        if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + t.nbytes > SHARD_BYTES:
+            shards.append({})
+        shards[-1][name] = t
+    for old in weight_files(folder):
+        old.unlink()
+    for i, shard in enumerate(shards, 1):
+        file = folder / (WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors")
+        save_file(shard, str(file), metadata={"format": "pt"})
+        file.chmod(0o644)  # safetensors writes owner-only; a shared cache or a commit wants it readable
     (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return folder

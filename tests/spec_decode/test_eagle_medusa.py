@@ -263,3 +263,15 @@ def test_train_draft_command_writes_a_head_the_engine_loads(tmp_path, monkeypatc
     config, tensors = load_head(out, "medusa", 64)
     assert config["num_heads"] == 2 and tensors[DRAFT_IDS].numel() == 64
     assert all(t.dtype == torch.float16 for name, t in tensors.items() if name != DRAFT_IDS)
+
+
+def test_a_head_is_written_in_shards_under_the_limit_and_read_back_equal(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(draft_heads, "SHARD_BYTES", 1000)
+    tensors = {"a": torch.randn(20, 20), "b": torch.randn(30, 10), "ids": torch.arange(7)}
+    draft_heads.save_head(tmp_path, {"method": "eagle", "hidden_size": 20}, tensors, {})
+    files = draft_heads.weight_files(tmp_path)
+    assert [f.name for f in files] == [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]  # a; b and ids
+    assert all(f.stat().st_size < 1000 + 200 for f in files)  # the limit plus each file's header
+    _, loaded = draft_heads.load_head(tmp_path, "eagle", 20)
+    assert loaded.keys() == tensors.keys() and torch.equal(loaded["ids"], tensors["ids"])
+    assert torch.equal(loaded["a"], tensors["a"].half())

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from transformers import AutoTokenizer
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, resolve_model
 from workbench.bench.args import add_common_args, run_with_flags
 from workbench.bench.report import Table, described, formatters
 
@@ -105,10 +106,8 @@ def run_decode(model: str = "smollm2-135m", weight_formats: Sequence[str] = tupl
     same tokens as the engine in float32."""
     engine_kwargs = dict(engine_kwargs or {})
     sides: list[Side] = []
-    first = LLM(model=model, seed=seed, num_kv_blocks=64, **engine_kwargs)
-    prompt_ids = first.tokenizer.encode(PROMPT)
-    path = str(first.engine.model_path)
-    del first
+    path = str(resolve_model(model))
+    prompt_ids = AutoTokenizer.from_pretrained(path).encode(PROMPT)  # no model loaded for it
     for weights in weight_formats:
         sides.append(engine_side(model, weights, prompt_ids, max_tokens, seed, engine_kwargs))
         if baseline and weights in TRANSFORMERS_DTYPES:

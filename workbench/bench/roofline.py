@@ -55,15 +55,15 @@ def model_cost(model: nn.Module, num_layers: int, num_heads: int, num_kv_heads: 
                kv_element_size: int = 4) -> ModelCost:
     """The decode cost of `model` (an engine LlamaForCausalLM: parameters shared by tying are counted once, each in
     the dtype it is stored in, int8 weights with their per-row scales)."""
-    tensors = {p.data_ptr(): p for p in model.parameters()}
+    params = {p.data_ptr(): p for p in model.parameters()}  # tied parameters once
     linears = linear_layers(model)
-    tensors.update({m.weight_scale.data_ptr(): m.weight_scale for m in linears
-                    if getattr(m, "weight_scale", None) is not None})
+    tensors = {**params, **{m.weight_scale.data_ptr(): m.weight_scale for m in linears
+                            if getattr(m, "weight_scale", None) is not None}}
     embed = model.get_submodule("model.embed_tokens").weight
     tied = any(m.weight.data_ptr() == embed.data_ptr() for m in linears)
     stored = sum(t.numel() * t.element_size() for t in tensors.values())
     return ModelCost(
-        num_params=sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values()),
+        num_params=sum(p.numel() for p in params.values()),
         weight_bytes=stored - (0 if tied else embed.numel() * embed.element_size()),  # a lookup reads B rows
         linear_flops_per_token=2 * sum(m.weight.numel() for m in linears),
         kv_bytes_per_context_token=2 * num_layers * num_kv_heads * head_dim * kv_element_size,

@@ -116,6 +116,7 @@ def test_dispatch_on_cpu_uses_the_cpu_ops_or_the_reference():
         kernels.paged_attention(q, kc, vc, bt, sl, qsl, 0.25),
         reference.paged_attention(q, kc, vc, bt, sl, qsl, 0.25),
     )
-    expected = ops.paged_attention if available() else reference.paged_attention
-    assert kernels._impl("paged_attention", "cpu") is expected
-    assert kernels._impl("store_kvcache", "cpu") is reference.store_kvcache  # no C++ op: index_copy_ is enough
+    for name in ("paged_attention", "store_kvcache"):
+        expected = getattr(ops, name) if available() else getattr(reference, name)
+        assert kernels._impl(name, "cpu") is expected, name
+    assert kernels._impl("rejection_sample", "cpu") is reference.rejection_sample  # no C++ op: the reference runs

@@ -45,7 +45,7 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id()
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
-            config.prefix_caching_hash_algo, self.events,
+            config.prefix_caching_hash_algo, self.events, max_model_len=config.max_model_len,
         )
         self.structured = StructuredOutputManager(self.tokenizer, self.executor.vocab_size, self.events)
         self.connector = None

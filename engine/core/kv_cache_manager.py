@@ -32,8 +32,9 @@ class KVCacheManager:
     "schedule n more tokens of this request" into blocks taken from the pool."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, hash_algo: str,
-                 events: EventLog, recent_window: int = 64) -> None:
+                 events: EventLog, recent_window: int = 64, max_model_len: int | None = None) -> None:
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.hash_fn = HASH_FUNCTIONS[hash_algo]
         self.events = events
@@ -88,7 +89,10 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
+        num_slots = num_computed + num_new_tokens + num_lookahead_tokens
+        if self.max_model_len is not None:  # as vLLM: lookahead slots for drafts never reach past the last position
+            num_slots = min(num_slots, self.max_model_len)
+        num_required = cdiv(num_slots, self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
         # hit blocks nobody holds sit in the free queue: taking them uses up free blocks too
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

@@ -42,6 +42,16 @@ def test_allocate_slots_reserves_lookahead_slots(kv):
     assert [b.block_id for b in kv.allocate_slots(r0, 8, num_lookahead_tokens=3)] == [1, 2, 3]
 
 
+def test_lookahead_slots_stop_at_max_model_len():
+    # a prompt one token short of max_model_len: its drafts can never be verified, so no block is taken for them
+    # (it took a 4th block here, past the runner's block table, and failed every request in the step)
+    events = EventLog()
+    events.begin(1)
+    kv = KVCacheManager(10, BLOCK_SIZE, False, "builtin", events, max_model_len=12)
+    r0 = make_request("r0", 11)
+    assert [b.block_id for b in kv.allocate_slots(r0, 11, num_lookahead_tokens=3)] == [1, 2, 3]
+
+
 def test_allocate_slots_returns_none_when_short_and_changes_nothing(kv):
     r0, r1 = make_request("r0", 28), make_request("r1", 12)
     kv.allocate_slots(r0, 28)  # 7 of the 9 usable blocks

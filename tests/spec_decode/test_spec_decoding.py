@@ -226,3 +226,19 @@ def test_random_sampling_with_drafts_is_seeded_and_valid() -> None:
     b = LLM(model="tiny-llama", speculative_config=DRAFT).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 20 for o in a)
+
+
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
+def test_a_prompt_at_max_model_len_stops_without_disturbing_the_batch(spec) -> None:
+    # the first prompt leaves room for one token (the model's whole context: 4096): lookahead slots for its drafts
+    # once took a block past the runner's block table, and the step failed for every request in it
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outputs = {}
+    for name, config in (("none", None), ("spec", spec)):
+        llm = LLM(model="tiny-llama", num_kv_blocks=300, speculative_config=config)
+        limit = llm.engine.config.max_model_len
+        prompts = [[5 + i % 4 for i in range(limit - 1)], [7 + i % 3 for i in range(10)]]
+        outputs[name] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 299  # no block leaks
+    assert [(len(t), why) for t, why in outputs["spec"]] == [(1, "length"), (20, "length")]
+    assert outputs["spec"] == outputs["none"]

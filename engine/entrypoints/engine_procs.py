@@ -1,0 +1,495 @@
+"""Engine instances in their own processes behind a router: what PDCluster (disaggregated prefill/decode) and
+DPLBClient (data parallelism) share.
+
+Each instance is an LLMEngine in a spawned process that takes requests between its steps and steps while it holds
+work. After a step that changed anything the router reads (tokens, finished outputs, its queue lengths, cached or
+evicted blocks) it sends one message: the step's end (time.time(), comparable across processes on one machine),
+each request's new tokens and text, finished outputs, how many waiting and running requests it holds after the
+step, how many "add" messages it has taken so far, and the hashes of the blocks it cached and evicted. The router
+turns tokens into TokenDeltas; `stream()` and `generate_stream()` yield them, `generate()` waits for outputs.
+
+A subclass says which instances to start (`_instance_specs`), where a new request goes (`_route`), and what a
+finished output means (`_on_output`: the end of the request, or one more hop). When an instance's process dies,
+every request it holds finishes with finish_reason "error" and an error naming the instance; later requests go to
+the live instances. `close()`, the context manager and an atexit hook stop every process.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import multiprocessing as mp
+import os
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Iterator, Sequence
+
+from engine.entrypoints.llm import batch_prompts
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+# ---- the worker process --------------------------------------------------------------------------
+class _WorkerState:
+    """What a worker tracks besides its engine: its records, the adds it took, each child's parent (n > 1) and
+    what it last told the router of its queues."""
+
+    def __init__(self, max_records: int) -> None:
+        self.records: deque = deque(maxlen=max_records)
+        self.num_added = 0
+        self.children: dict[str, tuple[str, set[str]]] = {}  # child id -> (parent id, its unfinished children)
+        self.last_counts = (0, 0, 0)
+
+
+def _worker(conn: Connection, engine_kwargs: dict, max_records: int, torch_threads: int) -> None:
+    """One instance's process: take requests between steps, step while there is work, send what each step changed
+    back."""
+    import torch
+
+    torch.set_num_threads(torch_threads)  # instances on one machine share its cores: do not oversubscribe them
+    from engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(**engine_kwargs)
+    except Exception as exc:  # the router reports it, naming the instance
+        conn.send(("error", repr(exc)))
+        return
+    conn.send(("ready", None))
+    state = _WorkerState(max_records)
+    while True:
+        while not engine.has_unfinished_requests() or conn.poll():
+            if not _take(conn, engine, state):
+                return
+        record = engine.step()
+        state.records.append(record)
+        tokens = [(e.request_id, e.token_ids, e.text, e.text_offset) for e in record.of_kind("request.tokens")]
+        outputs = [out for e in record.of_kind("request.finished") for out in _finished(engine, state, e.request_id)]
+        kv = [(e.kind, e.block_hash) for e in record.events if e.kind in ("kv.cached", "kv.evicted")]
+        counts = (record.num_waiting, record.num_running, state.num_added)
+        if tokens or outputs or kv or counts != state.last_counts:
+            state.last_counts = counts
+            conn.send(("step", {"time": record.end_ns / 1e9, "tokens": tokens, "outputs": outputs, "kv": kv,
+                                "num_waiting": counts[0], "num_running": counts[1], "num_added": counts[2]}))
+
+
+def _finished(engine, state: _WorkerState, rid: str) -> list[RequestOutput]:
+    """The output to send for a finished request id: itself, or its parent's once its last child finished."""
+    if rid not in state.children:
+        return [engine.pop_output(rid)]
+    parent, left = state.children.pop(rid)
+    left.discard(rid)
+    return [] if left else [engine.pop_output(parent)]
+
+
+def _take(conn: Connection, engine, state: _WorkerState) -> bool:
+    """Act on one message from the router; False when told to stop."""
+    msg = conn.recv()
+    if msg[0] == "stop":
+        return False
+    if msg[0] == "records":
+        conn.send(("records", list(state.records)))
+    elif msg[0] == "abort":  # its finished event goes out with the next step's; the router has forgotten it
+        engine.abort(msg[1])
+    else:  # ("add", request_id, prompt, params, kv_transfer_params)
+        _, rid, prompt, params, kv_params = msg
+        state.num_added += 1
+        try:
+            engine.add_request(prompt, params, request_id=rid, kv_transfer_params=kv_params)
+        except (ValueError, TypeError) as exc:
+            conn.send(("rejected", (rid, str(exc))))
+            return True
+        children = engine.child_ids(rid)
+        if children != [rid]:
+            left = set(children)
+            state.children.update({child: (rid, left) for child in children})
+    return True
+
+
+# ---- what the router keeps -----------------------------------------------------------------------
+@dataclass(eq=False)  # compared and hashed by identity: one per process
+class Instance:
+    """One engine process as the router sees it: its role, id, pipe, how many requests it holds, whether its
+    process is still there, and what it last reported: waiting and running requests after its last step, and the
+    adds it had taken by then (`num_sent - num_added` are on their way to it)."""
+
+    role: str
+    engine_id: str
+    process: mp.Process
+    conn: Connection
+    load: int = 0
+    alive: bool = True
+    num_sent: int = 0
+    num_added: int = 0
+    num_waiting: int = 0
+    num_running: int = 0
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one engine step added to one request, as the router streams it: the new token ids and the text they
+    added (the request's text is now text_so_far[:text_offset] + text: a stop string can trim text streamed
+    before), whether the request finished (why, and the error if it failed), the instance that produced it, and
+    when (the end of that step, time.time() seconds)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    text_offset: int
+    finished: bool
+    finish_reason: str | None
+    instance: str
+    time: float
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _Route:
+    """One request in flight: its prompt and params, where it is (its stage, which instance), and what it has
+    streamed so far."""
+
+    prompt: Prompt
+    params: SamplingParams
+    instance: Instance | None = None  # None between instances
+    stage: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+def check_count(name: str, n: Any) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name}: must be an int >= 1, got {n!r}")
+
+
+_LIVE: "weakref.WeakSet[EngineProcs]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Reap what a caller forgot to close, before the interpreter ends."""
+    for group in list(_LIVE):
+        group.close()
+
+
+class EngineProcs:
+    """Engine processes and the router's state: the requests in flight, the deltas not yet streamed and the
+    outputs not yet taken. Use as a context manager (or call `close()`). `torch_threads` is each process's torch
+    thread count (default: the machine's cores shared out among the processes)."""
+
+    id_prefix = "req"
+
+    def __init__(self, start_timeout_s: float, max_records: int, torch_threads: int | None, num_procs: int) -> None:
+        if torch_threads is not None and (isinstance(torch_threads, bool) or not isinstance(torch_threads, int)
+                                          or torch_threads < 1):
+            raise ValueError(f"torch_threads: must be an int >= 1 or None, got {torch_threads!r}")
+        self.start_timeout_s, self.max_records = start_timeout_s, max_records
+        self.torch_threads = torch_threads or max(1, (os.cpu_count() or 1) // num_procs)
+        self.instances: list[Instance] = []
+        self._cleanup: list = []
+        self._ids = itertools.count()
+        self._routes: dict[str, _Route] = {}
+        self._deltas: deque[TokenDelta] = deque()
+        self._outputs: dict[str, RequestOutput] = {}
+        self._rejected: set[str] = set()  # finished outputs that are an instance's refusal of bad input
+        self._records: dict[str, list] = {}  # replies to records(), by engine id
+
+    # ---- what a subclass says ------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """Before any process starts (a store to share, ...)."""
+
+    def _instance_specs(self) -> list[tuple[str, str, dict]]:
+        """(role, engine_id, LLMEngine keyword arguments) of each process to start."""
+        raise NotImplementedError
+
+    def _route(self, rid: str, route: _Route) -> None:
+        """Send a new request to an instance (`_send_to`), or fail it (`_fail`)."""
+        raise NotImplementedError
+
+    def _streams(self, route: _Route) -> bool:
+        """Whether the tokens of a request at its current stage go to the user."""
+        return True
+
+    def _on_output(self, inst: Instance, rid: str, route: _Route, output: RequestOutput, t: float) -> None:
+        """A request's instance finished it (without streaming a last token): by default, the end."""
+        self._deltas.append(TokenDelta(rid, (), "", len(route.text), True, output.finish_reason,
+                                       inst.engine_id, t, output.error))
+        self._finish(rid, output)
+
+    def _on_report(self, inst: Instance, kv: list[tuple[str, str]]) -> None:
+        """An instance's step message arrived (its queue counts are already read); `kv` are its (kind, hash)
+        block events."""
+
+    def _on_death(self, inst: Instance, error: str, failed: list[str]) -> None:
+        """An instance's process is gone; `failed` are the requests it held (already finished with the error)."""
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    def __enter__(self):
+        try:
+            self._prepare()
+            ctx = mp.get_context("spawn")  # fork would copy torch's threads and locks
+            for role, engine_id, kwargs in self._instance_specs():
+                self.instances.append(self._spawn(ctx, role, engine_id, kwargs))
+            _LIVE.add(self)
+            for inst in self.instances:
+                self._await_ready(inst)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _spawn(self, ctx, role: str, engine_id: str, kwargs: dict) -> Instance:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(child, kwargs, self.max_records, self.torch_threads),
+                           name=engine_id, daemon=True)
+        proc.start()
+        child.close()  # the parent's copy of the child's end: without closing it, a dead child gives no EOF
+        return Instance(role, engine_id, proc, parent)
+
+    def _await_ready(self, inst: Instance) -> None:
+        if not inst.conn.poll(self.start_timeout_s):
+            raise TimeoutError(f"{inst.engine_id}: no engine after {self.start_timeout_s} s")
+        try:
+            kind, detail = inst.conn.recv()
+        except (OSError, EOFError):
+            kind, detail = "error", f"the process is gone (exit code {inst.process.exitcode})"
+        if kind != "ready":
+            raise RuntimeError(f"{inst.engine_id}: the engine failed to start: {detail}")
+
+    def close(self) -> None:
+        """Stop every process (politely, then by force), then what `_prepare` made. Requests in flight are
+        dropped. Idempotent."""
+        _LIVE.discard(self)
+        for inst in self.instances:
+            try:
+                inst.conn.send(("stop",))
+            except (OSError, EOFError):
+                pass
+        for inst in self.instances:
+            inst.process.join(timeout=10)
+            if inst.process.is_alive():
+                inst.process.kill()
+                inst.process.join()
+            inst.conn.close()
+        self.instances = []
+        self._routes.clear()
+        while self._cleanup:
+            self._cleanup.pop()()
+
+    def pids(self) -> dict[str, int]:
+        """Each instance's process id, by engine id (dead ones included until close)."""
+        return {inst.engine_id: inst.process.pid for inst in self.instances}
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Route a request to an instance and return its id at once; its deltas come from `stream()`, its output
+        from `pop_output()`. Types are checked here; lengths by the instance (a rejected request finishes with
+        finish_reason "error" and the instance's message)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt, (str, Sequence)):
+            raise TypeError(f"prompt: expected str or list of token ids, got {type(prompt).__name__}")
+        rid = f"{self.id_prefix}-{next(self._ids)}" if request_id is None else str(request_id)
+        if rid in self._routes or rid in self._outputs:
+            raise ValueError(f"request_id: {rid!r} is already in use")
+        prompt = prompt if isinstance(prompt, str) else list(prompt)
+        while self._pump(0):  # take what the workers sent first: a worker blocked on a full pipe reads nothing
+            pass
+        self._routes[rid] = route = _Route(prompt, params)
+        self._route(rid, route)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request in flight (its instance frees its blocks); unknown or finished ids are ignored."""
+        route = self._routes.pop(request_id, None)
+        if route is not None and route.instance is not None:
+            route.instance.load -= 1
+            self._try_send(route.instance, ("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._routes)
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The output of a finished request; the router forgets it."""
+        if request_id not in self._outputs:
+            state = "has not finished" if request_id in self._routes else "is unknown (or was taken)"
+            raise ValueError(f"request_id: {request_id!r} {state}")
+        self._rejected.discard(request_id)
+        return self._outputs.pop(request_id)
+
+    def stream(self, timeout: float | None = None) -> Iterator[TokenDelta]:
+        """TokenDeltas of every submitted request, in arrival order, until none is in flight; with `timeout`
+        (seconds), the iterator also ends when no delta came for that long."""
+        return self._stream(None, timeout)
+
+    def generate_stream(self, prompts: Sequence[Prompt] | Prompt,
+                        params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[TokenDelta]:
+        """Submit every prompt, then yield their TokenDeltas until all have finished (deltas of other requests
+        wait for `stream()`). Their outputs wait in `pop_output()`."""
+        rids = self._submit_all(prompts, params)
+        return self._stream(set(rids), None)
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. A prompt an instance rejects raises its
+        ValueError (naming the field), and the others are aborted."""
+        rids = self._submit_all(prompts, params)
+        try:
+            for delta in self._stream(set(rids), None):
+                if delta.finished and delta.request_id in self._rejected:
+                    raise ValueError(delta.error)
+        except BaseException:
+            self._drop(rids)
+            raise
+        return [self.pop_output(rid) for rid in rids]
+
+    def _drop(self, rids: list[str]) -> None:
+        for rid in rids:
+            self.abort(rid)
+            self._outputs.pop(rid, None)
+            self._rejected.discard(rid)
+
+    def _submit_all(self, prompts, params) -> list[str]:
+        rids: list[str] = []
+        pairs = batch_prompts(prompts, params)
+        try:
+            for prompt, p in pairs:
+                rids.append(self.submit(prompt, p))
+        except (TypeError, ValueError):
+            self._drop(rids)
+            raise
+        return rids
+
+    # ---- routing -------------------------------------------------------------------------------
+    def _send_to(self, inst: Instance, rid: str, route: _Route, stage: str, params: SamplingParams,
+                 kv_params: dict | None) -> None:
+        """Hand the request to `inst` at `stage`; a broken pipe is the instance's death (which fails it)."""
+        route.instance, route.stage = inst, stage
+        inst.load += 1
+        inst.num_sent += 1
+        if not self._try_send(inst, ("add", rid, route.prompt, params, kv_params)):
+            self._instance_died(inst)
+
+    @staticmethod
+    def _try_send(inst: Instance, msg: tuple) -> bool:
+        if not inst.alive:
+            return False
+        try:
+            inst.conn.send(msg)
+        except (OSError, EOFError):
+            return False
+        return True
+
+    def _stream(self, rids: set[str] | None, timeout: float | None) -> Iterator[TokenDelta]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            delta = self._next_delta(rids)
+            if delta is not None:
+                yield delta
+                deadline = None if timeout is None else time.monotonic() + timeout
+                continue
+            if not any(rids is None or rid in rids for rid in self._routes):
+                return
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._pump(left) and left is not None and time.monotonic() >= deadline:
+                return
+
+    def _next_delta(self, rids: set[str] | None) -> TokenDelta | None:
+        if rids is None:
+            return self._deltas.popleft() if self._deltas else None
+        for i, delta in enumerate(self._deltas):
+            if delta.request_id in rids:
+                del self._deltas[i]
+                return delta
+        return None
+
+    def _pump(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` for messages from the live instances and act on one from each; False if none came."""
+        live = [i for i in self.instances if i.alive]
+        ready = wait([i.conn for i in live], timeout) if live else []
+        for conn in ready:
+            inst = next(i for i in live if i.conn is conn)
+            try:
+                kind, payload = conn.recv()
+            except (OSError, EOFError):
+                self._instance_died(inst)
+                continue
+            if kind == "step":
+                self._on_step(inst, payload)
+            elif kind == "rejected":
+                rid, error = payload
+                if self._holds(inst, rid):
+                    self._rejected.add(rid)
+                    self._fail(rid, error, inst.engine_id)
+            elif kind == "records":
+                self._records[inst.engine_id] = payload
+        return bool(ready)
+
+    def _holds(self, inst: Instance, rid: str) -> bool:
+        route = self._routes.get(rid)
+        return route is not None and route.instance is inst
+
+    def _on_step(self, inst: Instance, msg: dict) -> None:
+        inst.num_waiting, inst.num_running, inst.num_added = msg["num_waiting"], msg["num_running"], msg["num_added"]
+        self._on_report(inst, msg["kv"])
+        t = msg["time"]
+        done = {o.request_id: o for o in msg["outputs"] if self._holds(inst, o.request_id)}
+        for rid, token_ids, text, offset in msg["tokens"]:
+            route = self._routes.get(rid)
+            if route is None or route.instance is not inst or not self._streams(route):
+                continue
+            route.token_ids += token_ids
+            route.text = route.text[:offset] + text
+            out = done.pop(rid, None)
+            self._deltas.append(TokenDelta(rid, tuple(token_ids), text, offset, out is not None,
+                                           out.finish_reason if out else None, inst.engine_id, t,
+                                           out.error if out else None))
+            if out is not None:
+                self._finish(rid, out)
+        for rid, out in done.items():
+            self._on_output(inst, rid, self._routes[rid], out, t)
+
+    def _finish(self, rid: str, output: RequestOutput) -> None:
+        route = self._routes.pop(rid)
+        if route.instance is not None:
+            route.instance.load -= 1
+        self._outputs[rid] = output
+
+    def _fail(self, rid: str, error: str, where: str) -> None:
+        """Finish a request in flight with finish_reason "error": its output holds what it streamed so far."""
+        route = self._routes[rid]
+        prompt_ids = [] if isinstance(route.prompt, str) else list(route.prompt)  # text: tokenized by instances
+        output = RequestOutput(rid, prompt_ids, list(route.token_ids), route.text, "error", error=error)
+        self._deltas.append(TokenDelta(rid, (), "", len(route.text), True, "error", where, time.time(), error))
+        self._finish(rid, output)
+
+    def _instance_died(self, inst: Instance) -> None:
+        if not inst.alive:
+            return
+        inst.alive = False
+        inst.process.join(timeout=5)
+        error = f"{inst.engine_id}: the process is gone (exit code {inst.process.exitcode})"
+        failed = [rid for rid, route in self._routes.items() if route.instance is inst]
+        for rid in failed:
+            self._fail(rid, error, inst.engine_id)
+        self._on_death(inst, error, failed)
+
+    def records(self) -> dict[str, list]:
+        """Each live instance's StepRecords so far, by engine id, for the dashboards (a dead process's records
+        went with it). Messages that arrive meanwhile are handled as usual."""
+        asked = []
+        for inst in self.instances:
+            if self._try_send(inst, ("records",)):
+                asked.append(inst)
+            else:
+                self._instance_died(inst)
+        self._records = {}
+        while any(i.alive and i.engine_id not in self._records for i in asked):
+            self._pump(None)
+        return {i.engine_id: self._records.pop(i.engine_id) for i in asked if i.engine_id in self._records}

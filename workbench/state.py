@@ -1,7 +1,7 @@
 """The engine's state as the dashboards see it, rebuilt from StepRecords alone (so a replayed trace needs no model):
 requests with their timings and text, which request holds which KV block and what hash it carries, and what the
-grammar, speculative-decoding, KV-transfer and prefix-cache events told. Each event is handled once, here; the
-views read this state and each record's StepDelta, never the events."""
+grammar, speculative-decoding, KV-transfer, prefix-cache and per-rank events told. Each event is handled once,
+here; the views read this state and each record's StepDelta, never the events."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -228,6 +228,48 @@ class MoEState:
     num_steps: int = 0
 
 
+@dataclass(frozen=True)
+class RankStep:
+    """One tensor-parallel rank in one step: its forward split into compute and the wall time inside collectives
+    (waiting for a slower peer counts as communication: it is what sharding costs), its sampling, and per
+    collective kind the calls and the bytes of its own tensors."""
+
+    rank: int
+    compute_ms: float
+    comm_ms: float
+    sample_ms: float
+    counts: dict[str, int]
+    bytes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class ParallelStepRow:
+    """One parallel.step: the step, the tokens it ran, and every rank's RankStep in rank order."""
+
+    step: int
+    num_tokens: int
+    ranks: tuple[RankStep, ...]
+
+
+@dataclass
+class ParallelState:
+    """Owns tensor parallelism as its parallel.step events tell it: the group's size (1 until the first event: an
+    unsharded engine sends none), every step's per-rank row in order, and since the first one the tokens run and
+    the bytes each collective kind moved per rank (rank 0's tensors; every rank's are the same size)."""
+
+    tensor_parallel_size: int = 1
+    rows: list[ParallelStepRow] = field(default_factory=list)
+    num_tokens: int = 0
+    bytes: dict[str, int] = field(default_factory=dict)
+
+
+def _rank_step(rank: dict) -> RankStep:
+    collectives = rank["collectives"]
+    comm_ms = sum(c["ms"] for c in collectives.values())
+    return RankStep(rank["rank"], max(rank["forward_ms"] - comm_ms, 0.0), comm_ms, rank["sample_ms"],
+                    {k: c["count"] for k, c in collectives.items()}, {k: c["bytes"] for k, c in collectives.items()})
+
+
 def _chains(blocks: dict[int, BlockState]) -> dict[str, ChainNode]:
     """The hashes the blocks hold as chain nodes, by block id, each after its ancestors (a snapshot's cache)."""
     cached = {b.block_hash: ChainNode(b.block_hash, b.parent_hash, block_id) for block_id, b in blocks.items()
@@ -267,12 +309,13 @@ class StepDelta:
     cached: list[str] = field(default_factory=list)  # hashes cached (again, after an eviction, too)
     evicted: list[str] = field(default_factory=list)  # hashes of `PrefixState.chains` evicted
     moe_routed: bool = False  # the step routed tokens to experts (`EngineState.moe` changed)
+    parallel: ParallelStepRow | None = None  # what each tensor-parallel rank did this step
 
 
 class EngineState:
     """Owns the event-derived model of the engine shared by the views: requests by id, KV blocks by id
     (only those that ever changed; the rest are free), each request's block table, the KV size, the last step
-    applied, and the feature states `grammar`, `spec`, `kv_transfer`, `prefix` and `moe`."""
+    applied, and the feature states `grammar`, `spec`, `kv_transfer`, `prefix`, `moe` and `parallel`."""
 
     def __init__(self) -> None:
         self.clear()
@@ -289,6 +332,7 @@ class EngineState:
         self.kv_transfer = TransferState()
         self.prefix = PrefixState()
         self.moe = MoEState()
+        self.parallel = ParallelState()
 
     def load(self, snapshot: EngineSnapshot) -> None:
         """Start from an engine's state between steps (a view attached mid-run, a trace begun mid-run)."""
@@ -484,6 +528,16 @@ class EngineState:
                 moe.total[row][expert] += n
         delta.moe_routed = True
 
+    def _parallel_step(self, e, record: StepRecord, delta: StepDelta) -> None:
+        par = self.parallel
+        row = ParallelStepRow(record.step, sum(record.scheduled.values()), tuple(_rank_step(r) for r in e.ranks))
+        par.tensor_parallel_size = e.tensor_parallel_size
+        par.rows.append(row)
+        par.num_tokens += row.num_tokens
+        for kind, n in row.ranks[0].bytes.items():
+            par.bytes[kind] = par.bytes.get(kind, 0) + n
+        delta.parallel = row
+
     def _touch(self, rid: str, delta: StepDelta) -> RequestState | None:
         # a trace cut at its start can name requests whose request.added it never saw
         req = self.requests.get(rid)
@@ -519,4 +573,5 @@ _HANDLERS = {
     "kv_transfer.load": EngineState._transfer,
     "kv_transfer.fail": EngineState._transfer,
     "moe.routed": EngineState._moe_routed,
+    "parallel.step": EngineState._parallel_step,
 }

@@ -10,10 +10,12 @@ from workbench.views.kv_blocks import KVBlockMap
 from workbench.views.kv_transfer import KVTransferView
 from workbench.views.metrics import MetricsView
 from workbench.views.moe import MoEView
+from workbench.views.parallel import ParallelView
 from workbench.views.prefix import PrefixCacheView
 from workbench.views.requests import RequestsView
 from workbench.views.spec import SpecDecodeView
 from workbench.views.timeline import SchedulerTimeline
 
 __all__ = ["Dashboard", "View", "SchedulerTimeline", "KVBlockMap", "PrefixCacheView", "RequestsView", "MetricsView",
-           "GrammarView", "SpecDecodeView", "KVTransferView", "MoEView", "EngineState", "ensure_extension"]
+           "GrammarView", "SpecDecodeView", "KVTransferView", "MoEView", "ParallelView",
+           "EngineState", "ensure_extension"]

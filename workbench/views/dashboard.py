@@ -13,6 +13,7 @@ from workbench.views.kv_blocks import KVBlockMap
 from workbench.views.kv_transfer import KVTransferView
 from workbench.views.metrics import MetricsView
 from workbench.views.moe import MoEView
+from workbench.views.parallel import ParallelView
 from workbench.views.prefix import PrefixCacheView
 from workbench.views.requests import RequestsView
 from workbench.views.spec import SpecDecodeView
@@ -34,8 +35,9 @@ class Dashboard:
         self.spec = SpecDecodeView(self.state)
         self.kv_transfer = KVTransferView(self.state)
         self.moe = MoEView(self.state)
+        self.parallel = ParallelView(self.state)
         self.views: list[View] = [self.timeline, self.kv_blocks, self.prefix, self.requests, self.metrics,
-                                  self.grammar, self.spec, self.kv_transfer, self.moe]
+                                  self.grammar, self.spec, self.kv_transfer, self.moe, self.parallel]
         self._tab_sets: list[pn.Tabs] = []  # every layout tabs() built: each gains the Experts tab
         self.requests.table.param.watch(self._select_request, "selection")
 
@@ -91,7 +93,8 @@ class Dashboard:
             self.requests, sizing_mode="stretch_width")
         tabs = pn.Tabs(("Overview", overview), (self.prefix.title, self.prefix), (self.metrics.title, self.metrics),
                        (self.grammar.title, self.grammar), (self.spec.title, self.spec),
-                       (self.kv_transfer.title, self.kv_transfer), sizing_mode="stretch_width")
+                       (self.kv_transfer.title, self.kv_transfer), (self.parallel.title, self.parallel),
+                       sizing_mode="stretch_width")
         self._tab_sets.append(tabs)
         if not self.moe.empty.is_empty:
             tabs.append((self.moe.title, self.moe.panel))

@@ -19,7 +19,7 @@ from engine.executor.abstract import Executor
 from engine.executor.sim.cost_model import CostModel, KVCapacity, ScheduledShape
 from engine.executor.sim.hardware import get_hardware
 from engine.executor.sim.model_spec import load_model_spec
-from engine.executor.sim.tokenizer import ByteTokenizer
+from engine.executor.sim.tokenizer import spec_tokenizer
 from engine.model.llama import ModelShape
 from engine.model.runner import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
@@ -55,11 +55,7 @@ class SimulatedExecutor(Executor):
         return self.kv_capacity.num_blocks
 
     def load_tokenizer(self):
-        folder = self.model_path
-        if folder is not None and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            return super().load_tokenizer()
-        eos = self.eos_token_id[0] if isinstance(self.eos_token_id, list) else self.eos_token_id
-        return ByteTokenizer(self.vocab_size, eos)
+        return spec_tokenizer(self.spec)
 
     def validate_request(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None:

@@ -134,3 +134,38 @@ def test_runs_left_after_the_one_knob_passes_go_to_configurations_that_change_se
     assert [(c["max_num_batched_tokens"], c["max_num_seqs"]) for c in calls] == [(64, 4), (256, 4), (64, 16),
                                                                                  (256, 16)]
     assert result["untried"] == 0 and result["best"]["config"]["max_num_batched_tokens"] == 64
+
+
+# Llama-3.1-70B on 8 simulated H100s: 1024-token prompts, so a 2048-token budget takes a whole prompt in a step that
+# stalls every decode beside it (ITL ~40 simulated ms) and a 256-token budget chunks it (ITL ~15 ms, TTFT later)
+SIMULATED_70B = ["--model", "llama-3.1-70b", "--executor", "simulated", "--hardware", "h100-sxm",
+                 "--tensor-parallel-size", "8", "--num-prompts", "16", "--random-input-len", "1024",
+                 "--random-output-len", "32", "--request-rate", "8", "--slo", "ttft_p99:250", "itl_p99:30"]
+
+
+def test_a_simulated_70b_tune_is_deterministic_and_its_winner_meets_the_slo_again(tmp_path, capsys):
+    import json
+
+    out_json = tmp_path / "tune.json"
+    argv = ["tune", *SIMULATED_70B, "--max-num-batched-tokens", "256", "2048", "--max-num-seqs", "8", "64",
+            "--max-runs", "3", "--output-json", str(out_json)]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    assert 1 <= len(result["points"]) <= 3 and len(result["points"]) + len(result["pruned"]) + result["untried"] == 4
+    best = result["best"]
+    assert best["feasible"] and best["config"]["max_num_batched_tokens"] == 256
+    assert "simulated time" in first and "h100-sxm" in first
+    for flag in ("--executor simulated", "--hardware h100-sxm", "--tensor-parallel-size 8"):
+        assert flag in result["command"] and flag in first
+    assert result["serve_command"].startswith("vllm serve meta-llama/Llama-3.1-70B ")
+    assert "--tensor-parallel-size 8" in result["serve_command"]
+    # the simulated clock makes a tune a function of its flags: the same command prints the same table, digit for digit
+    assert main(argv) == 0
+    assert capsys.readouterr().out == first
+    # the reproducing command measures the winner again on the simulated clock: the same numbers (ITL to 1e-3 ms:
+    # its gaps are differences of step stamps counted in ns from the wall time each engine was made, as floats)
+    assert main(shlex.split(result["command"])[1:] + ["--output-json", str(out_json)]) == 0
+    again = json.loads(out_json.read_text())
+    assert len(again["points"]) == 1 and again["best"]["config"] == best["config"] and again["best"]["feasible"]
+    assert again["best"]["values"] == pytest.approx(best["values"], abs=1e-3)

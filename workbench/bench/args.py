@@ -74,6 +74,14 @@ def add_executor_args(parser: argparse.ArgumentParser) -> None:
 EXECUTOR_FLAGS = ("executor", "hardware", "tensor_parallel_size", "gpu_memory_utilization")
 
 
+def executor_text(engine_kwargs: dict[str, Any]) -> str | None:
+    """What a report says of a simulated run (every time in it is simulated), or None for a real one."""
+    if engine_kwargs.get("executor") != "simulated":
+        return None
+    return (f"Simulated: the engine's scheduler and KV cache over the cost model of {engine_kwargs.get('hardware')} "
+            f"(tensor_parallel_size={engine_kwargs.get('tensor_parallel_size', 1)}), every time on the simulated clock")
+
+
 def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig settings the shared flags gave: --num-kv-blocks and the executor's flags, where set."""
     kwargs = {"num_kv_blocks": args.num_kv_blocks}

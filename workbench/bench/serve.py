@@ -35,7 +35,8 @@ import torch
 
 from engine import LLM, RequestOutput, SamplingParams, StepRecord, StructuredOutputsParams
 from engine.model import resolve_model
-from workbench.bench.args import add_common_args, add_executor_args, positive_float, positive_int, run_with_flags
+from workbench.bench.args import (add_common_args, add_executor_args, executor_text, positive_float, positive_int,
+                                  run_with_flags)
 from workbench.bench.datasets import DATASET_DEFAULTS, DATASETS, BenchRequest, sample_dataset
 from workbench.bench.report import Line, Part, Table, bold, described, formatters, machine_info, percentile
 from workbench.bench.throughput import HFBaseline, cold_start, load_line
@@ -586,11 +587,7 @@ def _workload_values(result: dict[str, Any]) -> dict[str, str]:
 def _where(s: dict[str, Any]) -> str:
     if s.get("base_url"):
         return "Requests go over HTTP to the server, which steps while they arrive"
-    kw = s.get("engine_kwargs") or {}
-    if kw.get("executor") == "simulated":
-        return (f"Simulated: the engine's scheduler and KV cache over the cost model of {kw.get('hardware')} "
-                f"(tensor_parallel_size={kw.get('tensor_parallel_size', 1)}), every time on the simulated clock")
-    return "Requests arrive in-process while the engine steps"
+    return executor_text(s.get("engine_kwargs") or {}) or "Requests arrive in-process while the engine steps"
 
 
 def ratio_line(result: dict[str, Any]) -> str:

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from workbench.bench.args import add_common_args, non_negative_int, positive_int, run_with_flags
+from workbench.bench.args import (EXECUTOR_FLAGS, add_common_args, add_executor_args, executor_text,
+                                  non_negative_int, positive_int, run_with_flags)
 from workbench.bench.report import Line, Part, Table, bold, described, docs_only, formatters, percentile
 
 HELP = "search the engine's knobs for the most goodput under latency SLOs (vLLM's auto_tune)"
@@ -314,6 +315,21 @@ def trace_workload(path: str, tokenizer: Any, seed: int = 0) -> tuple[list[Any],
     return requests, [(e.arrival_ns - order[0].arrival_ns) / 1e9 for e in order]
 
 
+def workload_tokenizer(model: str, engine_kwargs: dict[str, Any]) -> Any:
+    """The tokenizer the workload is sampled with: the model's, or a simulated model's (a byte tokenizer where its
+    config ships none), without building an engine."""
+    if engine_kwargs.get("executor") == "simulated":
+        from engine.executor.sim.model_spec import load_model_spec
+        from engine.executor.sim.tokenizer import spec_tokenizer
+
+        return spec_tokenizer(load_model_spec(model, engine_kwargs.get("revision")))
+    from transformers import AutoTokenizer
+
+    from engine.model import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(model))
+
+
 def measure_config(model: str, config: dict[str, Any], requests: Sequence[Any], arrivals: Sequence[float],
                    slos: dict[str, float], goodput: dict[str, float], seed: int, max_concurrency: int | None,
                    engine_kwargs: dict[str, Any], speculative_method: str = "ngram") -> dict[str, Any]:
@@ -344,9 +360,7 @@ def run_tune(model: str = "smollm2-135m", dataset: str = "random", num_requests:
     best point (or the closest, flagged infeasible), the Pareto front and the commands that reproduce the winner.
     `workload_argv`: the workload and SLO flags, repeated in the reproducing command."""
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
-    from engine.model import resolve_model
     from workbench.bench.datasets import DATASET_DEFAULTS, sample_dataset
     from workbench.bench.serve import request_arrivals
 
@@ -359,7 +373,7 @@ def run_tune(model: str = "smollm2-135m", dataset: str = "random", num_requests:
     engine_kwargs = dict(engine_kwargs or {})
     bounds = goodput_bounds(slos, goodput)
     primary = next(iter(slos), "ttft_p99")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+    tokenizer = workload_tokenizer(model, engine_kwargs)
     if trace is not None:
         requests, arrivals = trace_workload(trace, tokenizer, seed)
     else:
@@ -391,7 +405,7 @@ def run_tune(model: str = "smollm2-135m", dataset: str = "random", num_requests:
         **search,
         "front": pareto_front(search["points"], primary),
         "command": reproduce_command(best["config"], workload_argv) if best else None,
-        "serve_command": serve_command(model, best["config"]) if best else None,
+        "serve_command": serve_command(model, best["config"], engine_kwargs) if best else None,
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
     }
     return result
@@ -417,8 +431,8 @@ def reproduce_command(config: dict[str, Any], workload_argv: Sequence[str]) -> s
 
 
 # the flags that define the workload, the SLOs and the engine outside the search space, as `workload_argv` repeats them
-_WORKLOAD_FLAGS = ("model", "seed", "num_kv_blocks", "dataset_name", "num_prompts", "request_rate", "burstiness",
-                   "max_concurrency", "random_input_len", "random_output_len", "random_range_ratio",
+_WORKLOAD_FLAGS = ("model", *EXECUTOR_FLAGS, "seed", "num_kv_blocks", "dataset_name", "num_prompts", "request_rate",
+                   "burstiness", "max_concurrency", "random_input_len", "random_output_len", "random_range_ratio",
                    "prefix_repetition_prefix_len", "prefix_repetition_suffix_len", "prefix_repetition_num_prefixes",
                    "prefix_repetition_output_len", "json_output_len", "trace", "slo", "goodput", "speculative_method")
 
@@ -434,16 +448,24 @@ def workload_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def serve_command(model: str, config: dict[str, Any]) -> str:
-    """`workbench serve` with the winner's settings: the deployment it found (its speculative setting, which
-    `workbench serve` has no flag for, is in the Python settings beside)."""
-    argv = ["serve", model, "--max-num-batched-tokens", str(config["max_num_batched_tokens"]),
-            "--max-num-seqs", str(config["max_num_seqs"]),
-            "--long-prefill-token-threshold", str(config["long_prefill_token_threshold"]),
-            "--block-size", str(config["block_size"])]
-    if not config["enable_prefix_caching"]:
-        argv.append("--no-prefix-caching")
-    return "workbench " + shlex.join(argv)
+def serve_command(model: str, config: dict[str, Any], engine_kwargs: dict[str, Any] | None = None) -> str:
+    """The deployment the winner stands for: `workbench serve` with its settings (its speculative setting, which
+    `workbench serve` has no flag for, is in the Python settings beside); after a simulated tune, `vllm serve` of
+    the model on the simulated GPUs (tensor parallel size and memory share as vLLM's flags; the simulated executor
+    refuses speculation), where such a model is deployed."""
+    knobs = ("max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold", "block_size")
+    argv = [item for name in knobs for item in (_flag(name), str(config[name]))]
+    kw = engine_kwargs or {}
+    if kw.get("executor") != "simulated":
+        return "workbench " + shlex.join(["serve", model, *argv] + ([] if config["enable_prefix_caching"]
+                                                                    else ["--no-prefix-caching"]))
+    from engine.executor.sim.model_spec import builtin_models
+
+    hub_id = builtin_models().get(model.lower(), {}).get("_name_or_path", model)
+    argv += [item for name in ("tensor_parallel_size", "gpu_memory_utilization") if kw.get(name) is not None
+             for item in (_flag(name), str(kw[name]))]
+    argv += [] if config["enable_prefix_caching"] else ["--no-enable-prefix-caching"]
+    return shlex.join(["vllm", "serve", hub_id, *argv])
 
 
 # ---- the command line ------------------------------------------------------------------------------------------
@@ -451,6 +473,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from workbench.bench.serve import add_workload_args
 
     add_common_args(parser, runs=False, budget=False)
+    add_executor_args(parser)
     add_workload_args(parser)
     parser.set_defaults(num_prompts=32, request_rate=4.0)
     parser.add_argument("--trace", default=None, help="a JSONL step trace: its requests' arrivals and lengths are "
@@ -538,6 +561,11 @@ def _workload_text(result: dict[str, Any]) -> str:
             f"(seed {s['seed']})")
 
 
+def _simulated_text(result: dict[str, Any]) -> str:
+    simulated = executor_text(result["settings"]["engine_kwargs"])
+    return f". {simulated} (latencies are simulated time, not this machine's)" if simulated else ""
+
+
 _HEADERS = ("run", "max_num_batched_tokens", "max_num_seqs", "long_prefill", "prefix caching", "spec tokens",
             "block", "goodput req/s", "output tok/s", "SLOs", "Pareto")
 
@@ -584,15 +612,19 @@ def _parts(result: dict[str, Any]) -> list[Part]:
 
     plot = f"![goodput against {result['settings']['primary']}](img/{Path(result['plot']).name})" \
         if result.get("plot") else ""
-    command = [Line(f"reproduce: {result['command']}", f"Reproduce the winner: `{result['command']}`; deploy it: "
-                    f"`{result['serve_command']}`")] if result["command"] else []
-    return [described(result, "{workload}; {slo}", _DOCS, workload=_workload_text(result), slo=_slo_text(result)),
-            Table(_HEADERS, _rows(result)), bold(verdict(result)), *command, Line(_pruned_text(result)),
-            Line(load_line(result)), docs_only(plot)]
+    command = [Line(f"reproduce: {result['command']}\ndeploy: {result['serve_command']}",
+                    f"Reproduce the winner: `{result['command']}`; deploy it: `{result['serve_command']}`")
+               ] if result["command"] else []
+    simulated = _simulated_text(result)
+    load = [] if simulated else [Line(load_line(result))]  # simulated time does not move with the machine's load
+    return [described(result, "{workload}; {slo}{simulated}", _DOCS, workload=_workload_text(result),
+                      slo=_slo_text(result), simulated=simulated),
+            Table(_HEADERS, _rows(result)), bold(verdict(result)), *command, Line(_pruned_text(result)), *load,
+            docs_only(plot)]
 
 
-_DOCS = ("{workload}; {slo}. One engine per configuration, warmed up on two requests, serves the workload once; "
-         "the search starts at the engine's defaults and varies one knob at a time around the best so far, then, "
+_DOCS = ("{workload}; {slo}{simulated}. One engine per configuration, warmed up on two requests, serves the workload "
+         "once; the search starts at the engine's defaults and varies one knob at a time around the best so far, then, "
          "with runs left, configurations that change several knobs, nearest first; a "
          "failed ITL/TPOT SLO prunes larger budgets and sequence caps, a failed TTFT SLO smaller ones. Pareto: no "
          "other run has both more goodput and a lower {primary}.{note}")

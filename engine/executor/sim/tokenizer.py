@@ -3,7 +3,10 @@
 see output lengths and follow a request in the views; the model's real tokenizer is used wherever its folder has one."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from engine.executor.sim.model_spec import ModelSpec
 
 
 class ByteTokenizer:
@@ -39,3 +42,15 @@ class ByteTokenizer:
         if run:
             out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+
+def spec_tokenizer(spec: "ModelSpec") -> Any:
+    """A simulated model's tokenizer: the one beside its config.json where there is one, else bytes over its
+    vocabulary (benchmarks sample their workloads with it before any engine exists)."""
+    folder = spec.folder
+    if folder is not None and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer  # heavy: only for a model that ships a tokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+    eos = spec.eos_token_id[0] if isinstance(spec.eos_token_id, list) else spec.eos_token_id
+    return ByteTokenizer(spec.vocab_size, eos)

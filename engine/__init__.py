@@ -13,7 +13,8 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 # The engine classes pull in the model code (and transformers): import them on first use, so that the
 # scheduler, the block pool and the CLI start fast.
 _LAZY = {"LLM": "engine.entrypoints.llm", "LLMEngine": "engine.llm_engine", "AsyncLLM": "engine.async_llm",
-         "PDCluster": "engine.entrypoints.pd_cluster", "resolve_model": "engine.model.loader"}
+         "PDCluster": "engine.entrypoints.pd_cluster",
+         "DPLBClient": "engine.entrypoints.dp_client", "resolve_model": "engine.model.loader"}
 
 
 def __getattr__(name: str) -> Any:
@@ -25,5 +26,5 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "LLM", "LLMEngine", "AsyncLLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
     "CompletionOutput", "RequestStatus", "StepRecord", "KVUsage", "Event", "EngineSnapshot", "PDCluster",
-    "resolve_model",
+    "DPLBClient", "resolve_model",
 ]

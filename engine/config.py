@@ -127,6 +127,12 @@ class EngineConfig:
     executor: str = "uniproc"
     hardware: str | dict | None = None
     tensor_parallel_size: int = 1
+    # data parallelism (LLM only): data_parallel_size engine processes, each its own scheduler and KV cache, behind
+    # a front end that routes each request by "load" (vLLM's waiting * 4 + running) or "prefix" (where its prefix
+    # is cached, else load); replicas hash blocks with sha256 whatever prefix_caching_hash_algo says (the front end
+    # follows their caches by hash); see engine/entrypoints/dp_client.py
+    data_parallel_size: int = 1
+    data_parallel_routing: str = "load"
     gpu_memory_utilization: float = 0.9  # simulated executor: the share of device memory for weights, activations, KV
 
     def __post_init__(self) -> None:
@@ -174,6 +180,7 @@ class EngineConfig:
             raise TypeError(f"gpu_memory_utilization: expected float, got {type(self.gpu_memory_utilization).__name__}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._check_data_parallel()
         if self.executor not in ("uniproc", "multiproc", "simulated"):
             raise ValueError(f"executor: must be 'uniproc', 'multiproc' or 'simulated', got {self.executor!r}")
         if self.executor != "simulated":
@@ -196,6 +203,27 @@ class EngineConfig:
                 raise ValueError(f"{name}: not supported by the simulated executor yet")
         self.device = self.device or "cpu"  # no tensor is made: the hardware is simulated
         self.dtype = self.dtype or hardware.default_dtype
+
+    def _check_data_parallel(self) -> None:
+        """data_parallel_size and routing, and the combinations the data-parallel front end cannot run yet."""
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int):
+            raise TypeError(f"data_parallel_size: expected int, got {type(dp).__name__}")
+        if dp < 1:
+            raise ValueError(f"data_parallel_size: must be >= 1, got {dp}")
+        if self.data_parallel_routing not in ("load", "prefix"):
+            raise ValueError(f"data_parallel_routing: must be 'load' or 'prefix', got {self.data_parallel_routing!r}")
+        if dp == 1:
+            return
+        if self.tensor_parallel_size != 1:  # a replica's process is a daemon: it cannot start TP workers
+            raise ValueError(f"data_parallel_size: {dp} with tensor_parallel_size {self.tensor_parallel_size} is not "
+                             "supported yet (use one of them)")
+        for name, bad in (("executor", self.executor == "simulated"), ("kv_transfer_config",
+                                                                        self.kv_transfer_config is not None)):
+            if bad:
+                raise ValueError(f"data_parallel_size: {dp} with {name} {getattr(self, name)!r} is not supported")
+        if self.data_parallel_routing == "prefix" and not self.enable_prefix_caching:
+            raise ValueError("data_parallel_routing: 'prefix' needs enable_prefix_caching=True")
 
     def _check_ranges(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -204,6 +204,42 @@ class ParallelStep(Event):
 
 
 @dataclass(frozen=True)
+class DPRouted(Event):
+    """The data-parallel front end sent a request to a replica (engine/entrypoints/dp_client.py). `step` numbers
+    the front end's events (dp.routed and dp.replica_dead: 1, 2, ...); `time_ns` is the wall clock (comparable
+    with StepRecord.end_ns). `rule`: "load" (the least `scores`, waiting * 4 + running, as vLLM's DP load
+    balancer; ties: the lowest index) or "prefix" (the most `prefix_hit_blocks`, the request's leading full
+    blocks the replica is known to cache; ties and no hit: the score). Per replica, in index order: `waiting`
+    (reported waiting plus requests sent it has not taken yet), `running`, `scores`, `prefix_hit_blocks` (zeros
+    under "load") and `alive`; a dead replica is never chosen."""
+
+    kind: ClassVar[str] = "dp.routed"
+    request_id: str
+    replica: str  # "dp-0", "dp-1", ...
+    replica_index: int
+    rule: str
+    scores: tuple[int, ...]
+    waiting: tuple[int, ...]
+    running: tuple[int, ...]
+    prefix_hit_blocks: tuple[int, ...]
+    alive: tuple[bool, ...]
+    time_ns: int = 0
+
+
+@dataclass(frozen=True)
+class DPReplicaDead(Event):
+    """A data-parallel replica's process is gone: the requests it held (`failed_request_ids`) finished with
+    finish_reason "error" and `error`, and the front end sends it nothing more. `step` as in dp.routed."""
+
+    kind: ClassVar[str] = "dp.replica_dead"
+    replica: str
+    replica_index: int
+    error: str
+    failed_request_ids: tuple[str, ...]
+    time_ns: int = 0
+
+
+@dataclass(frozen=True)
 class StepTiming(Event):
     kind: ClassVar[str] = "step.timing"
     schedule_ms: float

@@ -26,11 +26,24 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Iterator, Sequence
 
-from engine.entrypoints.llm import batch_prompts
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+
+
+def batch_prompts(prompts, params: SamplingParams | Sequence[SamplingParams] | None
+                  ) -> list[tuple[str | list[int], SamplingParams]]:
+    """One prompt (text or token ids) or a list of them, with one SamplingParams for all or one per prompt, as
+    (prompt, params) pairs: what LLM.generate and the routers' generate take."""
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        params = [params or SamplingParams()] * len(prompts)
+    elif len(params) != len(prompts):
+        raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+    return list(zip(prompts, params))
 
 
 # ---- the worker process --------------------------------------------------------------------------

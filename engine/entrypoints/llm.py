@@ -4,33 +4,30 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from engine.config import EngineConfig
+from engine.entrypoints.engine_procs import batch_prompts
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
-def batch_prompts(prompts, params: SamplingParams | Sequence[SamplingParams] | None
-                  ) -> list[tuple[str | list[int], SamplingParams]]:
-    """One prompt (text or token ids) or a list of them, with one SamplingParams for all or one per prompt, as
-    (prompt, params) pairs: what LLM.generate and PDCluster.generate take."""
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    prompts = list(prompts)
-    if params is None or isinstance(params, SamplingParams):
-        params = [params or SamplingParams()] * len(prompts)
-    elif len(params) != len(prompts):
-        raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
-    return list(zip(prompts, params))
-
-
 class LLM:
-    """Offline batch inference over an LLMEngine: generate() and chat() run requests to completion."""
+    """Offline batch inference over an LLMEngine: generate() and chat() run requests to completion.
+
+    With data_parallel_size > 1, `engine` is a DPLBClient (engine/entrypoints/dp_client.py): that many engine
+    processes behind a router; `engine.records()` and `engine.routing_events()` show what each did."""
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if config.data_parallel_size > 1:
+            from engine.entrypoints.dp_client import DPLBClient
+
+            self.engine = DPLBClient(config).start()
+        else:
+            self.engine = LLMEngine(config)
 
     def close(self) -> None:
-        """Stop the engine's worker processes (tensor parallelism); also on leaving a `with LLM(...)` block."""
+        """Stop the engine's worker processes (tensor parallelism) or replicas (data parallelism); also on leaving
+        a `with LLM(...)` block."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":
@@ -47,6 +44,8 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. `params`: one for all, or one per prompt."""
+        if not isinstance(self.engine, LLMEngine):  # the data-parallel front end routes and waits itself
+            return self.engine.generate(prompts, params)
         ids = []
         try:
             for prompt, p in batch_prompts(prompts, params):

@@ -261,7 +261,7 @@ class MultiProcExecutor(Executor):
         store_dir = tempfile.mkdtemp(prefix="workbench-tp-")
         store_path = os.path.join(store_dir, "store")
         # the CPU's threads shared between the ranks: oversubscribed threads spin against each other
-        threads = max(1, (os.cpu_count() or 1) // self.size)
+        self.threads_per_rank = threads = max(1, (os.cpu_count() or 1) // self.size)
         self._procs, self._conns = [], []
         self._reaper = weakref.finalize(self, _reap, self._procs, self._conns, store_dir)
         for rank in range(self.size):

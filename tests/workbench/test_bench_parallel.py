@@ -1,0 +1,31 @@
+"""Smoke test of `workbench bench parallel` through the CLI on tiny-llama (no timed assertions): TP 1 and 2 run and
+give the same greedy tokens, TP 3 (4 query heads) is reported as not run, and the bytes all-reduced per token are
+exactly the model's arithmetic."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workbench.cli import main
+
+
+@pytest.mark.slow
+def test_parallel_bench_through_the_cli(tmp_path, capsys) -> None:
+    doc = tmp_path / "BENCHMARKS.md"
+    assert main(["bench", "parallel", "--model", "tiny-llama", "--sizes", "1", "2", "3", "--runs", "1",
+                 "--num-requests", "2", "--input-len", "8", "--output-len", "3", "--write-docs", "--docs-path",
+                 str(doc)]) == 0
+    result = json.loads((tmp_path / "bench" / "parallel.json").read_text())["result"]  # kept beside the docs
+    rows = {r["tp"]: r for r in result["rows"]}
+    assert sorted(rows) == [1, 2] and all(r["same_tokens"] and r["output_tok_s"] > 0 for r in rows.values())
+    assert "num_attention_heads (4)" in result["skipped"]["3"]
+    # tiny-llama: 4 layers, hidden 64: the embedding's all-reduce and two per layer, fp32, on every token
+    assert result["expected_all_reduce_bytes_per_token"] == (1 + 2 * 4) * 64 * 4
+    assert rows[2]["all_reduce_bytes_per_token"] == result["expected_all_reduce_bytes_per_token"]
+    assert rows[1]["all_reduce_bytes_per_token"] == 0 and rows[1]["comm_ms"] == 0 and rows[2]["comm_ms"] > 0
+    assert rows[1]["threads_per_rank"] >= rows[2]["threads_per_rank"] >= 1
+    text = doc.read_text()
+    assert "<!-- bench:parallel:start -->" in text and "## Tensor parallelism" in text
+    assert "cores cannot show what tensor parallelism is for" in text and "TP 3 not run" in text
+    assert "tokens = first size" in capsys.readouterr().out

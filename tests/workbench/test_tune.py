@@ -6,6 +6,7 @@ import shlex
 import pytest
 
 from workbench.bench import tune
+from workbench.bench.tune_figures import CHROMIUM, FAILED, FEASIBLE, pareto_figure, sweep_figure
 from workbench.cli import main
 
 SPACE = {"max_num_batched_tokens": [64, 256, 1024], "max_num_seqs": [4, 16, 64], "long_prefill_token_threshold": [0],
@@ -100,6 +101,10 @@ def test_tiny_tune_through_the_cli_and_its_command_re_runs_the_winner(tmp_path, 
     result = json.loads(out_json.read_text())
     assert len(result["points"]) <= 3 and result["best"]["feasible"]
     assert "<!-- bench:tune:start -->" in doc.read_text() and (tmp_path / "bench" / "tune.json").exists()
+    # the PNG of the front and the sweep, where Chromium renders it (CI installs it)
+    png = tmp_path / "img" / "tune.png"
+    assert png.exists() == CHROMIUM.exists() == ("](img/tune.png)" in doc.read_text())
+    assert not png.exists() or png.read_bytes().startswith(b"\x89PNG")
     command = result["command"]
     assert command in out and command.startswith("workbench tune ")
     # the printed command pins every knob to the winner's value and measures it again: it meets the SLOs again
@@ -169,3 +174,29 @@ def test_a_simulated_70b_tune_is_deterministic_and_its_winner_meets_the_slo_agai
     again = json.loads(out_json.read_text())
     assert len(again["points"]) == 1 and again["best"]["config"] == best["config"] and again["best"]["feasible"]
     assert again["best"]["values"] == pytest.approx(best["values"], abs=1e-3)
+
+
+def test_the_figures_show_every_run_the_front_the_winner_and_the_bound():
+    slos = {"itl_p99": 100.0}
+    search = tune.tune(SPACE, fake_measure([]), slos, 6, "itl_p99")
+    result = {**search, "front": tune.pareto_front(search["points"], "itl_p99"),
+              "settings": {"primary": "itl_p99", "slos": slos, "engine_kwargs": {}}}
+    points, best = result["points"], result["best"]
+    assert any(p["feasible"] for p in points) and not all(p["feasible"] for p in points)
+    fig = pareto_figure(result)
+    shown = {}
+    for name, feasible in (("feasible", True), ("failed", False)):
+        data = fig.select_one({"name": name}).data_source.data
+        shown.update(zip(data["run"], zip(data["latency"], data["goodput"], data["color"])))
+        assert all(p["feasible"] == feasible for p in points if p["run"] in data["run"])
+    assert shown == {p["run"]: (p["values"]["itl_p99"], p["goodput"], FEASIBLE if p["feasible"] else FAILED)
+                     for p in points}
+    front = fig.select_one({"name": "front"}).data_source.data
+    assert (front["x"], front["y"]) == ([p["values"]["itl_p99"] for p in result["front"]],
+                                        [p["goodput"] for p in result["front"]])
+    star = fig.select_one({"name": "winner"}).data_source.data
+    assert (star["x"], star["y"]) == ([best["values"]["itl_p99"]], [best["goodput"]]) and best["feasible"]
+    assert [span.location for span in fig.center if type(span).__name__ == "Span"] == [100.0]
+    bars = sweep_figure(result).select_one({"name": "runs"}).data_source.data
+    assert bars["label"] == [str(p["run"]) for p in points] == list(map(str, range(1, len(points) + 1)))
+    assert bars["latency"] == [p["values"]["itl_p99"] for p in points]

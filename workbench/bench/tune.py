@@ -492,8 +492,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         knobs.add_argument(_flag(knob.name), type=knob.parse, nargs="+", default=None, metavar="V",
                            help=f"{knob.help} (default: {shown})")
     parser.add_argument("--output-json", default=None, metavar="PATH", help="write the result as JSON here")
-    parser.add_argument("--plot", default=None, help="PNG of the Pareto front, if matplotlib is installed "
-                        "(default with --write-docs: img/tune.png beside the docs)")
+    parser.add_argument("--plot", default=None, help="PNG of the Pareto front and the sweep, where /usr/bin/chromium "
+                        "renders it (default with --write-docs: img/tune.png beside the docs)")
+
+
+def plot_png(result: dict[str, Any], path: str | Path) -> str | None:
+    """The Pareto front and the sweep (workbench/bench/tune_figures.py, as the notebook shows them) as a PNG at
+    `path`; None with nothing measured, or without Chromium to render them."""
+    from workbench.bench.tune_figures import save_png, tune_figures
+
+    return save_png(tune_figures(result), path) if result["points"] else None
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -507,40 +515,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
     plot = args.plot or (str(Path(args.docs_path).parent / "img" / "tune.png") if args.write_docs else None)
-    result["plot"] = plot_front(result, plot) if plot else None
+    result["plot"] = plot_png(result, plot) if plot else None
     return result
-
-
-def plot_front(result: dict[str, Any], path: str | Path) -> str | None:
-    """Goodput against the first SLO's statistic for every measured configuration, the Pareto front joined, the
-    SLO bound as a line; a PNG at `path` (None without matplotlib)."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None or not result["points"]:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    primary = result["settings"]["primary"]
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for feasible, colour, label in ((True, "tab:blue", "meets every SLO"), (False, "tab:red", "fails an SLO")):
-        pts = [p for p in result["points"] if p["feasible"] == feasible]
-        ax.scatter([p["values"][primary] for p in pts], [p["goodput"] for p in pts], c=colour, label=label)
-    front = result["front"]
-    ax.plot([p["values"][primary] for p in front], [p["goodput"] for p in front], c="grey", ls="--",
-            label="Pareto front")
-    if primary in result["settings"]["slos"]:
-        ax.axvline(result["settings"]["slos"][primary], c="tab:red", lw=0.8)
-    ax.set_xlabel(f"{primary} (ms)")
-    ax.set_ylabel("goodput (req/s)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)
 
 
 # ---- the report ------------------------------------------------------------------------------------------------
@@ -610,8 +586,8 @@ def _pruned_text(result: dict[str, Any]) -> str:
 def _parts(result: dict[str, Any]) -> list[Part]:
     from workbench.bench.throughput import load_line
 
-    plot = f"![goodput against {result['settings']['primary']}](img/{Path(result['plot']).name})" \
-        if result.get("plot") else ""
+    plot = f"![the Pareto front of goodput against {result['settings']['primary']}, and the sweep run by run]" \
+        f"(img/{Path(result['plot']).name})" if result.get("plot") else ""
     command = [Line(f"reproduce: {result['command']}\ndeploy: {result['serve_command']}",
                     f"Reproduce the winner: `{result['command']}`; deploy it: `{result['serve_command']}`")
                ] if result["command"] else []

@@ -134,7 +134,7 @@ _VERDICT = ("{cores} cores cannot show what tensor parallelism is for: the N ran
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
-    skipped = "".join(f" TP {size} not run: {why}" for size, why in result["skipped"].items())
+    skipped = "".join(f" TP {size} not run: {why}." for size, why in result["skipped"].items())
     values = {"load": ", ".join(f"{x:.1f}" for x in result["load_average"]), "skipped": skipped,
               "expected": result["expected_all_reduce_bytes_per_token"] / 1e3}
     return [described(result, _SETUP, _SETUP, **values), Table(_HEADERS, _table_rows(result)),

@@ -1,6 +1,6 @@
-"""Smoke test of `workbench bench parallel` through the CLI on tiny-llama (no timed assertions): TP 1 and 2 run and
-give the same greedy tokens, TP 3 (4 query heads) is reported as not run, and the bytes all-reduced per token are
-exactly the model's arithmetic."""
+"""Smoke test of `workbench bench parallel` through the CLI on tiny-llama (no timed assertions): TP 1, TP 2 and DP 2
+run and give the same greedy tokens, TP 3 (4 query heads) is reported as not run, and the bytes all-reduced per
+token are exactly the model's arithmetic."""
 from __future__ import annotations
 
 import json
@@ -14,11 +14,15 @@ from workbench.cli import main
 def test_parallel_bench_through_the_cli(tmp_path, capsys) -> None:
     doc = tmp_path / "BENCHMARKS.md"
     assert main(["bench", "parallel", "--model", "tiny-llama", "--sizes", "1", "2", "3", "--runs", "1",
+                 "--data-parallel-sizes", "2",
                  "--num-requests", "2", "--input-len", "8", "--output-len", "3", "--write-docs", "--docs-path",
                  str(doc)]) == 0
     result = json.loads((tmp_path / "bench" / "parallel.json").read_text())["result"]  # kept beside the docs
-    rows = {r["tp"]: r for r in result["rows"]}
-    assert sorted(rows) == [1, 2] and all(r["same_tokens"] and r["output_tok_s"] > 0 for r in rows.values())
+    assert [(r["tp"], r["dp"]) for r in result["rows"]] == [(1, 1), (2, 1), (1, 2)]
+    assert all(r["same_tokens"] and r["output_tok_s"] > 0 for r in result["rows"])
+    rows = {(r["tp"], r["dp"]): r for r in result["rows"]}
+    assert rows[1, 2]["comm_ms"] == 0 and rows[1, 2]["all_reduce_bytes_per_token"] == 0  # replicas exchange nothing
+    rows = {tp: rows[tp, 1] for tp in (1, 2)}
     assert "num_attention_heads (4)" in result["skipped"]["3"]
     # tiny-llama: 4 layers, hidden 64: the embedding's all-reduce and two per layer, fp32, on every token
     assert result["expected_all_reduce_bytes_per_token"] == (1 + 2 * 4) * 64 * 4

@@ -75,6 +75,8 @@ def _worker(conn: Connection, engine_kwargs: dict, max_records: int, torch_threa
     state = _WorkerState(max_records)
     while True:
         while not engine.has_unfinished_requests() or conn.poll():
+            if not engine.has_unfinished_requests():  # idle: what the router counts must be current (an add it
+                _report(conn, engine, state, time.time())  # refused, an abort) before waiting for the next message
             if not _take(conn, engine, state):
                 return
         record = engine.step()
@@ -82,11 +84,18 @@ def _worker(conn: Connection, engine_kwargs: dict, max_records: int, torch_threa
         tokens = [(e.request_id, e.token_ids, e.text, e.text_offset) for e in record.of_kind("request.tokens")]
         outputs = [out for e in record.of_kind("request.finished") for out in _finished(engine, state, e.request_id)]
         kv = [(e.kind, e.block_hash) for e in record.events if e.kind in ("kv.cached", "kv.evicted")]
-        counts = (record.num_waiting, record.num_running, state.num_added)
-        if tokens or outputs or kv or counts != state.last_counts:
-            state.last_counts = counts
-            conn.send(("step", {"time": record.end_ns / 1e9, "tokens": tokens, "outputs": outputs, "kv": kv,
-                                "num_waiting": counts[0], "num_running": counts[1], "num_added": counts[2]}))
+        _report(conn, engine, state, record.end_ns / 1e9, tokens, outputs, kv)
+
+
+def _report(conn: Connection, engine, state: _WorkerState, t: float, tokens: list = (), outputs: list = (),
+            kv: list = ()) -> None:
+    """Send a step's tokens, outputs and block events, with the queue counts after it; nothing when there is
+    nothing new."""
+    counts = (engine.scheduler.num_waiting, engine.scheduler.num_running, state.num_added)
+    if tokens or outputs or kv or counts != state.last_counts:
+        state.last_counts = counts
+        conn.send(("step", {"time": t, "tokens": list(tokens), "outputs": list(outputs), "kv": list(kv),
+                            "num_waiting": counts[0], "num_running": counts[1], "num_added": counts[2]}))
 
 
 def _finished(engine, state: _WorkerState, rid: str) -> list[RequestOutput]:
@@ -99,8 +108,12 @@ def _finished(engine, state: _WorkerState, rid: str) -> list[RequestOutput]:
 
 
 def _take(conn: Connection, engine, state: _WorkerState) -> bool:
-    """Act on one message from the router; False when told to stop."""
-    msg = conn.recv()
+    """Act on one message from the router; False when told to stop or when the router is gone (its process died:
+    the pipe's other end closed)."""
+    try:
+        msg = conn.recv()
+    except (EOFError, OSError):
+        return False
     if msg[0] == "stop":
         return False
     if msg[0] == "records":

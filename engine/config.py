@@ -127,6 +127,12 @@ class EngineConfig:
     executor: str = "uniproc"
     hardware: str | dict | None = None
     tensor_parallel_size: int = 1
+    # tensor parallelism over several machines, as torch.distributed: the ranks split evenly over `nnodes` nodes;
+    # this engine is node 0, the others run `python -m engine.distributed.launch`; they meet at master_addr and
+    # master_port (else MASTER_ADDR / MASTER_PORT, else 127.0.0.1:29500); see engine/distributed/nodes.py
+    nnodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
     # data parallelism (LLM only): data_parallel_size engine processes, each its own scheduler and KV cache, behind
     # a front end that routes each request by "load" (vLLM's waiting * 4 + running) or "prefix" (where its prefix
     # is cached, else load); replicas hash blocks with sha256 whatever prefix_caching_hash_algo says (the front end
@@ -188,6 +194,7 @@ class EngineConfig:
                 raise ValueError("hardware: only the simulated executor reads it (executor='simulated')")
             if self.tensor_parallel_size != 1:
                 self.executor = "multiproc"  # one process cannot hold several ranks
+            self._check_nodes()
             if self.executor == "multiproc":
                 for name in ("speculative_config", "kv_transfer_config"):
                     if getattr(self, name) is not None:
@@ -224,6 +231,12 @@ class EngineConfig:
                 raise ValueError(f"data_parallel_size: {dp} with {name} {getattr(self, name)!r} is not supported")
         if self.data_parallel_routing == "prefix" and not self.enable_prefix_caching:
             raise ValueError("data_parallel_routing: 'prefix' needs enable_prefix_caching=True")
+
+    def _check_nodes(self) -> None:
+        if isinstance(self.nnodes, bool) or not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise ValueError(f"nnodes: must be an int >= 1, got {self.nnodes!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes: {self.nnodes} must divide tensor_parallel_size ({self.tensor_parallel_size})")
 
     def _check_ranges(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -24,11 +24,15 @@ also every collective's timeout), naming the rank; the other workers are then st
 
 Rendezvous binds nothing beyond this machine: a FileStore in a private temporary folder (no listening port: the
 TCP store would listen on every interface) and gloo's pairs on the loopback interface (GLOO_SOCKET_IFNAME=lo).
+Over several nodes (`nnodes` > 1, engine/distributed/nodes.py) this node spawns only its own ranks, rank 0 hosts a
+TCP store on the master port, and the other nodes' ranks (`python -m engine.distributed.launch`) connect on the
+master port + 1 instead of a pipe; set GLOO_SOCKET_IFNAME to the interface between the machines.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection
+from multiprocessing.connection import Listener
 import os
 import shutil
 import tempfile
@@ -45,6 +49,7 @@ import torch
 
 from engine.clock import Clock
 from engine.config import EngineConfig
+from engine.distributed.nodes import accept_ranks, authkey, master_address, node_ranks
 from engine.core.sched.output import ScheduledRequest, SchedulerOutput
 from engine.events import EventLog, ParallelStep
 from engine.executor.abstract import Executor
@@ -126,7 +131,7 @@ def _watch_parent(parent_pid: int) -> None:
 class _Worker:
     """One rank: owns its process group, its model shard, its KV cache and runner, and shadow Requests."""
 
-    def __init__(self, rank: int, size: int, store_path: str, config: EngineConfig, model_path: Path,
+    def __init__(self, rank: int, size: int, init_method: str, config: EngineConfig, model_path: Path,
                  threads: int) -> None:
         import torch.distributed as dist
 
@@ -138,8 +143,7 @@ class _Worker:
         cuda = config.device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(rank)
-        store = dist.FileStore(store_path, size)
-        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size,
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=dist_timeout_s()))
         self.tp = init_tp_group(rank, size, dist.group.WORLD)
         self.rank = rank
@@ -177,14 +181,14 @@ class _Worker:
         return (result if self.rank == 0 else None), report
 
 
-def _worker_main(rank: int, size: int, store_path: str, config: EngineConfig, model_path: Path, conn,
+def _worker_main(rank: int, size: int, init_method: str, config: EngineConfig, model_path: Path, conn,
                  parent_pid: int, threads: int) -> None:
     """The worker's life: start, report ready (or the error), then one reply per step until stop or EOF. Any
     error is sent back naming the rank, and the process exits: its group cannot be trusted after a failed
     collective."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     try:
-        worker = _Worker(rank, size, store_path, config, model_path, threads)
+        worker = _Worker(rank, size, init_method, config, model_path, threads)
         conn.send(("ready", rank, worker.ready_info()))
     except BaseException:
         _send_quietly(conn, ("error", rank, traceback.format_exc()))
@@ -259,21 +263,27 @@ class MultiProcExecutor(Executor):
     def _start_workers(self) -> None:
         ctx = mp.get_context("spawn")
         store_dir = tempfile.mkdtemp(prefix="workbench-tp-")
-        store_path = os.path.join(store_dir, "store")
-        # the CPU's threads shared between the ranks: oversubscribed threads spin against each other
-        self.threads_per_rank = threads = max(1, (os.cpu_count() or 1) // self.size)
+        nnodes, (addr, port) = self.config.nnodes, master_address(self.config.master_addr, self.config.master_port)
+        # one node: a FileStore in a private folder, no port; several: rank 0 hosts a TCP store on the master port
+        init_method = f"file://{os.path.join(store_dir, 'store')}" if nnodes == 1 else f"tcp://{addr}:{port}"
+        listener = None if nnodes == 1 else Listener((addr, port + 1), authkey=authkey())
+        local = node_ranks(self.size, nnodes, 0)
+        # the CPU's threads shared between this node's ranks: oversubscribed threads spin against each other
+        self.threads_per_rank = threads = max(1, (os.cpu_count() or 1) // len(local))
         self._procs, self._conns = [], []
         self._reaper = weakref.finalize(self, _reap, self._procs, self._conns, store_dir)
-        for rank in range(self.size):
+        for rank in local:
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"tp-worker-{rank}", daemon=True,
-                               args=(rank, self.size, store_path, self.config, self.model_path, child_end,
+                               args=(rank, self.size, init_method, self.config, self.model_path, child_end,
                                      os.getpid(), threads))
             proc.start()
             child_end.close()  # the parent's copy of the child's end: without closing it, a dead child gives no EOF
             self._procs.append(proc)
             self._conns.append(parent_end)
         try:
+            if listener is not None:  # the other nodes' ranks, after this node's: rank order
+                self._conns += accept_ranks(listener, range(len(local), self.size), self.config, START_TIMEOUT_S)
             infos = self._gather("ready", START_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -375,6 +385,8 @@ class MultiProcExecutor(Executor):
         return [replies[rank] for rank in range(self.size)]
 
     def _exitcode(self, rank: int) -> int | None:
+        if rank >= len(self._procs):
+            return None  # a rank on another node: its process is not ours to see
         self._procs[rank].join(timeout=1.0)
         return self._procs[rank].exitcode
 

@@ -18,7 +18,11 @@ cost no run and are listed with the failure that pruned them.
 
 The best configuration is the feasible one with the most goodput (ties: the lower first SLO statistic); none
 feasible: the one closest to its SLOs is named. The Pareto front is goodput against the first SLO's statistic over
-every measured configuration. The reproducing command re-runs exactly the winner on the same workload."""
+every measured configuration. The reproducing command re-runs exactly the winner on the same workload.
+
+With `--executor simulated --hardware ... --tensor-parallel-size N` (bench serve's flags) every run is the engine's
+scheduler and KV cache over the simulated executor's cost model: a deployment no laptop holds is tuned in seconds,
+every latency is simulated time, and the same flags give the same table."""
 from __future__ import annotations
 
 import argparse

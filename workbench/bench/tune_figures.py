@@ -1,7 +1,8 @@
 """A `workbench tune` result as Bokeh figures, for the notebook and for the docs' PNG: the Pareto front (goodput
-against the first SLO's statistic, every run a point, the front a line, the winner a star, the SLO bound dotted) and
-the sweep (each run in search order, its first SLO statistic against the bound). Bokeh draws on a canvas, so the PNG
-is taken by headless Chromium (playwright drives /usr/bin/chromium, as the browser tests do)."""
+against the first SLO's statistic, every run a point, the front a line, the winner a green star, or the closest an
+orange one when none meets the SLOs, the SLO bound dotted) and the sweep (each run in search order, its first SLO
+statistic against the bound). Bokeh draws on a canvas, so the PNG is taken by headless Chromium (playwright drives
+/usr/bin/chromium, as the browser tests do)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +13,7 @@ from typing import Any
 CHROMIUM = Path("/usr/bin/chromium")
 _CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-FEASIBLE, FAILED, WINNER = "#1f77b4", "#d62728", "#2ca02c"
+FEASIBLE, FAILED, WINNER, CLOSEST = "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e"
 
 
 def _points(points: list[dict[str, Any]], primary: str) -> Any:
@@ -59,8 +60,9 @@ def pareto_figure(result: dict[str, Any]) -> Any:
     fig.hover.renderers = runs  # the hover reads the runs' columns, which the front and the star do not have
     best = result["best"]
     if best is not None:
-        fig.scatter([best["values"][primary]], [best["goodput"]], marker="star", size=22, fill_color=WINNER,
-                    line_color="black", legend_label="winner" if best["feasible"] else "closest", name="winner")
+        fig.scatter([best["values"][primary]], [best["goodput"]], marker="star", size=22, line_color="black",
+                    fill_color=WINNER if best["feasible"] else CLOSEST,
+                    legend_label="winner" if best["feasible"] else "closest", name="winner")
     if primary in slos:
         fig.add_layout(Span(location=slos[primary], dimension="height", line_color=FAILED, line_dash="dotted"))
     fig.x_range.range_padding = fig.y_range.range_padding = 0.15

@@ -72,7 +72,14 @@ def _worker(conn: Connection, engine_kwargs: dict, max_records: int, torch_threa
         conn.send(("error", repr(exc)))
         return
     conn.send(("ready", None))
-    state = _WorkerState(max_records)
+    try:
+        _serve(conn, engine, _WorkerState(max_records))
+    except (BrokenPipeError, ConnectionResetError):  # the router's process died while this one was stepping
+        pass
+
+
+def _serve(conn: Connection, engine, state: _WorkerState) -> None:
+    """Take messages while idle or when there are some, step while holding work; return when told to stop."""
     while True:
         while not engine.has_unfinished_requests() or conn.poll():
             if not engine.has_unfinished_requests():  # idle: what the router counts must be current (an add it

@@ -12,7 +12,6 @@ import hashlib
 import os
 import platform
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -36,27 +35,35 @@ def build_name() -> str:
     return "workbench_cpu_" + hashlib.sha256(key).hexdigest()[:12]
 
 
-# A build takes about a minute, several on a loaded machine. torch's build lock (a file beside the build) is never
-# cleared by a build that died, and torch waits on it forever: one older than this was left behind.
-STALE_LOCK_S = 15 * 60
-
-
-def wait_for_other_build(name: str, stale_s: float = STALE_LOCK_S, poll_s: float = 1.0) -> None:
-    """Wait while another process builds `name`; remove its lock once older than `stale_s` (a dead build)."""
+def build_directory(name: str) -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > stale_s:
-            warnings.warn(f"kernels.cpu: removing a build lock left {age / 60:.0f} min ago by a build that did not "
-                          f"finish ({lock})", RuntimeWarning, stacklevel=3)
-            lock.unlink(missing_ok=True)
-            return
-        time.sleep(poll_s)
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def load_ops(name: str) -> None:
+    """Load the built library, building it first if no finished build is there.
+
+    torch's `load()` takes a lock file in the build folder on every call, even with nothing to build, and a process
+    killed while it holds it leaves the file behind: every later `load()` then waits on it forever (a killed
+    worker did that to every process started after it). So a finished build, marked by a stamp written after it,
+    is loaded directly, and builds are serialised by a lock the kernel releases when its holder dies.
+    """
+    from filelock import FileLock
+    from torch.utils.cpp_extension import load
+
+    folder = build_directory(name)
+    library, stamp = folder / f"{name}.so", folder / "built"
+    if not (stamp.is_file() and library.is_file()):
+        with FileLock(str(folder) + ".lock"):
+            if not stamp.is_file():  # no other process finished it while we waited
+                # every build holds the lock taken above: a torch lock file seen now was left by a dead one
+                (folder / "lock").unlink(missing_ok=True)
+                load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                     extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                stamp.write_text(name)
+                return
+    torch.ops.load_library(str(library))
 
 
 @functools.cache
@@ -66,14 +73,10 @@ def available() -> bool:
         return False
     if "avx2" not in _cpu_flags() or "fma" not in _cpu_flags():
         return False
-    from torch.utils.cpp_extension import load
-
     # ninja, which the build runs, is installed beside this interpreter (a venv's bin may not be on PATH)
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
-        wait_for_other_build(build_name())
-        load(name=build_name(), sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load_ops(build_name())
     except Exception as exc:  # no compiler, no ninja, a failed build: the references still run, slower
         warnings.warn(f"kernels.cpu: the C++ CPU ops could not be built ({type(exc).__name__}: {exc}); the torch "
                       "reference kernels run instead. Install a C++ compiler (Debian: build-essential).",

@@ -47,6 +47,11 @@ def run_notebook(path: Path, kernel_spec_manager: KernelSpecManager) -> str | No
     except CellExecutionError as err:
         # The kernel colours its traceback; escape codes make CI logs unreadable.
         return ANSI_ESCAPE.sub("", str(err))
+    finally:
+        # nbclient shuts down only kernels it started itself: each lesson's kernel (its model, its engine threads)
+        # would otherwise live on beside the next lessons until the session ends
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
     for index, cell in enumerate(nb.cells):
         for out in cell.get("outputs", []):
             if out.get("output_type") == "stream" and PROGRESS_BAR.search(out.get("text", "")):

@@ -43,7 +43,6 @@ def tests_leave_tracked_files_alone():
     assert not changed, f"tests wrote into tracked files: {changed}"
 
 
-
 # A test that hangs would hold CI until its limit and say nothing of where. Past this, every thread's stack is
 # printed and the run ends (the slowest test takes under a minute on 2 quiet cores).
 TEST_WATCHDOG_S = float(os.environ.get("WORKBENCH_TEST_WATCHDOG_S", "600"))
@@ -61,7 +60,6 @@ def pytest_runtest_protocol(item, nextitem):
     import faulthandler
 
     if TEST_WATCHDOG_S > 0:
-        os.write(_STDERR[0], b"")
         # the main thread's stack names the test; the machine line at the session's start says where it ran
         faulthandler.dump_traceback_later(TEST_WATCHDOG_S, exit=True, file=_STDERR[0])
     try:
@@ -74,16 +72,15 @@ def machine_line() -> str:
     """The machine, for reading a CI log: the CPU, its vector units, its cores, how busy it is."""
     import platform
 
-    flags, model = "", platform.processor()
+    from kernels.cpu.build import cpu_flags
+
+    model = platform.processor()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
         pass
+    flags = cpu_flags()
     vector = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
     return (f"machine: {model}, {os.cpu_count()} cores, {' '.join(vector) or 'no AVX2'}, "
             f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")

@@ -20,7 +20,8 @@ import torch
 SOURCE = Path(__file__).with_name("ops.cpp")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """/proc/cpuinfo's flags line (the instruction sets), or the processor's name where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -31,7 +32,7 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    key = SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+    key = SOURCE.read_bytes() + torch.__version__.encode() + cpu_flags().encode()
     return "workbench_cpu_" + hashlib.sha256(key).hexdigest()[:12]
 
 
@@ -71,7 +72,7 @@ def available() -> bool:
     """Whether torch.ops.workbench_cpu is loaded (built now if needed)."""
     if os.environ.get("WORKBENCH_CPU_OPS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    if "avx2" not in _cpu_flags() or "fma" not in _cpu_flags():
+    if "avx2" not in cpu_flags() or "fma" not in cpu_flags():
         return False
     # ninja, which the build runs, is installed beside this interpreter (a venv's bin may not be on PATH)
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"

@@ -171,13 +171,49 @@ inline float dot_row(const float* q, const C* k, int64_t D) {
   return s;
 }
 
+// The sums of 8 vectors at once, [sum(a[0]), ..., sum(a[7])]: one reduction for 8 keys' dot products instead of a
+// horizontal sum per key (which cost as much as the dot product itself at head_dim 64).
+inline __m256 hsum8(const __m256 a[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// scale * q . k_t for the n keys of a block (token stride `stride`) into p, 8 keys at a time where D allows.
 template <typename C>
-inline void axpy_row(float a, const C* v, float* acc, int64_t D) {
-  const __m256 av = _mm256_set1_ps(a);
+inline void block_scores(const float* q, const C* kb, int64_t stride, int64_t n, int64_t D, float scale, float* p) {
+  int64_t t = 0;
+  if (D % 8 == 0) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (; t + 8 <= n; t += 8) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(kb + (t + j) * stride + d), acc[j]);
+      }
+      _mm256_storeu_ps(p + t, _mm256_mul_ps(hsum8(acc), sv));
+    }
+  }
+  for (; t < n; ++t) p[t] = dot_row(q, kb + t * stride, D) * scale;
+}
+
+// acc = acc * corr + sum_u p[u] v_u over the n values of a block: each 8-wide slice of acc stays in a register
+// across the block's tokens (one load and store per slice instead of one per token).
+template <typename C>
+inline void block_values(const float* p, const C* vb, int64_t stride, int64_t n, int64_t D, float corr, float* acc) {
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8)
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(av, load8(v + d), _mm256_loadu_ps(acc + d)));
-  for (; d < D; ++d) acc[d] += a * to_float(v[d]);
+  const __m256 cv = _mm256_set1_ps(corr);
+  for (; d + 8 <= D; d += 8) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), cv);
+    for (int64_t u = 0; u < n; ++u) a = _mm256_fmadd_ps(_mm256_set1_ps(p[u]), load8(vb + u * stride + d), a);
+    _mm256_storeu_ps(acc + d, a);
+  }
+  for (; d < D; ++d) {
+    float a = acc[d] * corr;
+    for (int64_t u = 0; u < n; ++u) a += p[u] * to_float(vb[u * stride + d]);
+    acc[d] = a;
+  }
 }
 
 template <typename C>
@@ -187,7 +223,7 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
   float m[ROWS], l[ROWS];
   thread_local std::vector<float> acc, p;  // per thread, grown once: no allocation per task
   acc.assign(static_cast<size_t>(rows) * D, 0.f);
-  p.resize(static_cast<size_t>(block_size) * ROWS);
+  p.resize(static_cast<size_t>(block_size) + 8);
   for (int r = 0; r < rows; ++r) { m[r] = -std::numeric_limits<float>::infinity(); l[r] = 0.f; }
   int64_t end = 0;
   for (int r = 0; r < rows; ++r) end = std::max(end, limits[r]);
@@ -196,15 +232,24 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
     const int64_t n_tok = std::min(block_size, end - start);
     const C* kb = k_cache + blk * block_stride;
     const C* vb = v_cache + blk * block_stride;
+    if (start + block_size < end) {
+      // blocks lie anywhere in the cache (a new page each), so the hardware prefetcher cannot see the next one
+      // coming: ask for its rows of this head while this block is computed
+      const int64_t next = table[start / block_size + 1] * block_stride;
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
+      for (int64_t u = 0; u < block_size; ++u)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next + u * token_stride) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + u * token_stride) + b, _MM_HINT_T0);
+        }
+    }
     for (int r = 0; r < rows; ++r) {
       const int64_t visible = std::min(n_tok, limits[r] - start);  // keys this row sees in the block
       if (visible <= 0) continue;
-      float* pr = p.data() + r * block_size;
+      float* pr = p.data();
+      block_scores(q + r * q_stride, kb, token_stride, visible, D, scale, pr);
       float bmax = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < visible; ++t) {
-        pr[t] = dot_row(q + r * q_stride, kb + t * token_stride, D) * scale;
-        bmax = std::max(bmax, pr[t]);
-      }
+      for (int64_t t = 0; t < visible; ++t) bmax = std::max(bmax, pr[t]);
       const float new_m = std::max(m[r], bmax);
       const float corr = std::exp(m[r] - new_m);  // 0 on the first block (m = -inf)
       int64_t t = 0;
@@ -216,9 +261,7 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
         sum += hsum(e);
       }
       for (; t < visible; ++t) { pr[t] = std::exp(pr[t] - new_m); sum += pr[t]; }
-      float* ar = acc.data() + r * D;
-      if (corr != 1.f) for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-      for (int64_t u = 0; u < visible; ++u) axpy_row(pr[u], vb + u * token_stride, ar, D);
+      block_values(pr, vb, token_stride, visible, D, corr, acc.data() + r * D);
       l[r] = l[r] * corr + sum;
       m[r] = new_m;
     }

@@ -23,6 +23,15 @@ def test_input_preparation_is_its_own_row_and_measured_alone(result) -> None:
     assert "at 4 decoding requests" in text and "48-token prefill chunk (context 96)" in text
 
 
+def test_each_model_row_is_a_real_share_of_the_step(result) -> None:
+    # every row is a difference of cumulative times: a function the model no longer calls would leave one at 0 and
+    # push another below it (the linear layers once read 0, the LM head's subtraction made them negative)
+    stages = dict(result["stages"])
+    for name in ("model: attention (KV write + paged attention)", "model: linear layers", "LM head (logits)"):
+        assert stages[name] > 0, name
+    assert stages["model: linear layers"] > stages["LM head (logits)"] / 10
+
+
 def test_chunked_prefill_measure_needs_a_prompt_longer_than_the_budget() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         run_profile(num_requests=1, prompt_len=8, steps=1, warmup=0, top_ops=0, max_num_batched_tokens=1024,

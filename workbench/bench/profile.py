@@ -19,7 +19,6 @@ import time
 from dataclasses import fields
 from typing import Any, Callable
 
-from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import kernels
@@ -47,7 +46,7 @@ _FUNCS = {
     "model": LlamaForCausalLM.forward,
     "store_kvcache": kernels.store_kvcache,
     "paged_attention": kernels.paged_attention,
-    "linear": nn.Linear.forward,
+    "linear": kernels.linear,  # every linear layer (the engine's own Linear, row-parallel ones, the LM head)
     "compute_logits": LlamaForCausalLM.compute_logits,
     "sampler": Sampler.__call__,
     "update": Scheduler.update_from_output,

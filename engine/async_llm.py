@@ -10,6 +10,10 @@ child's completion in `outputs` (the engine's children "{i}_{id}" step and finis
 
 The loop can be held between steps: `pause()` (requests still queue), `step(n)` (run exactly n steps while paused),
 `resume()`. The dashboard's Pause / Step / Play buttons and the server's `/pause`, `/step`, `/resume` call these.
+
+With data_parallel_size > 1 the thread drives a DPLBClient (engine/entrypoints/dp_client.py) in place of the
+engine, as vLLM's AsyncLLM drives its DP client: each "step" takes what the replicas sent (their processes step on
+their own), so there is no hold; a replica that dies fails only its own requests.
 """
 from __future__ import annotations
 
@@ -83,19 +87,37 @@ class RequestStream:
         self._closed = True
 
 
+def build_engine(config: EngineConfig) -> Any:
+    """What AsyncLLM drives for `config`: an LLMEngine in this process, or with data_parallel_size > 1 a started
+    DPLBClient over that many engine processes."""
+    if config.data_parallel_size > 1:
+        from engine.entrypoints.dp_client import DPLBClient
+
+        return DPLBClient(config).start()
+    from engine.llm_engine import LLMEngine  # heavy: the model code
+
+    return LLMEngine(config)
+
+
 class AsyncLLM:
-    """Owns an LLMEngine, the thread that steps it (`engine-loop`), the lock held around every engine call
-    (`lock`, which a dashboard shares), the collectors of requests awaited through `generate`, the aborts not yet
-    applied, and the hold (paused, steps granted while paused). Every public method is safe from any thread."""
+    """Owns the thread that steps its engine (`engine-loop`; an LLMEngine given or built, or the DPLBClient of a
+    data-parallel config), the lock held around every engine call (`lock`, which a dashboard shares), the
+    collectors of requests awaited through `generate`, the aborts not yet applied, and the hold (paused, steps
+    granted while paused). An engine it built from `config` or keyword arguments it closes at `shutdown()`
+    (worker and replica processes with it). Every public method is safe from any thread."""
 
-    def __init__(self, engine: Any = None, *, start_paused: bool = False, **kwargs: Any) -> None:
-        if engine is None:
-            from engine.llm_engine import LLMEngine  # heavy: the model code
-
-            engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
-        elif kwargs:
-            raise TypeError("AsyncLLM: pass either an LLMEngine or engine keyword arguments, not both")
-        self.engine = engine
+    def __init__(self, engine: Any = None, *, config: EngineConfig | None = None, start_paused: bool = False,
+                 **kwargs: Any) -> None:
+        if engine is not None and (config is not None or kwargs):
+            raise TypeError("AsyncLLM: pass either an engine, a config or engine keyword arguments, not several")
+        if config is not None and kwargs:
+            raise TypeError("AsyncLLM: pass either a config or engine keyword arguments, not both")
+        self._owns_engine = engine is None
+        config = engine.config if engine is not None else config or EngineConfig.from_kwargs(**kwargs)
+        self.data_parallel_size = config.data_parallel_size
+        if start_paused:
+            self._check_hold("start_paused")  # before any replica starts
+        self.engine = engine if engine is not None else build_engine(config)
         self.lock = threading.RLock()  # every engine call (the loop's step, add_request, a dashboard's snapshot)
         # control state and wake-ups; never held while the engine lock is awaited inside it (no lock-order cycle)
         self._cond = threading.Condition()
@@ -166,8 +188,15 @@ class AsyncLLM:
     def is_paused(self) -> bool:
         return self._paused
 
+    def _check_hold(self, name: str) -> None:
+        if self.data_parallel_size > 1:
+            raise ValueError(f"{name}: the loop cannot be held with data_parallel_size={self.data_parallel_size} "
+                             "(each replica steps on its own process)")
+
     def pause(self) -> None:
-        """Hold the loop between steps: the step running finishes; requests still queue; aborts still apply."""
+        """Hold the loop between steps: the step running finishes; requests still queue; aborts still apply.
+        Refused (ValueError) with data parallelism."""
+        self._check_hold("pause")
         with self._cond:
             self._paused, self._granted = True, 0
             self._cond.notify_all()
@@ -185,6 +214,7 @@ class AsyncLLM:
             raise TypeError(f"num_steps: expected int, got {type(num_steps).__name__}")
         if num_steps < 1:
             raise ValueError(f"num_steps: must be at least 1, got {num_steps}")
+        self._check_hold("step")
         with self.lock:
             if not self.engine.has_unfinished_requests():
                 return 0
@@ -221,6 +251,8 @@ class AsyncLLM:
     def stats(self) -> dict[str, Any]:
         """The engine now, between steps: requests running and waiting, KV blocks (a KVUsage), steps run."""
         with self.lock:
+            if self.data_parallel_size > 1:  # the replicas' sums, as they last reported
+                return {**self.engine.stats(), "step": self.engine.step_count, "paused": False}
             scheduler = self.engine.scheduler
             return {"num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
                     "kv": self.engine.kv_cache_manager.usage(), "step": self.engine.step_count,
@@ -271,6 +303,8 @@ class AsyncLLM:
             except Exception as exc:  # the loop must outlive one bad step; its requests end with the error
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                 return
+            if record is None:  # the DP front end: nothing arrived from the replicas
+                return
             touched = {self._parent_of.get(e.request_id, e.request_id) for e in record.events
                        if e.kind in ("request.tokens", "request.finished")}
             for rid in touched:
@@ -278,6 +312,8 @@ class AsyncLLM:
                 if collector is None:
                     continue  # not awaited here (a dashboard's request): its output stays in the engine
                 output = self.engine.get_output(rid)
+                if output is None:  # the DP front end: shown whole when it finishes (n > 1, logprobs)
+                    continue
                 if output.finished:
                     self._forget(rid)
                     self.engine.pop_output(rid)
@@ -297,16 +333,21 @@ class AsyncLLM:
             collector.put(output)
         self._collectors.clear()
         self._parent_of.clear()
-        for rid in list(self.engine.scheduler.requests):  # the dashboard's requests, too: nothing runs on
-            self.engine.abort(rid)
+        if self.data_parallel_size == 1:
+            for rid in list(self.engine.scheduler.requests):  # the dashboard's requests, too: nothing runs on
+                self.engine.abort(rid)
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the loop after the step running; the thread is joined."""
+        """Stop the loop after the step running; the thread is joined; an engine this AsyncLLM built is closed.
+        Idempotent."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
         self._thread.join(timeout)
+        if self._owns_engine:
+            with self.lock:
+                self.engine.close()
 
     def __enter__(self) -> "AsyncLLM":
         return self

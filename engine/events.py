@@ -240,6 +240,23 @@ class DPReplicaDead(Event):
 
 
 @dataclass(frozen=True)
+class DPLoad(Event):
+    """A data-parallel replica's load as the front end counts it at the end of one of its records (only when it
+    changed): `waiting` (reported waiting plus requests sent it has not taken yet, as the score counts them),
+    `running`, and KV blocks in use out of `kv_total`. `step` is the front end's record."""
+
+    kind: ClassVar[str] = "dp.load"
+    replica: str
+    replica_index: int
+    waiting: int
+    running: int
+    kv_used: int
+    kv_total: int
+    alive: bool
+    time_ns: int = 0
+
+
+@dataclass(frozen=True)
 class StepTiming(Event):
     kind: ClassVar[str] = "step.timing"
     schedule_ms: float

@@ -204,6 +204,9 @@ def _add_run(commands: Any) -> None:
     engine.add_argument("--max-num-seqs", type=positive_int)
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--data-parallel-size", type=positive_int,
+                        help="engine replicas in processes behind the load balancer; the trace is then the front "
+                        "end's (routing, per-replica load, tokens)")
     sampling = p.add_argument_group("sampling, for every prompt (default: SamplingParams')")
     sampling.add_argument("--temperature", type=float)
     sampling.add_argument("--top-p", type=float)
@@ -215,7 +218,7 @@ def _add_run(commands: Any) -> None:
 
 
 _RUN_ENGINE_FLAGS = ("block_size", "max_num_batched_tokens", "long_prefill_token_threshold", "num_kv_blocks",
-                     "max_num_seqs", "scheduling_policy")
+                     "max_num_seqs", "scheduling_policy", "data_parallel_size")
 _RUN_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")
 
 
@@ -228,12 +231,14 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def run_prompts(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
-    """`workbench run`: every prompt through LLMEngine.step() to completion, each step recorded in the
-    trace; prints one line per output and a summary. Returns the number of steps run."""
+    """`workbench run`: every prompt through LLMEngine.step() (with --data-parallel-size, the DP front end's
+    step()) to completion, each step recorded in the trace; prints one line per output and a summary. Returns the
+    number of steps run."""
     import json
     import time
 
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine import EngineConfig, SamplingParams
+    from engine.async_llm import build_engine
     from workbench.trace import TraceWriter
 
     prompts = _read_prompts(args.prompts)
@@ -241,15 +246,18 @@ def run_prompts(args: argparse.Namespace, out: Callable[[str], None] = print) ->
                           **{k: getattr(args, k) for k in _RUN_ENGINE_FLAGS if getattr(args, k) is not None})
     params = SamplingParams(ignore_eos=args.ignore_eos,
                             **{k: getattr(args, k) for k in _RUN_SAMPLING_FLAGS if getattr(args, k) is not None})
-    engine = LLMEngine(config)
-    ids = [engine.add_request(prompt, params) for prompt in prompts]  # refused before the trace is opened
-    t0 = time.perf_counter()
-    with TraceWriter(args.trace, engine) as writer:
-        engine.subscribe(writer)
-        while engine.has_unfinished_requests():
-            engine.step()
-    elapsed = time.perf_counter() - t0
-    outputs = [engine.pop_output(rid) for rid in ids]
+    engine = build_engine(config)
+    try:
+        ids = [engine.add_request(prompt, params) for prompt in prompts]  # refused before the trace is opened
+        t0 = time.perf_counter()
+        with TraceWriter(args.trace, engine) as writer:
+            engine.subscribe(writer)
+            while engine.has_unfinished_requests():
+                engine.step()
+        elapsed = time.perf_counter() - t0
+        outputs = [engine.pop_output(rid) for rid in ids]
+    finally:
+        engine.close()  # worker or replica processes
     for o in outputs:
         out(f"[{o.request_id}] {o.finish_reason}, {len(o.token_ids)} tokens: {json.dumps(o.text, ensure_ascii=False)}")
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
@@ -297,6 +305,8 @@ def _add_serve(commands: Any) -> None:
     engine.add_argument("--max-num-seqs", type=positive_int)
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--data-parallel-size", type=positive_int,
+                        help="engine replicas in processes behind vLLM's load balancer (no dashboard then)")
     queued = p.add_argument_group("requests queued before any HTTP request; the loop then starts paused")
     queued.add_argument("--prompt", action="append", default=[],
                         help="a prompt to queue, held until Step or Play on the dashboard (repeatable)")
@@ -328,9 +338,10 @@ def serve(args: argparse.Namespace) -> None:
     config = EngineConfig(model=model, enable_prefix_caching=not args.no_prefix_caching,
                           **{k: getattr(args, k) for k in _RUN_ENGINE_FLAGS if getattr(args, k) is not None})
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    where = "no dashboard: data parallelism" if config.data_parallel_size > 1 else "dashboard: {url}dashboard"
     serve_openai(config, args.host, args.port, args.api_key, args.prompt, params,
                  args.served_model_name or model,
-                 announce=lambda url: _announce("serving ")(f"{url}v1 (dashboard: {url}dashboard)"))
+                 announce=lambda url: _announce("serving ")(f"{url}v1 ({where.format(url=url)})"))
 
 
 def replay(args: argparse.Namespace) -> None:

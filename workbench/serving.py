@@ -14,7 +14,7 @@ import panel as pn
 from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, SamplingParams
 from engine.async_llm import AsyncLLM
 from engine.entrypoints.openai.api_server import build_app, run_server
 from workbench.app import Workbench
@@ -27,12 +27,17 @@ def build_serving_app(config: EngineConfig, model_name: str | None = None, api_k
                       prompts: Sequence[str] = (), params: SamplingParams | None = None,
                       port: int = 8000) -> tuple[FastAPI, AsyncLLM]:
     """The API and the dashboard over one new engine. With `prompts`, they are queued first and the loop starts
-    paused: they wait for Step or Play (HTTP requests queue behind them meanwhile)."""
-    llm = AsyncLLM(LLMEngine(config), start_paused=bool(prompts))
+    paused: they wait for Step or Play (HTTP requests queue behind them meanwhile). With data_parallel_size > 1,
+    the API alone over the replicas (the dashboard follows one engine); `prompts` are refused there."""
+    if prompts and config.data_parallel_size > 1:
+        raise ValueError(f"prompt: queued prompts wait for the dashboard's Step, which data_parallel_size="
+                         f"{config.data_parallel_size} has not")
+    llm = AsyncLLM(config=config, start_paused=bool(prompts))  # shutdown() closes its engine (and processes)
     app = build_app(llm, model_name or config.model, api_key)  # its metrics follow every step from the first
     for prompt in prompts:
         llm.add_request(prompt, params)
-    mount_dashboard(app, llm, port)
+    if config.data_parallel_size == 1:
+        mount_dashboard(app, llm, port)
     return app, llm
 
 

@@ -34,14 +34,16 @@ def _package_version() -> str | None:
 
 def trace_header(engine: "LLMEngine") -> dict[str, Any]:
     """The header line of a trace of `engine`: schema version, config, model (name and folder), creation time,
-    and the engine's state when the trace begins (a replay starts from it: a trace may begin mid-run)."""
+    and the engine's state when the trace begins (a replay starts from it: a trace may begin mid-run). A data-
+    parallel front end (DPLBClient) has no state of its own to snapshot: its trace starts from nothing."""
+    snapshot = getattr(engine, "snapshot", None)
     return {
         "schema_version": SCHEMA_VERSION,
         "config": engine.config.to_dict(),
         "model": {"name": engine.config.model, "path": str(engine.model_path)},
         "created": datetime.now(timezone.utc).isoformat(),
         "engine_version": _package_version(),
-        "snapshot": engine.snapshot().to_dict(),
+        "snapshot": snapshot().to_dict() if snapshot is not None else None,
     }
 
 

@@ -20,17 +20,33 @@ this rule (cached once their prefill runs: a request that shares a prefix with o
 Every decision is a `dp.routed` event and every replica death a `dp.replica_dead` event (engine/events.py), in
 `routing_events()`; each replica's StepRecords are in `records()` ({"dp-0": [...], "dp-1": [...]}).
 
+Under AsyncLLM (the server), the front end is driven as an LLMEngine is (vLLM's AsyncLLM over its DP client):
+`add_request` (which waits until the replica took the request, so that a refusal raises here), `step()`, `get_output`
+/ `pop_output`, `abort`, `subscribe`. Each `step()` that saw anything is the front end's own StepRecord
+(`front_end_records()`, and to subscribers: the server's metrics, a trace): request.added / request.tokens /
+request.finished of its requests, its dp.routed and dp.replica_dead events, and a dp.load per replica whose load
+changed (waiting, running, KV blocks), with the replicas' sums as the record's queue counts and KV usage.
+
 Failures: a replica whose process dies fails only the requests it holds (finish_reason "error", the error names
 the replica); the front end sends it nothing more, and with no live replica a request fails at once.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_hex, sha256_hash
-from engine.entrypoints.engine_procs import EngineProcs, Instance, _Route
-from engine.events import DPReplicaDead, DPRouted, Event
+from engine.entrypoints.engine_procs import EngineProcs, Instance, Prompt, TokenDelta, _Route
+from engine.events import (DPLoad, DPReplicaDead, DPRouted, Event, KVUsage, RequestAdded, RequestFinished,
+                           RequestTokens, StepRecord)
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+ROUTING_KINDS = ("dp.routed", "dp.replica_dead")
 
 
 def load_score(waiting: int, running: int) -> int:
@@ -41,7 +57,9 @@ def load_score(waiting: int, running: int) -> int:
 class DPLBClient(EngineProcs):
     """The data-parallel front end over `config.data_parallel_size` replicas of `config` (each with
     data_parallel_size 1). `start()` (or `with`) starts them; `close()` stops them. Requests: `submit` / `stream`,
-    `generate_stream`, `generate` (engine/entrypoints/engine_procs.py)."""
+    `generate_stream`, `generate` (engine/entrypoints/engine_procs.py), or, for AsyncLLM, `add_request` / `step`.
+    Owns the routing rule, what each replica is known to cache, the routing events, and the front end's records
+    (their subscribers, the events and per-replica loads not yet recorded)."""
 
     id_prefix = "req"
 
@@ -58,9 +76,22 @@ class DPLBClient(EngineProcs):
         self._events: list[Event] = []
         self._cached: dict[Instance, set[str]] = {}  # per replica: block hashes (hex) it is known to cache
         self._tokenizer = None
+        self.step_count = 0  # the front end's records
+        self._front: deque[StepRecord] = deque(maxlen=max_records)
+        self._subscribers: list[Callable[[StepRecord], None]] = []
+        # events for the next record: kept only once something drives step() (offline generate() never records)
+        self._recording = False
+        self._pending: list[Event] = []
+        self._num_tokens: dict[str, int] = {}  # request id -> output tokens recorded so far
+        self._last_load: list[tuple] = []  # per replica: the load its last dp.load said
 
     def start(self) -> "DPLBClient":
-        return self.__enter__()
+        self.__enter__()
+        info = [inst.info for inst in self.instances]
+        self.config.set_max_model_len(min(i["max_model_len"] for i in info))  # what the server's checks read
+        self.model_path = Path(info[0]["model_path"])
+        self.num_kv_blocks = min(i["num_kv_blocks"] for i in info)
+        return self
 
     def _instance_specs(self) -> list[tuple[str, str, dict]]:
         return [("dp", f"dp-{k}", {"config": self.replica_config}) for k in range(self.config.data_parallel_size)]
@@ -80,6 +111,22 @@ class DPLBClient(EngineProcs):
         """Every `dp.routed` and `dp.replica_dead` event so far, in order."""
         return list(self._events)
 
+    def _emit(self, event: Event) -> None:
+        if event.kind in ROUTING_KINDS:
+            self._events.append(event)
+        if self._recording:
+            self._pending.append(event)
+
+    def _loads(self) -> list[tuple[int, int, KVUsage]]:
+        """Per replica: waiting (reported, plus sent and not taken yet), running and KV blocks, as the score counts
+        them (a replica that has not stepped yet: all its blocks free)."""
+        out = []
+        for inst in self.instances:
+            total = inst.info.get("num_kv_blocks", 1) - 1  # the null block is not counted
+            kv = inst.kv_usage or KVUsage(total, 0, 0, total)
+            out.append((inst.num_waiting + inst.num_sent - inst.num_added, inst.num_running, kv))
+        return out
+
     # ---- routing -------------------------------------------------------------------------------
     def _block_hashes(self, prompt) -> list[str]:
         """The hex hashes of the prompt's full blocks, chained as a replica hashes them (sha256, no extra keys)."""
@@ -97,8 +144,9 @@ class DPLBClient(EngineProcs):
             gone = ", ".join(inst.engine_id for inst in replicas)
             self._fail(rid, f"no live data-parallel replica: {gone or 'none'} gone", "router")
             return
-        waiting = tuple(i.num_waiting + i.num_sent - i.num_added for i in replicas)
-        running = tuple(i.num_running for i in replicas)
+        loads = self._loads()
+        waiting = tuple(w for w, _, _ in loads)
+        running = tuple(r for _, r, _ in loads)
         scores = tuple(load_score(w, r) for w, r in zip(waiting, running))
         hashes: list[str] = []
         hits = [0] * len(replicas)
@@ -110,8 +158,8 @@ class DPLBClient(EngineProcs):
                     hits[k] += 1
         chosen = min(live, key=lambda k: (-hits[k], scores[k], k))
         inst = replicas[chosen]
-        self._events.append(DPRouted(
-            step=len(self._events) + 1, request_id=rid, replica=inst.engine_id, replica_index=chosen,
+        self._emit(DPRouted(
+            step=self.step_count + 1, request_id=rid, replica=inst.engine_id, replica_index=chosen,
             rule=self.routing, scores=scores, waiting=waiting, running=running, prefix_hit_blocks=tuple(hits),
             alive=tuple(i.alive for i in replicas), time_ns=time.time_ns()))
         self._cached.setdefault(inst, set()).update(hashes)
@@ -127,9 +175,153 @@ class DPLBClient(EngineProcs):
 
     def _on_death(self, inst: Instance, error: str, failed: list[str]) -> None:
         self._cached.pop(inst, None)
-        self._events.append(DPReplicaDead(
-            step=len(self._events) + 1, replica=inst.engine_id, replica_index=self.instances.index(inst),
+        self._emit(DPReplicaDead(
+            step=self.step_count + 1, replica=inst.engine_id, replica_index=self.instances.index(inst),
             error=error, failed_request_ids=tuple(failed), time_ns=time.time_ns()))
+
+    # ---- what AsyncLLM drives, as it drives an LLMEngine ------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """Route a request and wait until its replica took it, so that what the replica refuses (a prompt too long,
+        a bad priority or schema) raises its ValueError here, naming the field, as LLMEngine.add_request does. vLLM
+        checks in the front end's process; ours asks the replica: up to two of its steps. Tokens come by `step()`."""
+        self._recording = True
+        arrival = time.time_ns()
+        rid = self.submit(prompt, params, request_id, priority, cache_salt)
+        route = self._routes.get(rid)
+        inst = route.instance if route is not None else None
+        sent = inst.num_sent if inst is not None else 0
+        while inst is not None and inst.alive and rid in self._routes and inst.num_added < sent:
+            self._pump(None)
+        if rid in self._rejected:
+            error = self.pop_output(rid).error
+            self._next_delta({rid})  # its finishing delta: a refused request is not streamed
+            raise ValueError(error)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else route.prompt
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids[:200])
+        self._emit(RequestAdded(step=self.step_count + 1, request_id=rid, num_prompt_tokens=len(ids),
+                                max_tokens=route.params.max_tokens, priority=priority, arrival_ns=arrival,
+                                prompt=text[:200]))
+        return rid
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """A request's ids as the front end streams it: itself (with n > 1, the replica joins its children)."""
+        return [request_id]
+
+    def get_output(self, request_id: str) -> RequestOutput | None:
+        """The request's output so far: finished, or the tokens and text streamed so far. None while a request with
+        n > 1 or logprobs runs: replicas stream tokens alone, so its output shows whole when it finishes."""
+        if request_id in self._outputs:
+            return self._outputs[request_id]
+        route = self._routes.get(request_id)
+        if route is None:
+            raise ValueError(f"request_id: {request_id!r} is unknown (or was taken)")
+        if route.params.n > 1 or route.params.logprobs is not None:
+            return None
+        return self._partial(request_id, route, None)
+
+    @staticmethod
+    def _partial(rid: str, route: _Route, finish_reason: str | None) -> RequestOutput:
+        prompt_ids = [] if isinstance(route.prompt, str) else list(route.prompt)  # text: tokenized by a replica
+        output = RequestOutput(rid, prompt_ids, list(route.token_ids), route.text, finish_reason)
+        output.outputs = [CompletionOutput(0, route.text, list(route.token_ids), finish_reason)]
+        return output
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request in flight (its replica frees its blocks); its output so far, finish_reason "abort", waits
+        in `pop_output` as LLMEngine's does. Unknown or finished ids are ignored."""
+        route = self._routes.get(request_id)
+        super().abort(request_id)
+        if route is not None:
+            self._outputs[request_id] = self._partial(request_id, route, "abort")
+            self._num_tokens.pop(request_id, None)
+            self._emit(RequestFinished(step=self.step_count + 1, request_id=request_id, reason="abort",
+                                       num_output_tokens=len(route.token_ids)))
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests in flight, or deltas that no `step()` has recorded yet (a request that failed at once)."""
+        return bool(self._routes) or bool(self._deltas)
+
+    def subscribe(self, callback: Callable[[StepRecord], None]) -> Callable[[StepRecord], None]:
+        """Call `callback(StepRecord)` with each of the front end's records. Returns the callback."""
+        self._subscribers.append(callback)
+        return callback
+
+    def unsubscribe(self, callback: Callable[[StepRecord], None]) -> None:
+        self._subscribers.remove(callback)
+
+    def stats(self) -> dict:
+        """The live replicas' sums, as last reported (reports already sent are read first): requests running and
+        waiting, KV blocks (a KVUsage)."""
+        while self._pump(0):  # an idle front end reads nobody's reports: a replica's last (an abort's) may wait
+            pass
+        loads = [load for inst, load in zip(self.instances, self._loads()) if inst.alive]
+        return {"num_running": sum(r for _, r, _ in loads), "num_waiting": sum(w for w, _, _ in loads),
+                "kv": KVUsage(*(sum(getattr(kv, f) for _, _, kv in loads) for f in ("total", "used", "cached_free",
+                                                                                  "free")))}
+
+    def step(self, timeout: float = 0.05) -> StepRecord | None:
+        """Wait up to `timeout` s for the replicas' messages, then record what arrived since the last record: the
+        front end's StepRecord (also in `front_end_records()` and to subscribers), or None when nothing did."""
+        self._recording = True
+        start = time.time_ns()
+        if self._pump(timeout):
+            while self._pump(0):  # everything already sent: one record for it
+                pass
+        step = self.step_count + 1
+        events = self._pending + [e for d in self._drain() for e in self._delta_events(step, d)]
+        events += self._load_events(step)
+        self._pending = []
+        if not events:
+            return None
+        self.step_count = step
+        stats = self.stats()
+        record = StepRecord(step, start, time.time_ns(), {}, {}, stats["num_waiting"], stats["num_running"],
+                            stats["kv"], {}, events)
+        self._front.append(record)
+        for callback in list(self._subscribers):
+            callback(record)
+        return record
+
+    def front_end_records(self) -> list[StepRecord]:
+        """The front end's own StepRecords so far (its last `max_records`), in order: what a trace of it holds."""
+        return list(self._front)
+
+    def _drain(self) -> list[TokenDelta]:
+        deltas = list(self._deltas)
+        self._deltas.clear()
+        return deltas
+
+    def _delta_events(self, step: int, delta: TokenDelta) -> list[Event]:
+        rid = delta.request_id
+        count = self._num_tokens.get(rid, 0) + len(delta.token_ids)
+        events: list[Event] = []
+        if delta.token_ids:
+            events.append(RequestTokens(step=step, request_id=rid, token_ids=delta.token_ids, text=delta.text,
+                                        text_offset=delta.text_offset, num_output_tokens=count))
+        if delta.finished:
+            self._num_tokens.pop(rid, None)
+            output = self._outputs.get(rid)
+            count = len(output.token_ids) if output is not None else count  # n > 1: the replica's own count
+            events.append(RequestFinished(step=step, request_id=rid, reason=delta.finish_reason,
+                                          num_output_tokens=count, error=delta.error))
+        else:
+            self._num_tokens[rid] = count
+        return events
+
+    def _load_events(self, step: int) -> list[Event]:
+        """A dp.load for each replica whose load changed since the last one."""
+        events: list[Event] = []
+        now = time.time_ns()
+        self._last_load += [()] * (len(self.instances) - len(self._last_load))
+        for k, (inst, (waiting, running, kv)) in enumerate(zip(self.instances, self._loads())):
+            load = (waiting, running, kv.used, kv.total, inst.alive)
+            if load != self._last_load[k]:
+                self._last_load[k] = load
+                events.append(DPLoad(step=step, replica=inst.engine_id, replica_index=k, waiting=waiting,
+                                     running=running, kv_used=kv.used, kv_total=kv.total, alive=inst.alive,
+                                     time_ns=now))
+        return events
 
     def close(self) -> None:
         """Stop every replica (politely, then by force); requests in flight are dropped. Idempotent."""

@@ -5,7 +5,9 @@ Each instance is an LLMEngine in a spawned process that takes requests between i
 work. After a step that changed anything the router reads (tokens, finished outputs, its queue lengths, cached or
 evicted blocks) it sends one message: the step's end (time.time(), comparable across processes on one machine),
 each request's new tokens and text, finished outputs, how many waiting and running requests it holds after the
-step, how many "add" messages it has taken so far, and the hashes of the blocks it cached and evicted. The router
+step, its KV blocks in use, how many "add" messages it has taken so far, and the hashes of the blocks it cached and
+evicted. Its first message, once its engine is built, says what the router cannot know alone (the model's folder,
+max_model_len, the KV cache's size). The router
 turns tokens into TokenDeltas; `stream()` and `generate_stream()` yield them, `generate()` waits for outputs.
 
 A subclass says which instances to start (`_instance_specs`), where a new request goes (`_route`), and what a
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Iterator, Sequence
 
+from engine.events import KVUsage
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -55,7 +58,7 @@ class _WorkerState:
         self.records: deque = deque(maxlen=max_records)
         self.num_added = 0
         self.children: dict[str, tuple[str, set[str]]] = {}  # child id -> (parent id, its unfinished children)
-        self.last_counts = (0, 0, 0)
+        self.last_counts: tuple = (0, 0, 0, None)
 
 
 def _worker(conn: Connection, engine_kwargs: dict, max_records: int, torch_threads: int) -> None:
@@ -71,7 +74,8 @@ def _worker(conn: Connection, engine_kwargs: dict, max_records: int, torch_threa
     except Exception as exc:  # the router reports it, naming the instance
         conn.send(("error", repr(exc)))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", {"model_path": str(engine.model_path), "max_model_len": engine.config.max_model_len,
+                         "num_kv_blocks": engine.num_kv_blocks}))
     try:
         _serve(conn, engine, _WorkerState(max_records))
     except (BrokenPipeError, ConnectionResetError):  # the router's process died while this one was stepping
@@ -98,11 +102,13 @@ def _report(conn: Connection, engine, state: _WorkerState, t: float, tokens: lis
             kv: list = ()) -> None:
     """Send a step's tokens, outputs and block events, with the queue counts after it; nothing when there is
     nothing new."""
-    counts = (engine.scheduler.num_waiting, engine.scheduler.num_running, state.num_added)
+    counts = (engine.scheduler.num_waiting, engine.scheduler.num_running, state.num_added,
+              engine.kv_cache_manager.usage())
     if tokens or outputs or kv or counts != state.last_counts:
         state.last_counts = counts
         conn.send(("step", {"time": t, "tokens": list(tokens), "outputs": list(outputs), "kv": list(kv),
-                            "num_waiting": counts[0], "num_running": counts[1], "num_added": counts[2]}))
+                            "num_waiting": counts[0], "num_running": counts[1], "num_added": counts[2],
+                            "kv_usage": counts[3]}))
 
 
 def _finished(engine, state: _WorkerState, rid: str) -> list[RequestOutput]:
@@ -127,11 +133,12 @@ def _take(conn: Connection, engine, state: _WorkerState) -> bool:
         conn.send(("records", list(state.records)))
     elif msg[0] == "abort":  # its finished event goes out with the next step's; the router has forgotten it
         engine.abort(msg[1])
-    else:  # ("add", request_id, prompt, params, kv_transfer_params)
-        _, rid, prompt, params, kv_params = msg
+    else:  # ("add", request_id, prompt, params, kv_transfer_params, priority, cache_salt)
+        _, rid, prompt, params, kv_params, priority, cache_salt = msg
         state.num_added += 1
         try:
-            engine.add_request(prompt, params, request_id=rid, kv_transfer_params=kv_params)
+            engine.add_request(prompt, params, request_id=rid, priority=priority, cache_salt=cache_salt,
+                               kv_transfer_params=kv_params)
         except (ValueError, TypeError) as exc:
             conn.send(("rejected", (rid, str(exc))))
             return True
@@ -146,8 +153,9 @@ def _take(conn: Connection, engine, state: _WorkerState) -> bool:
 @dataclass(eq=False)  # compared and hashed by identity: one per process
 class Instance:
     """One engine process as the router sees it: its role, id, pipe, how many requests it holds, whether its
-    process is still there, and what it last reported: waiting and running requests after its last step, and the
-    adds it had taken by then (`num_sent - num_added` are on their way to it)."""
+    process is still there, what its engine said once built (`info`: model_path, max_model_len, num_kv_blocks), and
+    what it last reported: waiting and running requests and KV blocks after its last step, and the adds it had taken
+    by then (`num_sent - num_added` are on their way to it)."""
 
     role: str
     engine_id: str
@@ -159,6 +167,8 @@ class Instance:
     num_added: int = 0
     num_waiting: int = 0
     num_running: int = 0
+    kv_usage: KVUsage | None = None
+    info: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -186,6 +196,8 @@ class _Route:
 
     prompt: Prompt
     params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
     instance: Instance | None = None  # None between instances
     stage: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -293,6 +305,7 @@ class EngineProcs:
             kind, detail = "error", f"the process is gone (exit code {inst.process.exitcode})"
         if kind != "ready":
             raise RuntimeError(f"{inst.engine_id}: the engine failed to start: {detail}")
+        inst.info = detail
 
     def close(self) -> None:
         """Stop every process (politely, then by force), then what `_prepare` made. Requests in flight are
@@ -319,10 +332,11 @@ class EngineProcs:
         return {inst.engine_id: inst.process.pid for inst in self.instances}
 
     # ---- requests ------------------------------------------------------------------------------
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               priority: int = 0, cache_salt: str | None = None) -> str:
         """Route a request to an instance and return its id at once; its deltas come from `stream()`, its output
-        from `pop_output()`. Types are checked here; lengths by the instance (a rejected request finishes with
-        finish_reason "error" and the instance's message)."""
+        from `pop_output()`. Types are checked here; lengths, priority and cache_salt by the instance (a rejected
+        request finishes with finish_reason "error" and the instance's message)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -334,7 +348,7 @@ class EngineProcs:
         prompt = prompt if isinstance(prompt, str) else list(prompt)
         while self._pump(0):  # take what the workers sent first: a worker blocked on a full pipe reads nothing
             pass
-        self._routes[rid] = route = _Route(prompt, params)
+        self._routes[rid] = route = _Route(prompt, params, priority, cache_salt)
         self._route(rid, route)
         return rid
 
@@ -406,7 +420,7 @@ class EngineProcs:
         route.instance, route.stage = inst, stage
         inst.load += 1
         inst.num_sent += 1
-        if not self._try_send(inst, ("add", rid, route.prompt, params, kv_params)):
+        if not self._try_send(inst, ("add", rid, route.prompt, params, kv_params, route.priority, route.cache_salt)):
             self._instance_died(inst)
 
     @staticmethod
@@ -470,6 +484,7 @@ class EngineProcs:
 
     def _on_step(self, inst: Instance, msg: dict) -> None:
         inst.num_waiting, inst.num_running, inst.num_added = msg["num_waiting"], msg["num_running"], msg["num_added"]
+        inst.kv_usage = msg["kv_usage"]
         self._on_report(inst, msg["kv"])
         t = msg["time"]
         done = {o.request_id: o for o in msg["outputs"] if self._holds(inst, o.request_id)}

@@ -32,12 +32,18 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_model_path):
+    from engine.async_llm import AsyncLLM
+
+    yield from serving(AsyncLLM(model=MODEL, **ENGINE))
+
+
+def serving(llm):
+    """Serve `llm` (an AsyncLLM) on a free port while the generator is suspended; then stop the server and the
+    loop (which closes an engine the AsyncLLM built)."""
     import uvicorn
 
-    from engine.async_llm import AsyncLLM
     from engine.entrypoints.openai.api_server import build_app
 
-    llm = AsyncLLM(model=MODEL, **ENGINE)
     app = build_app(llm, MODEL)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

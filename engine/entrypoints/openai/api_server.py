@@ -86,7 +86,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.post("/pause")
     async def pause() -> JSONResponse:
-        llm.pause()
+        _hold(llm.pause)
         return JSONResponse(_hold_state(llm))
 
     @app.post("/resume")
@@ -102,7 +102,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     async def step(num_steps: int = 1) -> JSONResponse:
         if num_steps < 1:
             raise RequestError(400, f"num_steps: must be at least 1, got {num_steps}", "num_steps")
-        granted = await asyncio.to_thread(llm.step, num_steps, 60.0)
+        granted = await asyncio.to_thread(_hold, llm.step, num_steps, 60.0)
         return JSONResponse({**_hold_state(llm), "granted": granted})
 
     return app
@@ -112,6 +112,14 @@ def _guarded(path: str) -> bool:
     # the API and the hold need the key; /health and /metrics stay open to load balancers and Prometheus, as in
     # vLLM; the dashboard (mounted beside by `workbench serve`) is a page for a browser on the loopback
     return path.startswith("/v1/") or path in ("/pause", "/resume", "/step", "/is_paused")
+
+
+def _hold(call: Callable, *args: Any) -> Any:
+    """Pause or step the loop; a loop that cannot be held (data parallelism) is a 400 saying why."""
+    try:
+        return call(*args)
+    except ValueError as exc:
+        raise RequestError(400, str(exc)) from None
 
 
 def _hold_state(llm: AsyncLLM) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.events import EngineSnapshot, StepRecord
+from engine.events import DPLoad, DPRouted, EngineSnapshot, StepRecord
 
 WAITING, RUNNING, PREEMPTED, FINISHED = "waiting", "running", "preempted", "finished"
 # the engine's RequestStatus names, as the views group them (every other one is a finished status)
@@ -253,14 +253,21 @@ class ParallelStepRow:
 
 @dataclass
 class ParallelState:
-    """Owns tensor parallelism as its parallel.step events tell it: the group's size (1 until the first event: an
-    unsharded engine sends none), every step's per-rank row in order, and since the first one the tokens run and
-    the bytes each collective kind moved per rank (rank 0's tensors; every rank's are the same size)."""
+    """Owns parallelism as its events tell it. Tensor parallelism (parallel.step): the group's size (1 until the
+    first event: an unsharded engine sends none), every step's per-rank row in order, and since the first one the
+    tokens run and the bytes each collective kind moved per rank (rank 0's tensors; every rank's are the same
+    size). Data parallelism (a front end's dp.* events): the replicas' count (1 until the first), each replica's
+    load over time and every routing decision, in order (the events themselves: frozen), and the replicas that
+    died (name -> error)."""
 
     tensor_parallel_size: int = 1
     rows: list[ParallelStepRow] = field(default_factory=list)
     num_tokens: int = 0
     bytes: dict[str, int] = field(default_factory=dict)
+    data_parallel_size: int = 1
+    loads: list[DPLoad] = field(default_factory=list)
+    routes: list[DPRouted] = field(default_factory=list)
+    dead: dict[str, str] = field(default_factory=dict)
 
 
 def _rank_step(rank: dict) -> RankStep:
@@ -310,6 +317,9 @@ class StepDelta:
     evicted: list[str] = field(default_factory=list)  # hashes of `PrefixState.chains` evicted
     moe_routed: bool = False  # the step routed tokens to experts (`EngineState.moe` changed)
     parallel: ParallelStepRow | None = None  # what each tensor-parallel rank did this step
+    dp_loads: list[DPLoad] = field(default_factory=list)
+    dp_routes: list[DPRouted] = field(default_factory=list)
+    dp_dead: list[str] = field(default_factory=list)  # replicas that died
 
 
 class EngineState:
@@ -538,6 +548,22 @@ class EngineState:
             par.bytes[kind] = par.bytes.get(kind, 0) + n
         delta.parallel = row
 
+    def _dp_load(self, e, record: StepRecord, delta: StepDelta) -> None:
+        par = self.parallel
+        par.data_parallel_size = max(par.data_parallel_size, e.replica_index + 1)
+        par.loads.append(e)
+        delta.dp_loads.append(e)
+
+    def _dp_routed(self, e, record: StepRecord, delta: StepDelta) -> None:
+        par = self.parallel
+        par.data_parallel_size = max(par.data_parallel_size, len(e.scores))
+        par.routes.append(e)
+        delta.dp_routes.append(e)
+
+    def _dp_replica_dead(self, e, record: StepRecord, delta: StepDelta) -> None:
+        self.parallel.dead[e.replica] = e.error
+        delta.dp_dead.append(e.replica)
+
     def _touch(self, rid: str, delta: StepDelta) -> RequestState | None:
         # a trace cut at its start can name requests whose request.added it never saw
         req = self.requests.get(rid)
@@ -574,4 +600,7 @@ _HANDLERS = {
     "kv_transfer.fail": EngineState._transfer,
     "moe.routed": EngineState._moe_routed,
     "parallel.step": EngineState._parallel_step,
+    "dp.load": EngineState._dp_load,
+    "dp.routed": EngineState._dp_routed,
+    "dp.replica_dead": EngineState._dp_replica_dead,
 }

@@ -1,6 +1,7 @@
 """Tensor parallelism per rank: each step's forward split into compute and communication on every rank, and the
 bytes each rank put into its all-reduces and all-gathers, from the parallel.step events. An unsharded engine
-(tensor_parallel_size=1) sends none: the tab then says so instead of drawing empty axes."""
+(tensor_parallel_size=1) sends none: the tab then says so instead of drawing empty axes. Below, for a data-parallel
+front end's records, each replica's load and the routing decisions (workbench/views/data_parallel.py)."""
 from __future__ import annotations
 
 import panel as pn
@@ -9,6 +10,7 @@ from bokeh.models import HoverTool
 from engine.events import StepRecord
 from workbench.state import EngineState, ParallelStepRow, StepDelta
 from workbench.views.base import View, counts_on, legend_above, new_figure
+from workbench.views.data_parallel import DataParallelSection
 from workbench.views.empty import EmptyState
 
 PART_COLORS = {"compute": "#1f77b4", "communication": "#ff7f0e", "sample": "#2ca02c"}
@@ -17,13 +19,15 @@ WAITING = ("No per-rank records yet: this tab fills in at the first step of an e
            "tensor_parallel_size > 1 (the multiproc executor).")
 UNSHARDED = ("This engine runs unsharded (tensor_parallel_size=1): one process holds the whole model, so there are "
              "no ranks and no collectives to draw. Build it with tensor_parallel_size=2 or more to see them.")
+REPLICAS = ("Data parallelism: each replica is a whole engine in its own process (tensor_parallel_size=1), so there "
+            "are no ranks to draw; below, each replica's load and where each request went.")
 BAR = 0.8  # of a step's width, shared by its ranks' bars
 
 
 class ParallelView(View):
     """Owns the per-rank view: `segments`, one bar piece per rank, step and part (compute, communication,
     sample; ranks side by side within a step), `transfers`, one bar piece per step and collective kind (KB of one
-    rank's tensors), and a summary of the state's `parallel` totals."""
+    rank's tensors), a summary of the state's `parallel` totals, and the data-parallel section (`dp`)."""
 
     title = "Parallelism"
 
@@ -37,6 +41,8 @@ class ParallelView(View):
         content = pn.Column(self.summary, pn.pane.Bokeh(self._timeline()), pn.pane.Bokeh(self._bytes()),
                             sizing_mode="stretch_width")
         self.empty = EmptyState(WAITING, content)
+        self.dp = DataParallelSection(self.buffer)
+        self.layout = pn.Column(self.empty.panel, self.dp.panel, sizing_mode="stretch_width")
 
     def _timeline(self):
         fig = new_figure("Each rank's step: compute, communication (inside collectives), sampling",
@@ -61,13 +67,16 @@ class ParallelView(View):
 
     @property
     def panel(self) -> pn.Column:
-        return self.empty.panel
+        return self.layout
 
     def render(self, record: StepRecord, delta: StepDelta) -> None:
+        self.dp.render(self.state.parallel, delta)
         row = delta.parallel
         if row is None:
             if self.empty.is_empty and record.scheduled:  # the model ran and no rank reported: one process
                 self.empty.message.object = UNSHARDED
+            elif self.empty.is_empty and self.dp.panel.visible:
+                self.empty.message.object = REPLICAS
             return
         self.empty.fill()
         self._segments(row)
@@ -107,3 +116,4 @@ class ParallelView(View):
         self.summary.object = ""
         self.empty.message.object = WAITING
         self.empty.clear()
+        self.dp.reset()

@@ -7,6 +7,10 @@ A size that does not divide the model's heads is refused before any process star
 Then data parallelism: `data_parallel_size` whole engines in their own processes behind the router (no collective:
 each request runs on one replica), the cores' threads split between them as well. Greedy tokens are compared with
 the first row's: a fp32 sum in another order may flip a near-tie.
+
+TP 1 runs in this process on every torch thread; a TP N rank gets fewer (the cores split between N processes). So
+that TP 1 is also compared at equal threads per rank, it runs again with torch's threads set to each TP N's threads
+per rank (both rows labelled).
 """
 from __future__ import annotations
 
@@ -71,12 +75,27 @@ def _generate_dp(llm: LLM, requests: Sequence[BenchRequest]) -> tuple[list[list[
     return [list(o.token_ids) for o in outs], records
 
 
-def _row(tp: int, dp: int, threads: int, measured: tuple[float, list[list[int]], list],
+def _row(label: str, tp: int, dp: int, threads: int, measured: tuple[float, list[list[int]], list],
          reference: list[list[int]]) -> dict[str, Any]:
     seconds, tokens, records = measured
     out = sum(len(t) for t in tokens)
-    return {"tp": tp, "dp": dp, "threads_per_rank": threads, "seconds": seconds, "output_tok_s": out / seconds,
-            "same_tokens": tokens == reference, **_split(records)}
+    return {"label": label, "tp": tp, "dp": dp, "threads_per_rank": threads, "seconds": seconds,
+            "output_tok_s": out / seconds, "same_tokens": tokens == reference, **_split(records)}
+
+
+def _tp1_at(threads: int, kwargs: dict[str, Any], requests: Sequence[BenchRequest], runs: int,
+            reference: list[list[int]]) -> dict[str, Any]:
+    """TP 1 with torch's threads set to `threads` (a TP rank's share), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with LLMEngine(**kwargs, tensor_parallel_size=1) as engine:
+            measured = _measure(lambda: _generate(engine, requests), runs)
+    finally:
+        torch.set_num_threads(before)
+    return _row(f"TP 1 at {threads} thread(s), as a TP rank", 1, 1, threads, measured, reference)
 
 
 def run_parallel(model: str = "smollm2-135m", sizes: Sequence[int] = (1, 2, 3),
@@ -106,14 +125,20 @@ def run_parallel(model: str = "smollm2-135m", sizes: Sequence[int] = (1, 2, 3),
         with engine:
             measured = _measure(lambda: _generate(engine, requests), runs)
             reference = reference or measured[1]
-            rows.append(_row(size, 1, getattr(engine.executor, "threads_per_rank", torch.get_num_threads()),
-                             measured, reference))
-        log(f"TP {size}: {rows[-1]['seconds']:.2f} s, {rows[-1]['output_tok_s']:.1f} output tok/s")
+            threads = getattr(engine.executor, "threads_per_rank", torch.get_num_threads())
+            label = f"TP {size}" if size > 1 else f"TP 1, all {threads} thread(s) in one process"
+            rows.append(_row(label, size, 1, threads, measured, reference))
+        log(f"{label}: {rows[-1]['seconds']:.2f} s, {rows[-1]['output_tok_s']:.1f} output tok/s")
+    tp1 = {r["threads_per_rank"] for r in rows if r["tp"] == 1}
+    if tp1:  # TP 1 again at each TP N's threads per rank: the fair comparison of one rank's work
+        for threads in sorted({r["threads_per_rank"] for r in rows if r["tp"] > 1} - tp1):
+            rows.append(_tp1_at(threads, kwargs, requests, runs, reference))
+            log(f"{rows[-1]['label']}: {rows[-1]['seconds']:.2f} s, {rows[-1]['output_tok_s']:.1f} output tok/s")
     for size in (n for n in data_parallel_sizes if n > 1):
         with LLM(**kwargs, data_parallel_size=size) as llm:
             measured = _measure(lambda: _generate_dp(llm, requests), runs)
             reference = reference or measured[1]
-            rows.append(_row(1, size, llm.engine.torch_threads, measured, reference))
+            rows.append(_row(f"DP {size}", 1, size, llm.engine.torch_threads, measured, reference))
         log(f"DP {size}: {rows[-1]['seconds']:.2f} s, {rows[-1]['output_tok_s']:.1f} output tok/s")
     load.append(os.getloadavg()[0])
     # per token: the embedding's all-reduce, then o_proj's and down_proj's in every layer, hidden_size fp32 each
@@ -139,22 +164,23 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return run_with_flags(run_parallel, args)
 
 
-_HEADERS = ("TP", "DP", "threads/process", "median s", "output tok/s", "step ms", "compute ms", "comm ms", "comm share",
-            "KB all-reduced/token", "tokens = first size")
+_HEADERS = ("run", "TP", "DP", "threads/process", "median s", "output tok/s", "step ms", "compute ms", "comm ms",
+            "comm share", "KB all-reduced/token", "tokens = first size")
 
 
 def _table_rows(result: dict[str, Any]) -> list[list[object]]:
-    return [[r["tp"], r["dp"], r["threads_per_rank"], r["seconds"], r["output_tok_s"], r["step_ms"], r["compute_ms"],
-             r["comm_ms"], f"{r['comm_ms'] / (r['compute_ms'] + r['comm_ms']):.0%}",
+    return [[r.get("label", ""), r["tp"], r["dp"], r["threads_per_rank"], r["seconds"], r["output_tok_s"],
+             r["step_ms"], r["compute_ms"], r["comm_ms"], f"{r['comm_ms'] / (r['compute_ms'] + r['comm_ms']):.0%}",
              r["all_reduce_bytes_per_token"] / 1e3, "yes" if r["same_tokens"] else "no"] for r in result["rows"]]
 
 
 _SETUP = ("Model {model}, fp32, greedy, {num_requests} requests of {input_len} prompt tokens and {output_len} output "
           "tokens at once, prefix caching off; median of {runs} runs after a warm-up. TP N runs N gloo worker "
           "processes on loopback, DP N runs N whole engines behind the router, the machine's {cores} cores' torch "
-          "threads split between the processes. Compute and comm: each step's forward on each rank, split into the "
-          "time inside collectives (waiting for a slower peer included) and the rest, mean over ranks and steps (DP: "
-          "over every replica's steps). 1-minute load average before and after: {load}.{skipped}")
+          "threads split between the processes; TP 1 runs in one process on all its threads, then again at a TP "
+          "rank's threads (the fair row to compare a rank with). Compute and comm: each step's forward on each rank, "
+          "split into the time inside collectives (waiting for a slower peer included) and the rest, mean over "
+          "ranks and steps (DP: over every replica's steps). 1-minute load average before and after: {load}.{skipped}")
 _VERDICT = ("{cores} cores cannot show what tensor parallelism is for: the N ranks share the same cores, each with 1/N "
             "of the threads and 1/N of each matmul, so the work per step is unchanged and the collectives come on "
             "top (a difference between rows here is thread scheduling on this machine, see the load average, not "

@@ -107,3 +107,21 @@ def test_efficiency_and_overheads_apply() -> None:
         get_hardware({"memory_bytes": 1, "flops": {"float32": 1.0}, "interconnect_bandwidth": 1.0})
     with pytest.raises(ValueError, match="hardware: must be one of"):
         get_hardware("tpu-v9")
+
+
+def test_gemm_fill_rows_price_small_gemms_by_hand() -> None:
+    """A GEMM of M rows costs as M + gemm_fill_rows (its tiles' unfilled rows); up to gemv_max_rows rows a linear is
+    a GEMV and fills nothing. At 1 GFLOP/s, fill 16 above 8 rows: 9 decodes compute 2 x (9 + 16) x 36864 FLOPs per
+    layer (1.8432 ms; its 177408 bytes take less) and the LM head 2 x (9 + 16) x 64 x 256; 8 decodes are priced as
+    without the term."""
+    spec, hw = _tiny()
+    filled = get_hardware({**hw.to_dict(), "name": "filled", "efficiency": {"gemm_fill_rows": 16, "gemv_max_rows": 8}})
+    nine, eight = [ScheduledShape(10, 1, 1)] * 9, [ScheduledShape(10, 1, 1)] * 8
+    cost = CostModel(spec, filled, 1, "float32").step_cost(nine)
+    assert cost.linears_s == pytest.approx(2 * 1.8432e-3 + 9 * 64 * 4e-9, rel=1e-12)
+    assert cost.lm_head_s == pytest.approx(0.8192e-3, rel=1e-12)
+    plain = CostModel(spec, hw, 1, "float32").step_cost(nine)
+    assert (plain.linears_s, plain.lm_head_s) == pytest.approx((2 * 663.552e-6 + 9 * 64 * 4e-9, 294.912e-6), rel=1e-12)
+    assert CostModel(spec, filled, 1, "float32").step_cost(eight) == CostModel(spec, hw, 1, "float32").step_cost(eight)
+    with pytest.raises(ValueError, match="hardware.efficiency.gemm_fill_rows"):
+        get_hardware({**hw.to_dict(), "efficiency": {"gemm_fill_rows": -1}})

@@ -3,9 +3,10 @@ different, held-out one.
 
 1. Measure the machine as `bench roofline` does (read bandwidth, fp32 matmul peak).
 2. Calibration workload (random prompts of mixed lengths, all at once): run the real engine, keep every StepRecord,
-   and fit the efficiency factors (compute, memory, attention: a grid, coarse then fine) and the fixed costs (per
-   step, per request, per token: least squares on what the roofline leaves) that minimise the median relative error
-   of the predicted step time over its steps.
+   and fit the efficiency factors (compute, memory, attention and a GEMM's unfilled tile rows: a grid, coarse then
+   fine; the GEMV/GEMM switch is the CPU kernels' own SMALL_M) and the fixed costs (per step, per request, per token:
+   least squares on what the roofline leaves) that minimise the median relative error of the predicted step time
+   over its steps.
 3. Held-out workload (shared prefixes and mixed lengths, Poisson arrivals, a smaller token budget, so chunked prefill
    and prefix hits happen): run the real engine; predict each of its steps from the batch it ran (step-time error);
    then run the simulated engine on the same requests and arrivals and compare TTFT and ITL p50 / p90.
@@ -18,12 +19,14 @@ import itertools
 import json
 import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from engine import LLM, StepRecord
+from kernels.cpu.ops import SMALL_M
 from engine.executor.sim.cost_model import CostModel, ScheduledShape
 from engine.executor.sim.hardware import CALIBRATION_PATH, Efficiency, get_hardware, hardware_table
 from engine.executor.sim.model_spec import load_model_spec
@@ -36,6 +39,7 @@ from workbench.bench.serve import compute_metrics, request_arrivals, run_serve_o
 HELP = "fit the cpu cost model on one workload, predict a held-out one (the simulator's error)"
 
 GRID = np.geomspace(0.02, 1.0, 9)
+FILL_GRID = (0.0, 4.0, 8.0, 16.0, 32.0, 64.0)  # GEMM tile rows left unfilled: none up to a 64-row tile
 
 
 def step_shapes(record: StepRecord) -> list[ScheduledShape]:
@@ -58,28 +62,32 @@ def _fit_overheads(measured: np.ndarray, roofline: np.ndarray, features: np.ndar
     return np.clip(coef, 0.0, None)
 
 
-def fit_efficiency(model: CostModel, batches: Sequence[list[ScheduledShape]], measured_s: Sequence[float]
-                   ) -> tuple[Efficiency, float]:
-    """The factors that minimise the median relative error of predicted step times; returns them and that error."""
+def fit_efficiency(model: CostModel, batches: Sequence[list[ScheduledShape]], measured_s: Sequence[float],
+                   gemv_max_rows: int = 0) -> tuple[Efficiency, float]:
+    """The factors that minimise the median relative error of predicted step times; returns them and that error.
+    `gemv_max_rows` is known, not fitted: the rows up to which the kernels run a linear as a GEMV."""
     measured = np.asarray(measured_s)
     features = np.array([[1.0, len(b), sum(x.num_new for x in b)] for b in batches])
     best: tuple[float, Efficiency] = (math.inf, Efficiency())
 
-    def search(grid_c: Sequence[float], grid_m: Sequence[float], grid_a: Sequence[float]) -> None:
+    def search(grid_c: Sequence[float], grid_m: Sequence[float], grid_a: Sequence[float],
+               grid_f: Sequence[float]) -> None:
         nonlocal best
-        for c, m, a in itertools.product(grid_c, grid_m, grid_a):
-            base = Efficiency(compute=float(c), memory=float(m), attention=float(a))
+        for c, m, a, f in itertools.product(grid_c, grid_m, grid_a, grid_f):
+            base = Efficiency(compute=float(c), memory=float(m), attention=float(a), gemm_fill_rows=float(f),
+                              gemv_max_rows=gemv_max_rows)
             roof = _roofline_seconds(model, batches, base)
             step, req, tok = _fit_overheads(measured, roof, features)
             predicted = roof + features @ np.array([step, req, tok])
             error = float(np.median(np.abs(predicted - measured) / measured))
             if error < best[0]:
-                best = (error, Efficiency(float(c), float(m), float(a), 1.0, float(step), float(req), float(tok)))
+                best = (error, replace(base, step_overhead_s=float(step), request_overhead_s=float(req),
+                                       token_overhead_s=float(tok)))
 
-    search(GRID, GRID, GRID)
+    search(GRID, GRID, GRID, FILL_GRID)
     e = best[1]
     fine = lambda x: np.clip(x * np.geomspace(0.7, 1.4, 5), 1e-3, 1.0)  # noqa: E731 - around the coarse best
-    search(fine(e.compute), fine(e.memory), fine(e.attention))
+    search(fine(e.compute), fine(e.memory), fine(e.attention), np.unique(e.gemm_fill_rows * np.geomspace(0.7, 1.4, 5)))
     model.eff = best[1]
     return best[1], best[0]
 
@@ -139,7 +147,7 @@ def run_calibrate(model: str = "smollm2-135m", num_requests: int = 32, heldout_r
     batches = [step_shapes(r) for r in calib_records]
     measured = [r.timing["total"] / 1e3 for r in calib_records]
     cost_model = CostModel(spec, get_hardware({**measured_hw, "name": "cpu"}), 1, dtype)
-    eff, calib_error = fit_efficiency(cost_model, batches, measured)
+    eff, calib_error = fit_efficiency(cost_model, batches, measured, SMALL_M)
     log(f"calibrated on {len(batches)} steps: median step-time error {calib_error:.1%}, {eff}")
 
     # the held-out workload, real: a fresh engine with its own token budget
@@ -232,7 +240,8 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
 
 _TEXT = ("{model} ({dtype}) on this CPU ({bw:.2f} GB/s, {gflops:.1f} GFLOP/s fp32): fitted on {calibration_steps} "
          "steps (median error {calibration_error:.1%}): compute {eff_c:.3f}, memory {eff_m:.3f}, attention "
-         "{eff_a:.3f}, fixed {step_ms:.2f} ms/step + {req_ms:.3f} ms/request + {tok_us:.1f} us/token")
+         "{eff_a:.3f}, GEMM tile fill {fill:.1f} rows above the {gemv} rows a GEMV takes, fixed {step_ms:.2f} ms/step "
+         "+ {req_ms:.3f} ms/request + {tok_us:.1f} us/token")
 _DOCS = _TEXT + (". Calibration: {num_requests} random prompts of 19..365 tokens, 32 outputs, all at once, "
                  "max_num_batched_tokens={calibration_budget}. Held out: {num_requests} requests (half on 4 shared "
                  "160-token prefixes, half random 32..480-token prompts, 16..48 outputs) at {heldout_rate:g} req/s "
@@ -247,6 +256,7 @@ def _parts(result: dict[str, Any]) -> list[Part]:
     e = result["efficiency"]
     values = {"bw": result["machine"]["memory_bandwidth"] / 1e9, "gflops": result["machine"]["flops_float32"] / 1e9,
               "eff_c": e["compute"], "eff_m": e["memory"], "eff_a": e["attention"],
+              "fill": e.get("gemm_fill_rows", 0.0), "gemv": e.get("gemv_max_rows", 0),
               "step_ms": e["step_overhead_s"] * 1e3, "req_ms": e["request_overhead_s"] * 1e3,
               "tok_us": e["token_overhead_s"] * 1e6, "phases": ", ".join(result["heldout_phases"])}
     err = result["step_time_error"]["median_abs_error"]

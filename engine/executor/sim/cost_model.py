@@ -7,11 +7,13 @@ forward; here it is estimated from the shapes (below).
 
 A step's time is a roofline per operation, per tensor-parallel rank (every rank does the same work):
 - linears of each decoder layer (q/k/v/o, the MLP or the experts a MoE layer's tokens touch, the router):
-  max(2 x tokens x weights / (peak x e.compute), (weights + activations in and out) bytes / (bandwidth x e.memory));
+  max(2 x rows x weights / (peak x e.compute), (weights + activations in and out) bytes / (bandwidth x e.memory)),
+  where a GEMM's rows are its tokens plus e.gemm_fill_rows (the unfilled part of its tiles: at M rows it reaches
+  M / (M + fill) of e.compute), unless it has at most e.gemv_max_rows rows (a GEMV: weights streamed once, no tiles);
 - attention of each request over its context: causal FLOPs 4 x heads x head_dim x (q x c + q (q + 1) / 2) against the
   K/V it reads ((c + q) tokens), the same roofline divided by e.attention: a prefill is compute-bound, a decode
   memory-bound;
-- the LM head on the rows that sample, then sampling (reads of the logits);
+- the LM head on the rows that sample (a GEMM or GEMV as above), then sampling (reads of the logits);
 - tensor parallelism: two all-reduces per layer (ring: 2 (tp - 1) / tp x bytes / interconnect bandwidth + latency)
   and an all-gather of the logits;
 - fixed costs: e.step_overhead_s + e.request_overhead_s x requests + e.token_overhead_s x tokens (the scheduler,
@@ -144,11 +146,16 @@ class CostModel:
     def _roofline(self, flops: float, nbytes: float) -> float:
         return max(flops / (self.peak * self.eff.compute), nbytes / (self.hardware.memory_bandwidth * self.eff.memory))
 
+    def _fill(self, rows: float) -> float:
+        """The rows a linear of `rows` rows computes in vain: none for a GEMV, its tiles' unfilled ones for a GEMM."""
+        return 0.0 if rows <= self.eff.gemv_max_rows else self.eff.gemm_fill_rows
+
     def _layers_s(self, tokens: int) -> float:
         s, h, a = self.spec, self.spec.hidden_size, self.act_elt
         io = 4 * h + 2 * self.q_r + 2 * self.kv_r  # norms, q/k/v out, o in/out: activations per token
         dense_w = self.attn_w + self.mlp_w
-        dense = self._roofline(2 * tokens * dense_w,
+        fill = self._fill(tokens)
+        dense = self._roofline(2 * (tokens + fill) * dense_w,
                                dense_w * self.weight_elt + tokens * a * (io + 3 * s.intermediate_size // self.tp))
         total = s.num_dense_layers * dense
         if s.num_sparse_layers:
@@ -156,7 +163,8 @@ class CostModel:
             touched = e * (1 - (1 - k / e) ** tokens)  # expected distinct experts tokens' top-k choices hit
             router = h * e
             weights = self.attn_w + touched * self.expert_w + router
-            flops = 2 * tokens * (self.attn_w + k * self.expert_w + router)
+            # each touched expert is a GEMM of its own, with its own unfilled tile
+            flops = 2 * tokens * (self.attn_w + k * self.expert_w + router) + 2 * fill * weights
             inter = k * s.moe_intermediate_size // self.tp
             sparse = self._roofline(flops, weights * self.weight_elt + tokens * a * (io + 3 * inter))
             total += s.num_sparse_layers * sparse
@@ -185,7 +193,7 @@ class CostModel:
         rows = sum(x.num_logits for x in shapes)
         lm_head = sampling = comm = 0.0
         if rows:
-            lm_head = self._roofline(2 * rows * s.hidden_size * self.vocab_r,
+            lm_head = self._roofline(2 * (rows + self._fill(rows)) * s.hidden_size * self.vocab_r,
                                      s.hidden_size * self.vocab_r * self.weight_elt + rows * self.vocab_r * LOGITS_BYTES)
             sampling = SAMPLING_PASSES * rows * s.vocab_size * LOGITS_BYTES / (
                 self.hardware.memory_bandwidth * self.eff.memory)

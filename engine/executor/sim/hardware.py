@@ -21,6 +21,11 @@ class Efficiency:
     memory: float = 1.0  # of memory bandwidth, for streaming weights and activations
     attention: float = 1.0  # attention kernels' share of the roofline (both bounds)
     interconnect: float = 1.0  # of interconnect bandwidth, for tensor-parallel collectives
+    # A GEMM computes whole tiles of rows: at M rows it does the work of M + gemm_fill_rows, so its share of the
+    # compute peak is M / (M + fill). Up to gemv_max_rows rows a linear is a GEMV instead, which streams the
+    # weights once and fills no tiles (the CPU kernels' SMALL_M). 0 and 0: every GEMM at the full factor.
+    gemm_fill_rows: float = 0.0
+    gemv_max_rows: int = 0
     step_overhead_s: float = 0.0  # per step
     request_overhead_s: float = 0.0  # per scheduled request
     token_overhead_s: float = 0.0  # per scheduled token
@@ -80,6 +85,9 @@ class Hardware:
         for f in ("compute", "memory", "attention", "interconnect"):
             if not 0 < getattr(eff, f) <= 1:
                 raise ValueError(f"hardware.efficiency.{f}: must be in (0, 1], got {getattr(eff, f)}")
+        for f in ("gemm_fill_rows", "gemv_max_rows"):
+            if not getattr(eff, f) >= 0:
+                raise ValueError(f"hardware.efficiency.{f}: must be >= 0, got {getattr(eff, f)}")
         return cls(name=name, **{**d, "efficiency": eff})
 
 

@@ -33,9 +33,9 @@ class DataParallelSection:
                               "prefix_hit_blocks"], name="dp_routes")
         self.origin_ns: int | None = None
         self.summary = pn.pane.Markdown("", margin=(0, 10))
-        self.panel = pn.Column("### Data parallelism: replicas behind the load balancer", self.summary,
-                               pn.pane.Bokeh(self._load_figure()), pn.pane.Bokeh(self._table()),
-                               sizing_mode="stretch_width", visible=False)
+        # the figure and table are built at the first DP event: most engines send none, and a dashboard's every
+        # session would pay for them (a Bokeh figure costs a good part of a second on a loaded 2-core machine)
+        self.panel = pn.Column(sizing_mode="stretch_width", visible=False)
 
     def _load_figure(self):
         fig = new_figure("Each replica's load: waiting (x 4 in the score) and running requests",
@@ -60,6 +60,9 @@ class DataParallelSection:
     def render(self, state: ParallelState, delta: StepDelta) -> None:
         if not (delta.dp_loads or delta.dp_routes or delta.dp_dead):
             return
+        if not self.panel.objects:
+            self.panel.extend(["### Data parallelism: replicas behind the load balancer", self.summary,
+                               pn.pane.Bokeh(self._load_figure()), pn.pane.Bokeh(self._table())])
         self.panel.visible = True
         for decision in delta.dp_routes:  # a record's decisions precede its loads: the origin is the earliest
             self._route(decision)

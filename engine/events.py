@@ -31,7 +31,7 @@ class Event:
         d = dict(d)
         cls = EVENT_TYPES[d.pop("kind")]
         tuple_fields = {f.name for f in fields(cls) if f.type.startswith("tuple[")}
-        return cls(**{k: tuple(v) if k in tuple_fields else v for k, v in d.items()})
+        return cls(**{k: tuple(v) if k in tuple_fields and v is not None else v for k, v in d.items()})
 
 
 @dataclass(frozen=True)
@@ -164,18 +164,31 @@ class SpecProposed(Event):
 
 @dataclass(frozen=True)
 class SpecVerified(Event):
-    """One verification: per draft position the draft token, accepted or not, p_target and p_draft
-    (p_draft 1.0 for n-gram's point mass); then the token emitted after the accepted prefix."""
+    """One verification of a request's drafts. Per draft position: the draft token, accepted or not, the target's
+    probability of it (`p_target`, p) and the draft's own (`p_draft`, q; None for a proposer without a draft
+    distribution, n-gram, whose drafts count as certain: q = 1); then the token emitted after the accepted prefix.
+
+    `rule` says how positions were judged: "greedy" (accepted iff the draft is the target's most likely token,
+    `target_argmax`) or "sampled" (accepted iff u * q < p, u from `uniform_probs`: with probability min(1, p / q)).
+    Only a prefix is accepted: positions after the first rejection are never judged (accepted False there).
+    A greedy request's p and q are at temperature 1 (each side's confidence; only the argmax decides), a sampled
+    one's after its temperature and filters. `draft_texts` and `emitted_text` are the tokens' text. Traces written
+    before a field existed read back with its default."""
 
     kind: ClassVar[str] = "spec.verified"
     request_id: str
     draft_token_ids: tuple[int, ...]
     accepted: tuple[bool, ...]
     p_target: tuple[float, ...]
-    p_draft: tuple[float, ...]
+    p_draft: tuple[float, ...] | None
     emitted_token: int  # the recovered token after a rejection, or the bonus token when all were accepted
     bonus: bool
     method: str = ""  # the proposer's speculative_config.method
+    rule: str = ""  # "greedy" | "sampled"
+    target_argmax: tuple[int, ...] = ()
+    uniform_probs: tuple[float, ...] = ()  # "sampled" only
+    draft_texts: tuple[str, ...] = ()
+    emitted_text: str = ""
 
 
 @dataclass(frozen=True)

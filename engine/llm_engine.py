@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 from engine.clock import Clock, SimulatedClock
@@ -10,8 +11,8 @@ from engine.core.block_hash import hash_hex
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.phases import PhaseTracker
 from engine.core.sched.scheduler import Scheduler
-from engine.events import (BlockSnapshot, EngineSnapshot, EventLog, RequestAdded, RequestSnapshot, RequestTokens,
-                           StepRecord, StepTiming, Subscriber)
+from engine.events import (BlockSnapshot, EngineSnapshot, Event, EventLog, RequestAdded, RequestSnapshot,
+                           RequestTokens, SpecVerified, StepRecord, StepTiming, Subscriber)
 from engine.executor import get_executor_class
 from engine.output_processor import IncrementalDetokenizer, make_output
 from engine.outputs import RequestOutput
@@ -351,12 +352,20 @@ class LLMEngine:
             step=self.step_count, start_ns=start_ns, end_ns=self.clock.time_ns(),
             scheduled=sched_out.num_scheduled_tokens, phases=phases,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
-            kv=self.kv_cache_manager.usage(), timing=timing, events=self.events.drain(),
+            kv=self.kv_cache_manager.usage(), timing=timing, events=self._named(self.events.drain()),
         )
         self.events.begin(self.step_count + 1)
         for callback in list(self._subscribers):
             callback(record)
         return record
+
+    def _named(self, events: list[Event]) -> list[Event]:
+        """The step's events, each spec.verified with its tokens' text: the runner that verifies has no tokenizer."""
+        if self.config.speculative is None:
+            return events
+        decode = self.tokenizer.decode
+        return [replace(e, draft_texts=tuple(decode([t]) for t in e.draft_token_ids),
+                        emitted_text=decode([e.emitted_token])) if isinstance(e, SpecVerified) else e for e in events]
 
     def _wait_outside(self) -> None:
         """Nothing can run: block on what the requests wait for (a grammar, a KV transfer) instead of spinning."""

@@ -105,23 +105,59 @@ class GrammarState:
     positions: dict[str, list[GrammarPosition]] = field(default_factory=dict)
 
 
+ACCEPTED, REJECTED, NOT_REACHED = "accepted", "rejected", "not reached"
+
+
+@dataclass(frozen=True)
+class DraftPosition:
+    """One draft position of a verification, as a learner reads it: the draft token and its text, the draft's own
+    probability q of it (None: n-gram, no draft distribution), the target's p, the target's most likely token, the
+    uniform draw u of a sampled request, and the outcome: accepted, rejected (the first refused position) or not
+    reached (after it: never judged)."""
+
+    position: int
+    token_id: int
+    text: str
+    q: float | None
+    p: float
+    target_argmax: int | None
+    uniform: float | None
+    outcome: str
+
+
 @dataclass(frozen=True)
 class Verification:
     """One spec.verified: the step and request; per draft position the draft token, accepted or not, p_target and
-    p_draft; then the token emitted after the accepted prefix (the bonus token when every draft was accepted)."""
+    p_draft; then the token emitted after the accepted prefix (the bonus token when every draft was accepted); how
+    the positions were judged (`rule`, "" in older traces) with what it read, and the tokens' text where known."""
 
     step: int
     request_id: str
     draft_token_ids: tuple[int, ...]
     accepted: tuple[bool, ...]
     p_target: tuple[float, ...]
-    p_draft: tuple[float, ...]
+    p_draft: tuple[float, ...] | None
     emitted_token: int
     bonus: bool
+    rule: str = ""
+    target_argmax: tuple[int, ...] = ()
+    uniform_probs: tuple[float, ...] = ()
+    draft_texts: tuple[str, ...] = ()
+    emitted_text: str = ""
 
-    def positions(self) -> list[tuple[int, bool, float, float]]:
-        """(draft token, accepted, p_target, p_draft) per draft position."""
-        return list(zip(self.draft_token_ids, self.accepted, self.p_target, self.p_draft))
+    def positions(self) -> list[DraftPosition]:
+        """Each draft position with its numbers and outcome."""
+        num_accepted = sum(self.accepted)  # a prefix
+        return [DraftPosition(
+            i, token, _at(self.draft_texts, i, ""), _at(self.p_draft, i, None), self.p_target[i],
+            _at(self.target_argmax, i, None), _at(self.uniform_probs, i, None),
+            ACCEPTED if i < num_accepted else REJECTED if i == num_accepted else NOT_REACHED)
+            for i, token in enumerate(self.draft_token_ids)]
+
+
+def _at(values: tuple | None, i: int, default):
+    """values[i], or `default` where the event did not carry them (n-gram's q, a greedy u, older traces)."""
+    return values[i] if values else default
 
 
 @dataclass
@@ -501,8 +537,9 @@ class EngineState:
     def _spec_verified(self, e, record: StepRecord, delta: StepDelta) -> None:
         spec = self.spec
         verification = Verification(record.step, e.request_id, e.draft_token_ids, e.accepted, e.p_target, e.p_draft,
-                                    e.emitted_token, e.bonus)
-        for position, (_, ok, _, _) in enumerate(verification.positions()):
+                                    e.emitted_token, e.bonus, e.rule, e.target_argmax, e.uniform_probs, e.draft_texts,
+                                    e.emitted_text)
+        for position, ok in enumerate(verification.accepted):
             if position == len(spec.proposed):
                 spec.proposed.append(0)
                 spec.accepted.append(0)

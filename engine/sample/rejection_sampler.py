@@ -73,25 +73,30 @@ class RejectionSampler:
         if self.with_draft_probs:
             draft_probs = torch.cat([s.request.spec_draft_probs[:n] for s, n in zip(rows, counts)])
         dev, gens, default = logits.device, bonus_meta.generators, bonus_meta.default_generator
+        uniform = kernels.generate_uniform_probs(counts, gens, dev, default)
         out = kernels.rejection_sample(
-            drafts, torch.tensor(counts, device=dev).cumsum(0), draft_probs, target_probs, bonus, is_greedy,
-            kernels.generate_uniform_probs(counts, gens, dev, default),
+            drafts, torch.tensor(counts, device=dev).cumsum(0), draft_probs, target_probs, bonus, is_greedy, uniform,
             kernels.generate_recovery_noise(counts, logits.shape[-1], gens, dev, default), max(counts))
-        return self._emit(rows, counts, out.tolist(), drafts, target_probs, draft_probs)
+        return self._emit(rows, counts, out.tolist(), drafts, target_probs, draft_probs, uniform)
 
-    def _emit(self, rows: list, counts: list[int], out: list[list[int]], drafts: torch.Tensor,
-              target: torch.Tensor, draft_probs: torch.Tensor | None) -> dict[str, list[int]]:
+    def _emit(self, rows: list, counts: list[int], out: list[list[int]], drafts: torch.Tensor, target: torch.Tensor,
+              draft_probs: torch.Tensor | None, uniform: torch.Tensor) -> dict[str, list[int]]:
+        # what a learner needs to redo each decision: p and q of the draft, the target's argmax, the uniform draw
         p_target = target.gather(1, drafts[:, None])[:, 0].tolist()
-        p_draft = [1.0] * len(p_target) if draft_probs is None else draft_probs.gather(1, drafts[:, None])[:, 0].tolist()
+        p_draft = None if draft_probs is None else draft_probs.gather(1, drafts[:, None])[:, 0].tolist()
+        argmax, uniform = target.argmax(dim=-1).tolist(), uniform.tolist()
         result, start = {}, 0
         for s, n, emitted in zip(rows, counts, out):
             tokens = [t for t in emitted if t != kernels.PLACEHOLDER_TOKEN_ID]
             accepted = len(tokens) - 1
+            greedy = s.request.sampling_params.greedy
+            here = slice(start, start + n)
             self.stats.record(n, accepted)
             self.events.emit(SpecVerified, request_id=s.request_id, draft_token_ids=tuple(s.spec_token_ids),
-                             accepted=tuple(i < accepted for i in range(n)),
-                             p_target=tuple(p_target[start:start + n]), p_draft=tuple(p_draft[start:start + n]),
-                             emitted_token=tokens[-1], bonus=accepted == n, method=self.method)
+                             accepted=tuple(i < accepted for i in range(n)), p_target=tuple(p_target[here]),
+                             p_draft=None if p_draft is None else tuple(p_draft[here]), emitted_token=tokens[-1],
+                             bonus=accepted == n, method=self.method, rule="greedy" if greedy else "sampled",
+                             target_argmax=tuple(argmax[here]), uniform_probs=() if greedy else tuple(uniform[here]))
             result[s.request_id] = tokens
             start += n
         return result

@@ -107,10 +107,11 @@ def sample_drafts(logits: torch.Tensor, inputs: list[DraftRequest],
                   default_generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
     """One draft per row of `logits` [N, V'] (row i for inputs[i]): the argmax for a greedy request, else a draw
     from softmax(logits / temperature) with the request's generator; and those distributions [N, V'], which the
-    rejection sampler needs to keep the target's distribution."""
-    temps = torch.tensor([max(inp.temperature, 1e-5) for inp in inputs], device=logits.device)
-    dist = torch.softmax(logits / temps[:, None], dim=-1)
+    rejection sampler needs to keep the target's distribution. A greedy row's distribution is at temperature 1, as
+    the target's that verifies it: only the argmaxes decide there, and spec.verified shows the draft's confidence."""
     greedy = torch.tensor([inp.temperature < 1e-5 for inp in inputs], device=logits.device)
+    temps = torch.tensor([inp.temperature for inp in inputs], device=logits.device)
+    dist = torch.softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
     generators = {i: inp.generator for i, inp in enumerate(inputs) if inp.generator is not None}
     sampled = (dist / exponential_noise(dist, generators, default_generator)).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), sampled).tolist(), dist

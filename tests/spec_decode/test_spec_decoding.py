@@ -216,7 +216,7 @@ def test_spec_events_describe_each_verification() -> None:
     for e in verified:
         n = sum(e.accepted)
         assert list(e.accepted) == [True] * n + [False] * (len(e.draft_token_ids) - n)  # a prefix stands
-        assert e.bonus == (n == len(e.draft_token_ids)) and all(p == 1.0 for p in e.p_draft)
+        assert e.bonus == (n == len(e.draft_token_ids)) and e.p_draft is None  # n-gram: no draft distribution
 
 
 def test_random_sampling_with_drafts_is_seeded_and_valid() -> None:

@@ -66,8 +66,9 @@ inline __m256 exp8(__m256 x) {
 }
 
 // ---- linear over a few rows: out[m, n] = scale[n] * dot(x[m], w[n]) + bias[n] ------------------------------------
-// Each weight row is read once for all M input rows (M <= 8): at batch 1 to 8 a linear layer is a stream of its
-// weights, and the point is to read them at the memory's speed. A thread's rows lie end to end, so it reads them
+// Each weight row is read once for all M input rows (up to 8 at a time in registers; more in tiles of 8 over a run
+// of weight rows that stays in L1): at a small batch a linear layer is a stream of its weights, and the point is to
+// read them at the memory's speed. A thread's rows lie end to end, so it reads them
 // one after another as one long stream, with a software prefetch PREFETCH bytes ahead (within noise of none on this
 // Zen 3: a standalone GEMV over the model's weights read 26-31 GB/s either way, the machine's read bandwidth);
 // U accumulators per input row hide the FMA latency (one accumulator: 31 GB/s, four: 34 GB/s in that test).
@@ -112,16 +113,27 @@ void linear_rows(const float* x, const W* w, const float* scale, const float* bi
   }
 }
 
+constexpr int64_t TILE_BYTES = 16 << 10;  // weight rows per run: half of Zen 3's 32 KiB L1d
+
 template <typename W>
 void linear_dispatch(int64_t M, const float* x, const W* w, const float* scale, const float* bias, float* out,
                      int64_t K, int64_t N) {
   // grain: whole cache lines of output rows per task; threads split the weight rows
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-#define CASE(m) case m: linear_rows<W, m>(x, w, scale, bias, out, K, N, n0, n1); break;
-      CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    // tiles of up to 8 input rows, each over a run of weight rows short enough to stay in L1 (TILE_BYTES): the
+    // first tile reads the weights from memory, the others from L1, so the weights stream once whatever M is
+    const int64_t run = std::max<int64_t>(1, TILE_BYTES / (K * static_cast<int64_t>(sizeof(W))));
+    for (int64_t r0 = n0; r0 < n1; r0 += run) {
+      const int64_t r1 = std::min(n1, r0 + run);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const float* xt = x + m0 * K;
+        float* ot = out + m0 * N;
+        switch (std::min<int64_t>(8, M - m0)) {
+#define CASE(m) case m: linear_rows<W, m>(xt, w, scale, bias, ot, K, N, r0, r1); break;
+          CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
-      default: TORCH_CHECK(false, "linear_small_m: at most 8 rows, got ", M);
+        }
+      }
     }
   });
 }

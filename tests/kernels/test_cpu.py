@@ -78,7 +78,7 @@ def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scale[:, None]).to(torch.int8), scale
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 21])  # past 8: tiles of 8 rows and a shorter last one
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (7, 13)])
 def test_linear_equals_the_reference_for_each_stored_dtype(rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows)
@@ -91,8 +91,8 @@ def test_linear_equals_the_reference_for_each_stored_dtype(rows, out_features, i
         torch.testing.assert_close(got, reference.linear(x, stored, scale, bias), **tolerance)
 
 
-@pytest.mark.parametrize("rows", [9, 64, 300])
-def test_linear_past_eight_rows_is_a_gemm_equal_to_the_reference_for_each_stored_dtype(rows):
+@pytest.mark.parametrize("rows", [17, 64, 300])
+def test_linear_past_small_m_rows_is_a_gemm_equal_to_the_reference_for_each_stored_dtype(rows):
     from kernels.cpu import ops
 
     gen = torch.Generator().manual_seed(rows)
@@ -101,8 +101,7 @@ def test_linear_past_eight_rows_is_a_gemm_equal_to_the_reference_for_each_stored
         for b in (None, bias):
             torch.testing.assert_close(ops.linear(x, stored, scale, b), reference.linear(x, stored, scale, b),
                                        atol=1e-4 * 576 ** 0.5, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        torch.ops.workbench_cpu.linear_small_m(x, weight, None, None)
+    assert rows > ops.SMALL_M
 
 
 def test_a_float16_weight_falls_back_to_the_reference():

@@ -116,8 +116,10 @@ BROWSER_STATE = r"""(columns) => {
       if (m.name in columns) {
         state.sources[m.name] = Object.fromEntries(columns[m.name].map((c) => [c, Array.from(m.data[c])]));
       }
-      if (m.type === "panel.models.tabulator.DataTabulator") {
-        state.table = Object.fromEntries(["request_id", "status", "num_output_tokens", "text"].map(
+      // the requests table, by its columns: other views have tables too (the speculative view's verifications)
+      const wanted = ["request_id", "status", "num_output_tokens", "text"];
+      if (m.type === "panel.models.tabulator.DataTabulator" && wanted.every((c) => c in m.source.data)) {
+        state.table = Object.fromEntries(wanted.map(
           (c) => [c, Array.from(m.source.data[c]).map((v) => String(v))]));
       }
       if ((m.css_classes || []).includes("workbench-step")) state.step_text = m.text.match(/step \d+/)[0];

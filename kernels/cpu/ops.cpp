@@ -235,7 +235,7 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
   float m[ROWS], l[ROWS];
   thread_local std::vector<float> acc, p;  // per thread, grown once: no allocation per task
   acc.assign(static_cast<size_t>(rows) * D, 0.f);
-  p.resize(static_cast<size_t>(block_size) + 8);
+  p.resize(static_cast<size_t>(block_size));  // one row's scores at a time
   for (int r = 0; r < rows; ++r) { m[r] = -std::numeric_limits<float>::infinity(); l[r] = 0.f; }
   int64_t end = 0;
   for (int r = 0; r < rows; ++r) end = std::max(end, limits[r]);

@@ -187,7 +187,8 @@ def _add_train_draft(commands: Any) -> None:
             ("--seed", int, 0, "seed of the answers and the training"),
             ("--draft-vocab-size", positive_int, 4096, "tokens the head may draft"),
             ("--intermediate-size", positive_int, 768, "EAGLE's MLP width"),
-            ("--num-heads", positive_int, 4, "Medusa's heads")):
+            ("--num-heads", positive_int, 4, "Medusa's heads"),
+            ("--check-prompts", non_negative_int, 8, "held-out prompts run through the engine with the head (0: skip)")):
         p.add_argument(flag, type=kind, default=default, help=f"{what} (default: %(default)s)")
 
 

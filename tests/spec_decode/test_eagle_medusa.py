@@ -260,9 +260,18 @@ def test_train_draft_command_writes_a_head_the_engine_loads(tmp_path, monkeypatc
     assert manifest["command"].startswith("workbench train-draft --method medusa")
     assert {"seed", "data", "training", "held_out_acceptance", "engine_acceptance"} <= set(manifest)
     assert manifest["data"]["prompts"] == 10 and manifest["training"]["steps"] >= 1
+    assert manifest["engine_acceptance"]["prompts"] == 1  # the one held-out prompt of ten
     config, tensors = load_head(out, "medusa", 64)
     assert config["num_heads"] == 2 and tensors[DRAFT_IDS].numel() == 64
     assert all(t.dtype == torch.float16 for name, t in tensors.items() if name != DRAFT_IDS)
+
+
+def test_train_draft_skips_the_engine_check_when_asked(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(td, "trained_heads_dir", lambda: tmp_path / "cache")
+    manifest = td.train_draft("eagle", "tiny-llama", str(tmp_path / "head"), num_prompts=10, max_tokens=8, epochs=1,
+                              draft_vocab_size=64, check_prompts=0, log=lambda _: None, progress=False)
+    assert "engine_acceptance" not in manifest and "engine_check" not in manifest["seconds"]
+    assert json.loads((tmp_path / "head" / "manifest.json").read_text()) == manifest
 
 
 def test_a_head_is_written_in_shards_under_the_limit_and_read_back_equal(tmp_path, monkeypatch) -> None:

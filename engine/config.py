@@ -139,6 +139,10 @@ class EngineConfig:
     # follows their caches by hash); see engine/entrypoints/dp_client.py
     data_parallel_size: int = 1
     data_parallel_routing: str = "load"
+    # how long the front end waits for a replica that owes it an answer (the acknowledgement of an add, a step's
+    # report while it holds requests, a records() reply) before it declares the replica dead: killed and reaped,
+    # its requests failed naming it, the others serving on (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S, 60 s)
+    data_parallel_replica_timeout_s: float = 60.0
     gpu_memory_utilization: float = 0.9  # simulated executor: the share of device memory for weights, activations, KV
 
     def __post_init__(self) -> None:
@@ -218,6 +222,11 @@ class EngineConfig:
             raise TypeError(f"data_parallel_size: expected int, got {type(dp).__name__}")
         if dp < 1:
             raise ValueError(f"data_parallel_size: must be >= 1, got {dp}")
+        timeout = self.data_parallel_replica_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"data_parallel_replica_timeout_s: expected float, got {type(timeout).__name__}")
+        if not timeout > 0:
+            raise ValueError(f"data_parallel_replica_timeout_s: must be > 0 seconds, got {timeout}")
         if self.data_parallel_routing not in ("load", "prefix"):
             raise ValueError(f"data_parallel_routing: must be 'load' or 'prefix', got {self.data_parallel_routing!r}")
         if dp == 1:

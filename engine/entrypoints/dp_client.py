@@ -28,7 +28,10 @@ request.finished of its requests, its dp.routed and dp.replica_dead events, and 
 changed (waiting, running, KV blocks), with the replicas' sums as the record's queue counts and KV usage.
 
 Failures: a replica whose process dies fails only the requests it holds (finish_reason "error", the error names
-the replica); the front end sends it nothing more, and with no live replica a request fails at once.
+the replica); the front end sends it nothing more, and with no live replica a request fails at once. A replica that
+hangs (owes an answer and sends nothing for `config.data_parallel_replica_timeout_s`, default 60 s) is declared dead
+the same way, after its process is killed: no wait of the front end (`add_request`, `step`, `records()`,
+`generate`) blocks on it for longer.
 """
 from __future__ import annotations
 
@@ -62,12 +65,14 @@ class DPLBClient(EngineProcs):
     (their subscribers, the events and per-replica loads not yet recorded)."""
 
     id_prefix = "req"
+    timeout_name = "data_parallel_replica_timeout_s"
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0, max_records: int = 100_000,
                  torch_threads: int | None = None) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected EngineConfig, got {type(config).__name__}")
-        super().__init__(start_timeout_s, max_records, torch_threads, config.data_parallel_size)
+        super().__init__(start_timeout_s, max_records, torch_threads, config.data_parallel_size,
+                         reply_timeout_s=config.data_parallel_replica_timeout_s)
         self.config = config
         self.routing = config.data_parallel_routing
         self.replica_config = replace(
@@ -327,4 +332,3 @@ class DPLBClient(EngineProcs):
         """Stop every replica (politely, then by force); requests in flight are dropped. Idempotent."""
         super().close()
         self._cached.clear()
-

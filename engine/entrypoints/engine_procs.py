@@ -14,6 +14,14 @@ A subclass says which instances to start (`_instance_specs`), where a new reques
 finished output means (`_on_output`: the end of the request, or one more hop). When an instance's process dies,
 every request it holds finishes with finish_reason "error" and an error naming the instance; later requests go to
 the live instances. `close()`, the context manager and an atexit hook stop every process.
+
+No wait on an instance is unbounded (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S): an instance that owes the router an
+answer (it holds requests, so it steps and reports; an add it has not acknowledged; a `records()` reply) and sends
+nothing for `reply_timeout_s` seconds (before its first step, which loads what the engine loads lazily, for as long
+as its start may take: `start_timeout_s`), or whose pipe stays full that long, is declared dead as if its process had
+died (a hung or stopped process: it is killed and reaped, its requests fail with an error naming it, the router
+sends it nothing more), and the others keep serving. Messages are written and read with that bound too
+(`_send_within`, `_recv_within`): a stopped process cannot block the router half-way through one.
 """
 from __future__ import annotations
 
@@ -21,6 +29,9 @@ import atexit
 import itertools
 import multiprocessing as mp
 import os
+import pickle
+import select
+import struct
 import time
 import weakref
 from collections import deque
@@ -50,6 +61,9 @@ def batch_prompts(prompts, params: SamplingParams | Sequence[SamplingParams] | N
 
 
 # ---- the worker process --------------------------------------------------------------------------
+HEARTBEAT_S = 1.0  # a worker holding work sends at least this often (between steps)
+
+
 class _WorkerState:
     """What a worker tracks besides its engine: its records, the adds it took, each child's parent (n > 1) and
     what it last told the router of its queues."""
@@ -59,6 +73,7 @@ class _WorkerState:
         self.num_added = 0
         self.children: dict[str, tuple[str, set[str]]] = {}  # child id -> (parent id, its unfinished children)
         self.last_counts: tuple = (0, 0, 0, None)
+        self.last_sent = 0.0  # time.monotonic() of its last step message
 
 
 def _worker(conn: Connection, engine_kwargs: dict, max_records: int, torch_threads: int) -> None:
@@ -101,14 +116,17 @@ def _serve(conn: Connection, engine, state: _WorkerState) -> None:
 def _report(conn: Connection, engine, state: _WorkerState, t: float, tokens: list = (), outputs: list = (),
             kv: list = ()) -> None:
     """Send a step's tokens, outputs and block events, with the queue counts after it; nothing when there is
-    nothing new."""
+    nothing new, except a heartbeat every HEARTBEAT_S while it holds work (steps that change nothing, waiting for
+    a KV load say): the router declares an instance that owes it answers dead after a silence (reply_timeout_s)."""
     counts = (engine.scheduler.num_waiting, engine.scheduler.num_running, state.num_added,
               engine.kv_cache_manager.usage())
-    if tokens or outputs or kv or counts != state.last_counts:
-        state.last_counts = counts
+    now = time.monotonic()
+    beat = engine.has_unfinished_requests() and now - state.last_sent >= HEARTBEAT_S
+    if tokens or outputs or kv or counts != state.last_counts or beat:
+        state.last_counts, state.last_sent = counts, now
         conn.send(("step", {"time": t, "tokens": list(tokens), "outputs": list(outputs), "kv": list(kv),
                             "num_waiting": counts[0], "num_running": counts[1], "num_added": counts[2],
-                            "kv_usage": counts[3]}))
+                            "kv_usage": counts[3], "stepped": bool(state.records)}))
 
 
 def _finished(engine, state: _WorkerState, rid: str) -> list[RequestOutput]:
@@ -169,6 +187,10 @@ class Instance:
     num_running: int = 0
     kv_usage: KVUsage | None = None
     info: dict = field(default_factory=dict)
+    deadline: float | None = None  # time.monotonic() by which it must send something (None: it owes nothing)
+    stepped: bool = False  # it has run a step (its first loads what it loads lazily: the CPU kernels, say)
+    owes_records: bool = False  # asked by records(), not answered yet
+    timed_out: str | None = None  # why the router gave up on it, when it did
 
 
 @dataclass(frozen=True)
@@ -202,6 +224,68 @@ class _Route:
     stage: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    arrival_ns: int = field(default_factory=time.time_ns)
+
+
+class ReplyTimeout(Exception):
+    """A message could not be written to, or read from, an instance's pipe within the router's bound."""
+
+
+def _send_within(conn: Connection, msg: Any, timeout: float) -> None:
+    """`conn.send(msg)` (the same bytes: a 4-byte big-endian length, then the pickle) that gives up after `timeout`
+    seconds of a full pipe (raises ReplyTimeout: what was written of it is then garbage, so the instance must be
+    declared dead) instead of blocking for as long as the reader is stopped. OSError: the reader is gone."""
+    data = pickle.dumps(msg, protocol=pickle.DEFAULT_PROTOCOL)
+    _write_within(conn, struct.pack("!i", len(data)) + data, timeout)
+
+
+def _write_within(conn: Connection, buf: bytes, timeout: float) -> None:
+    fd, view = conn.fileno(), memoryview(buf)
+    deadline = time.monotonic() + timeout
+    os.set_blocking(fd, False)
+    try:
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ReplyTimeout(f"the pipe stayed full for {timeout} s") from None
+                select.select([], [fd], [], left)
+    finally:
+        os.set_blocking(fd, True)
+
+
+def _recv_within(conn: Connection, timeout: float) -> Any:
+    """`conn.recv()` once `wait` said the pipe is readable, that gives up (ReplyTimeout) when the rest of the
+    message does not come within `timeout` seconds (a writer stopped half-way). EOFError: the writer is gone."""
+    fd = conn.fileno()
+    deadline = time.monotonic() + timeout
+    os.set_blocking(fd, False)
+    try:
+        def read(n: int) -> bytes:
+            chunks, left = [], n
+            while left:
+                try:
+                    chunk = os.read(fd, left)
+                except BlockingIOError:
+                    wait_s = deadline - time.monotonic()
+                    if wait_s <= 0:
+                        raise ReplyTimeout(f"half a message, then nothing for {timeout} s") from None
+                    select.select([fd], [], [], wait_s)
+                    continue
+                if not chunk:
+                    raise EOFError
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
+
+        (size,) = struct.unpack("!i", read(4))
+        if size == -1:  # a message over 2 GiB: an 8-byte length follows (as Connection writes it)
+            (size,) = struct.unpack("!Q", read(8))
+        return pickle.loads(read(size))
+    finally:
+        os.set_blocking(fd, True)
 
 
 def check_count(name: str, n: Any) -> None:
@@ -222,11 +306,17 @@ def _close_all() -> None:
 class EngineProcs:
     """Engine processes and the router's state: the requests in flight, the deltas not yet streamed and the
     outputs not yet taken. Use as a context manager (or call `close()`). `torch_threads` is each process's torch
-    thread count (default: the machine's cores shared out among the processes)."""
+    thread count (default: the machine's cores shared out among the processes). `reply_timeout_s`: how long an
+    instance that owes an answer may stay silent before it is declared dead (see the module's docstring)."""
 
     id_prefix = "req"
+    timeout_name = "reply_timeout_s"  # what errors call the bound: the setting a user changes
 
-    def __init__(self, start_timeout_s: float, max_records: int, torch_threads: int | None, num_procs: int) -> None:
+    def __init__(self, start_timeout_s: float, max_records: int, torch_threads: int | None, num_procs: int,
+                 reply_timeout_s: float = 60.0) -> None:
+        if isinstance(reply_timeout_s, bool) or not isinstance(reply_timeout_s, (int, float)) or reply_timeout_s <= 0:
+            raise ValueError(f"reply_timeout_s: must be a number of seconds > 0, got {reply_timeout_s!r}")
+        self.reply_timeout_s = float(reply_timeout_s)
         if torch_threads is not None and (isinstance(torch_threads, bool) or not isinstance(torch_threads, int)
                                           or torch_threads < 1):
             raise ValueError(f"torch_threads: must be an int >= 1 or None, got {torch_threads!r}")
@@ -312,10 +402,12 @@ class EngineProcs:
         dropped. Idempotent."""
         _LIVE.discard(self)
         for inst in self.instances:
+            if not inst.alive:
+                continue
             try:
-                inst.conn.send(("stop",))
-            except (OSError, EOFError):
-                pass
+                _send_within(inst.conn, ("stop",), min(self.reply_timeout_s, 5.0))
+            except (OSError, EOFError, ReplyTimeout):
+                inst.process.kill()  # a stopped process reads nothing: stop it by force
         for inst in self.instances:
             inst.process.join(timeout=10)
             if inst.process.is_alive():
@@ -357,7 +449,8 @@ class EngineProcs:
         route = self._routes.pop(request_id, None)
         if route is not None and route.instance is not None:
             route.instance.load -= 1
-            self._try_send(route.instance, ("abort", request_id))
+            if not self._try_send(route.instance, ("abort", request_id)):
+                self._instance_died(route.instance)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._routes)
@@ -423,15 +516,45 @@ class EngineProcs:
         if not self._try_send(inst, ("add", rid, route.prompt, params, kv_params, route.priority, route.cache_salt)):
             self._instance_died(inst)
 
-    @staticmethod
-    def _try_send(inst: Instance, msg: tuple) -> bool:
+    def _try_send(self, inst: Instance, msg: tuple) -> bool:
+        """Send within `reply_timeout_s`; False when the instance is dead, gone, or its pipe stayed full (a stopped
+        process: the caller declares it dead). A message that asks for an answer starts its silence clock."""
         if not inst.alive:
             return False
         try:
-            inst.conn.send(msg)
+            _send_within(inst.conn, msg, self.reply_timeout_s)
+        except ReplyTimeout:
+            inst.timed_out = f"its pipe stayed full for {self.reply_timeout_s} s ({self.timeout_name})"
+            return False
         except (OSError, EOFError):
             return False
+        if msg[0] in ("add", "records") and inst.deadline is None:
+            inst.deadline = time.monotonic() + self._patience(inst)
         return True
+
+    def _patience(self, inst: Instance) -> float:
+        """How long `inst` may stay silent while it owes an answer: reply_timeout_s, or until it has run its first
+        step (which loads, or builds once per machine, what the engine loads lazily) start_timeout_s, as its start."""
+        return self.reply_timeout_s if inst.stepped else max(self.reply_timeout_s, self.start_timeout_s)
+
+    def _owes(self, inst: Instance) -> bool:
+        """Whether the instance owes the router a message: it holds requests (it steps, and reports each step), has
+        adds it did not acknowledge, or a records() reply."""
+        return inst.load > 0 or inst.num_added < inst.num_sent or inst.owes_records
+
+    def _heard(self, inst: Instance) -> None:
+        """A message came from `inst`: its silence clock restarts while it still owes something."""
+        inst.deadline = time.monotonic() + self._patience(inst) if self._owes(inst) else None
+
+    def _check_deadlines(self) -> None:
+        """Declare dead every live instance that owed an answer and sent nothing for reply_timeout_s."""
+        now = time.monotonic()
+        for inst in self.instances:
+            if inst.alive and inst.deadline is not None and now >= inst.deadline:
+                waited = (f"{self.reply_timeout_s} s ({self.timeout_name})" if inst.stepped else
+                          f"{self._patience(inst)} s (start_timeout_s: before its first step)")
+                inst.timed_out = f"no answer for {waited}: hung or stopped"
+                self._instance_died(inst)
 
     def _stream(self, rids: set[str] | None, timeout: float | None) -> Iterator[TokenDelta]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -457,26 +580,46 @@ class EngineProcs:
         return None
 
     def _pump(self, timeout: float | None) -> bool:
-        """Wait up to `timeout` for messages from the live instances and act on one from each; False if none came."""
+        """Wait up to `timeout` (None: until a message comes or an instance that owes one misses its deadline) for
+        messages from the live instances and act on one from each; False if none came."""
+        self._check_deadlines()
         live = [i for i in self.instances if i.alive]
-        ready = wait([i.conn for i in live], timeout) if live else []
+        deadlines = [i.deadline for i in live if i.deadline is not None]
+        bound = timeout
+        if deadlines:  # wake up in time to declare a silent instance dead
+            until = max(0.0, min(deadlines) - time.monotonic())
+            bound = until if bound is None else min(bound, until)
+        ready = wait([i.conn for i in live], bound) if live else []
         for conn in ready:
             inst = next(i for i in live if i.conn is conn)
+            if not inst.alive:  # declared dead meanwhile
+                continue
             try:
-                kind, payload = conn.recv()
+                kind, payload = _recv_within(conn, self.reply_timeout_s)
+            except ReplyTimeout as exc:
+                inst.timed_out = str(exc)
+                self._instance_died(inst)
+                continue
             except (OSError, EOFError):
                 self._instance_died(inst)
                 continue
-            if kind == "step":
-                self._on_step(inst, payload)
-            elif kind == "rejected":
-                rid, error = payload
-                if self._holds(inst, rid):
-                    self._rejected.add(rid)
-                    self._fail(rid, error, inst.engine_id)
-            elif kind == "records":
-                self._records[inst.engine_id] = payload
+            self._on_message(inst, kind, payload)
+            if inst.alive:
+                self._heard(inst)
+        self._check_deadlines()
         return bool(ready)
+
+    def _on_message(self, inst: Instance, kind: str, payload: Any) -> None:
+        if kind == "step":
+            self._on_step(inst, payload)
+        elif kind == "rejected":
+            rid, error = payload
+            if self._holds(inst, rid):
+                self._rejected.add(rid)
+                self._fail(rid, error, inst.engine_id)
+        elif kind == "records":
+            inst.owes_records = False
+            self._records[inst.engine_id] = payload
 
     def _holds(self, inst: Instance, rid: str) -> bool:
         route = self._routes.get(rid)
@@ -484,6 +627,7 @@ class EngineProcs:
 
     def _on_step(self, inst: Instance, msg: dict) -> None:
         inst.num_waiting, inst.num_running, inst.num_added = msg["num_waiting"], msg["num_running"], msg["num_added"]
+        inst.stepped = msg["stepped"]
         inst.kv_usage = msg["kv_usage"]
         self._on_report(inst, msg["kv"])
         t = msg["time"]
@@ -518,11 +662,21 @@ class EngineProcs:
         self._finish(rid, output)
 
     def _instance_died(self, inst: Instance) -> None:
+        """The instance is dead to the router: its process is reaped (killed first if it timed out, or if it does
+        not end within 5 s), its requests fail naming it, and nothing more goes to it."""
         if not inst.alive:
             return
         inst.alive = False
-        inst.process.join(timeout=5)
-        error = f"{inst.engine_id}: the process is gone (exit code {inst.process.exitcode})"
+        inst.deadline = None
+        if inst.timed_out is None:
+            inst.process.join(timeout=5)
+        if inst.process.is_alive():  # hung or stopped (SIGKILL ends a stopped process too)
+            inst.process.kill()
+            inst.process.join(timeout=5)
+        if inst.timed_out is not None:
+            error = f"{inst.engine_id}: {inst.timed_out}; the process was killed"
+        else:
+            error = f"{inst.engine_id}: the process is gone (exit code {inst.process.exitcode})"
         failed = [rid for rid, route in self._routes.items() if route.instance is inst]
         for rid in failed:
             self._fail(rid, error, inst.engine_id)
@@ -533,11 +687,14 @@ class EngineProcs:
         went with it). Messages that arrive meanwhile are handled as usual."""
         asked = []
         for inst in self.instances:
+            if not inst.alive:
+                continue
             if self._try_send(inst, ("records",)):
+                inst.owes_records = True
                 asked.append(inst)
             else:
                 self._instance_died(inst)
         self._records = {}
         while any(i.alive and i.engine_id not in self._records for i in asked):
-            self._pump(None)
+            self._pump(None)  # bounded: an instance that does not answer within reply_timeout_s is declared dead
         return {i.engine_id: self._records.pop(i.engine_id) for i in asked if i.engine_id in self._records}

@@ -41,7 +41,9 @@ class PDCluster(EngineProcs):
     them; `generate` returns RequestOutputs in prompt order. `torch_threads` is each process's torch thread count
     (default: the machine's cores shared out among the processes). `on_prefilled(request_id, engine_id, output)`,
     if set (here or later as an attribute), is called after a prefill instance answered and before the request
-    goes to a decode instance: to watch transfers, or to break a process right there in a failure test."""
+    goes to a decode instance: to watch transfers, or to break a process right there in a failure test.
+    `reply_timeout_s`: how long an instance that owes the router an answer may stay silent before it is declared
+    dead (killed, its requests failed naming it; engine/entrypoints/engine_procs.py)."""
 
     id_prefix = "pd"
 
@@ -50,12 +52,12 @@ class PDCluster(EngineProcs):
                  kv_load_failure_policy: str = "recompute", start_timeout_s: float = 300.0,
                  max_records: int = 100_000, torch_threads: int | None = None,
                  on_prefilled: Callable[[str, str, RequestOutput], None] | None = None,
-                 **engine_kwargs: Any) -> None:
+                 reply_timeout_s: float = 60.0, **engine_kwargs: Any) -> None:
         if connector not in CONNECTOR_NAMES:
             raise ValueError(f"connector: must be one of {sorted(CONNECTOR_NAMES)}, got {connector!r}")
         check_count("num_prefill", num_prefill)
         check_count("num_decode", num_decode)
-        super().__init__(start_timeout_s, max_records, torch_threads, num_prefill + num_decode)
+        super().__init__(start_timeout_s, max_records, torch_threads, num_prefill + num_decode, reply_timeout_s)
         self.model, self.connector, self.engine_kwargs = model, connector, engine_kwargs
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.extra = dict(kv_connector_extra_config or {})

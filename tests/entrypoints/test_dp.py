@@ -1,11 +1,13 @@
 """Data parallelism: LLM(data_parallel_size=2) runs two engine replicas in processes behind a front end. Outputs
 equal a single engine's; routing follows vLLM's score (waiting * 4 + running) exactly, or the cached prefix; a
-killed replica fails only its own requests, and closing leaves no process behind.
+killed replica fails only its own requests, a stopped (hung) one too once data_parallel_replica_timeout_s has passed,
+and closing leaves no process behind.
 
 One LLM serves the module (a replica's start-up takes seconds on two cores); the kill test runs last. Replicas are
 frozen with SIGSTOP where a test needs their reported counts to hold still."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -143,6 +145,79 @@ def test_prefix_routing_sends_a_shared_prefix_to_the_replica_that_caches_it(llm)
     assert routed[2].rule == "prefix" and routed[2].prefix_hit_blocks == (0, 3) and routed[2].scores == (0, 0)
     lookups = [e for r in client.records()["dp-1"] for e in r.of_kind("prefix.lookup") if e.request_id == follower]
     assert lookups and lookups[0].num_hit_tokens == 48  # the replica found them cached
+
+
+@contextlib.contextmanager
+def _dp1_stopped():
+    """DP 2 with a short replica timeout (3 s), each replica past its first step (seconds on a loaded 2-core
+    machine: the timeout bounds a step, and a test's must not be the slow first one), the front end's tokenizer
+    loaded, then dp-1 stopped (SIGSTOP: its pipe open, it answers nothing). Yields (client, timeout); afterwards
+    dp-1 is let go if still there, the LLM closed, and no replica process may be left, not even a zombie."""
+    timeout = 3.0
+    llm = LLM(model="tiny-llama", data_parallel_size=2, data_parallel_replica_timeout_s=timeout, **KW)
+    client = llm.engine
+    dp1 = client.instances[1]
+    pids = list(client.pids().values())
+    try:
+        llm.generate(PROMPTS[:2], GREEDY)  # a burst: one on each replica
+        assert {e.replica for e in _routed(client)} == {"dp-0", "dp-1"}
+        client.tokenizer  # add_request's event reads it: loaded before any timing
+        os.kill(dp1.process.pid, signal.SIGSTOP)
+        yield client, timeout
+    finally:
+        if dp1.process.is_alive():
+            os.kill(dp1.process.pid, signal.SIGCONT)
+        llm.close()
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+
+
+def test_a_stopped_replica_is_declared_dead_within_the_timeout(want) -> None:
+    """A hung replica blocks no wait of the front end for longer than data_parallel_replica_timeout_s: its requests
+    fail naming it, the other replica's finish with a single engine's tokens, new requests go to the live one only,
+    and close leaves no process."""
+    with _dp1_stopped() as (client, timeout):
+        dp1 = client.instances[1]
+        start = time.monotonic()
+        first = len(client.routing_events())
+        rids = [client.submit(p, GREEDY) for p in PROMPTS]  # a burst spreads over both before either reported
+        on_dp1 = {e.request_id for e in _routed(client, first) if e.replica == "dp-1"}
+        assert on_dp1 and len(on_dp1) < len(rids)
+        deltas = _run_all(client, timeout=timeout + 30)  # stream() waits on both: bounded
+        assert time.monotonic() - start < timeout + 10
+        for rid, w in zip(rids, want):
+            out = client.pop_output(rid)
+            if rid in on_dp1:
+                assert out.finish_reason == "error" and out.error.startswith("dp-1: no answer for 3.0 s ")
+                assert "data_parallel_replica_timeout_s" in out.error and "killed" in out.error
+                assert deltas[rid][-1].instance == "dp-1" and deltas[rid][-1].finish_reason == "error"
+            else:
+                assert out.token_ids == w.token_ids
+        (dead,) = [e for e in client.routing_events() if e.kind == "dp.replica_dead"]
+        assert dead.replica == "dp-1" and set(dead.failed_request_ids) == on_dp1
+        assert not dp1.process.is_alive() and dp1.process.exitcode == -signal.SIGKILL  # killed and reaped
+        later = len(client.routing_events())
+        outs = client.generate(PROMPTS[:3], GREEDY)  # every later request goes to the live replica
+        assert [o.token_ids for o in outs] == [w.token_ids for w in want[:3]]
+        assert {(e.replica, e.alive) for e in _routed(client, later)} == {("dp-0", (True, False))}
+        assert set(client.records()) == {"dp-0"}
+
+
+def test_add_request_waits_for_a_stopped_replica_no_longer_than_the_timeout(want) -> None:
+    """add_request (what AsyncLLM calls) waits for the replica's acknowledgement: a stopped replica's wait ends at
+    the timeout with the replica dead and the request failed naming it; the next requests go to the live one."""
+    with _dp1_stopped() as (client, timeout):
+        since = len(client.routing_events())
+        first = client.add_request(PROMPTS[0], LONG)  # a tie: dp-0, which takes it and runs it a while
+        start = time.monotonic()
+        second = client.add_request(PROMPTS[1], GREEDY)  # dp-0 holds one: dp-1, which answers nothing
+        assert timeout - 0.5 < time.monotonic() - start < timeout + 5
+        third = client.add_request(PROMPTS[2], GREEDY)
+        assert [e.replica for e in _routed(client, since)] == ["dp-0", "dp-1", "dp-0"]
+        _run_all(client, timeout=30)
+        assert len(client.pop_output(first).token_ids) == 120
+        assert client.pop_output(third).token_ids == want[2].token_ids
+        out = client.pop_output(second)
+        assert out.finish_reason == "error" and out.error.startswith("dp-1: ") and "killed" in out.error
 
 
 def test_a_killed_replica_fails_only_its_requests_and_close_reaps_all(llm, want) -> None:

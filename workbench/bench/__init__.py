@@ -1,7 +1,8 @@
 """Benchmarks of the engine: `throughput` (against transformers), `prefix` (prefix caching on/off), `profile`
 (where a step's time goes), `serve` (online serving metrics), `sweep` (the token budget), `guided` (the cost of
 grammar masks), `roofline` (against the machine's limits), `spec` (speculative decoding), `pd` (disaggregated
-prefill/decode), `parallel` (tensor parallelism), `kernels` (Triton, CUDA only) and `gains` (a table from the
+prefill/decode), `parallel` (tensor parallelism), `dp_routing` (data parallelism: routing by load vs by
+cached prefix), `kernels` (Triton, CUDA only) and `gains` (a table from the
 others' kept results).
 
 Each module owns its command line, as vLLM's `vllm/benchmarks/serve.py` does: `add_cli_args(parser)` adds its flags

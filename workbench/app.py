@@ -47,6 +47,12 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+DATA_PARALLEL = ("Data parallelism: {n} replicas, each a whole engine stepping on its own behind the front end "
+                 "followed here. Requests come from HTTP or the form; Step, Play and Pause are off (no single loop "
+                 "to hold); the Parallelism tab shows each replica's load and every routing decision, and the "
+                 "views of one engine's steps or blocks say they are per replica.")
+
+
 class Workbench:
     """Owns a live engine (rebuilt by Reset and by the config knobs), the Dashboard drawn from its steps,
     the controls (Step, Run N, Play, Pause, Reset, the add-request form, the engine knobs), the `step N`
@@ -70,6 +76,8 @@ class Workbench:
         self._build_widgets()
         self.layout = self._build_layout()
         self._attach(engine)
+        if self.data_parallel_size > 1:
+            self._say(DATA_PARALLEL.format(n=self.data_parallel_size), "info")
 
     # ---- layout -----------------------------------------------------------------------------------------
     def _build_widgets(self) -> None:
@@ -100,10 +108,25 @@ class Workbench:
         main = pn.Column(self.title, controls, self.message, self.dashboard.tabs(), sizing_mode="stretch_width")
         return pn.Row(sidebar, main, sizing_mode="stretch_width")
 
+    @property
+    def data_parallel_size(self) -> int:
+        """More than 1: the engine is a data-parallel front end (a DPLBClient), whose replicas step on their own."""
+        return getattr(self.engine.config, "data_parallel_size", 1)
+
     def _title(self) -> str:
         c = self.engine.config
+        dp = (f" · data parallel: {c.data_parallel_size} replicas, routing by {self.engine.routing}"
+              if self.data_parallel_size > 1 else "")
         return (f"## Inference Workbench · `{c.model}` · block size {c.block_size} · budget "
-                f"{c.max_num_batched_tokens} tokens · prefix caching {'on' if c.enable_prefix_caching else 'off'}")
+                f"{c.max_num_batched_tokens} tokens · prefix caching {'on' if c.enable_prefix_caching else 'off'}{dp}")
+
+    def _enable_controls(self) -> None:
+        """A data-parallel front end has no loop to hold and no steps of its own: Step, Run, Play, Pause, Reset
+        and the engine knobs are off (requests still come from the form)."""
+        off = self.data_parallel_size > 1
+        for widget in (self.step_button, self.run_button, self.run_steps, self.play_button, self.pause_button,
+                       self.reset_button, self.engine_form.button):
+            widget.disabled = off
 
     def __panel__(self) -> pn.Row:
         return self.layout
@@ -269,10 +292,12 @@ class Workbench:
             engine.subscribe(self._on_record)
 
         def start() -> None:
-            self.dashboard.reset(engine.config.max_num_batched_tokens, snapshot=snapshot)
+            self.dashboard.reset(engine.config.max_num_batched_tokens, snapshot=snapshot,
+                                 data_parallel_size=getattr(engine.config, "data_parallel_size", 1))
             self.step_text.object = _step_label(snapshot.step)
             self.engine_form.show(engine.config)
             self.title.object = self._title()
+            self._enable_controls()
 
         self._in_ui(start)
 
@@ -297,7 +322,10 @@ class Replay:
         self.budget = (trace.header.get("config") or {}).get("max_num_batched_tokens")
         self.num_blocks = trace.records[0].kv.total if trace.records else None
         self.snapshot = trace.snapshot
+        # a data-parallel front end's trace: the per-replica views say so
+        self.data_parallel_size = (trace.header.get("config") or {}).get("data_parallel_size", 1)
         self.dashboard = Dashboard(self.budget, self.num_blocks)
+        self.dashboard.show_data_parallel(self.data_parallel_size)
         self._shown = 0
         n = len(self.records)
         self.slider = pn.widgets.IntSlider(label="records shown", start=0, end=max(n, 1), value=0, disabled=not n,
@@ -340,7 +368,7 @@ class Replay:
         num_records = max(0, min(num_records, len(self.records)))
         with drawing(self.layout):
             if num_records < self._shown or self._shown == 0:
-                self.dashboard.reset(self.budget, self.num_blocks, self.snapshot)
+                self.dashboard.reset(self.budget, self.num_blocks, self.snapshot, self.data_parallel_size)
                 self._shown = 0
             self.dashboard.extend(self.records[self._shown:num_records])
             self._shown = num_records

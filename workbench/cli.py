@@ -307,7 +307,8 @@ def _add_serve(commands: Any) -> None:
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--data-parallel-size", type=positive_int,
-                        help="engine replicas in processes behind vLLM's load balancer (no dashboard then)")
+                        help="engine replicas in processes behind vLLM's load balancer (the dashboard then follows the "
+                        "front end: routing and each replica's load)")
     queued = p.add_argument_group("requests queued before any HTTP request; the loop then starts paused")
     queued.add_argument("--prompt", action="append", default=[],
                         help="a prompt to queue, held until Step or Play on the dashboard (repeatable)")
@@ -339,7 +340,7 @@ def serve(args: argparse.Namespace) -> None:
     config = EngineConfig(model=model, enable_prefix_caching=not args.no_prefix_caching,
                           **{k: getattr(args, k) for k in _RUN_ENGINE_FLAGS if getattr(args, k) is not None})
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    where = "no dashboard: data parallelism" if config.data_parallel_size > 1 else "dashboard: {url}dashboard"
+    where = "dashboard: {url}dashboard" + (" of the data-parallel front end" if config.data_parallel_size > 1 else "")
     serve_openai(config, args.host, args.port, args.api_key, args.prompt, params,
                  args.served_model_name or model,
                  announce=lambda url: _announce("serving ")(f"{url}v1 ({where.format(url=url)})"))

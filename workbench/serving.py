@@ -1,5 +1,5 @@
 """`workbench serve`: the OpenAI-compatible server of one engine and, on the same port, the live dashboard of that
-engine at /dashboard.
+engine at /dashboard (with data_parallel_size > 1, of the data-parallel front end: routing and each replica's load).
 
 Same port, same process: Panel's FastAPI integration (bokeh-fastapi) mounts the Bokeh application on the FastAPI
 app, so the dashboard's sessions and the API run on uvicorn's one event loop and the views subscribe to the very
@@ -28,7 +28,8 @@ def build_serving_app(config: EngineConfig, model_name: str | None = None, api_k
                       port: int = 8000) -> tuple[FastAPI, AsyncLLM]:
     """The API and the dashboard over one new engine. With `prompts`, they are queued first and the loop starts
     paused: they wait for Step or Play (HTTP requests queue behind them meanwhile). With data_parallel_size > 1,
-    the API alone over the replicas (the dashboard follows one engine); `prompts` are refused there."""
+    the dashboard follows the data-parallel front end (its records: routing, each replica's load, the requests'
+    tokens; no Step, Play or Pause, which need one engine's loop), and `prompts` are refused."""
     if prompts and config.data_parallel_size > 1:
         raise ValueError(f"prompt: queued prompts wait for the dashboard's Step, which data_parallel_size="
                          f"{config.data_parallel_size} has not")
@@ -36,8 +37,7 @@ def build_serving_app(config: EngineConfig, model_name: str | None = None, api_k
     app = build_app(llm, model_name or config.model, api_key)  # its metrics follow every step from the first
     for prompt in prompts:
         llm.add_request(prompt, params)
-    if config.data_parallel_size == 1:
-        mount_dashboard(app, llm, port)
+    mount_dashboard(app, llm, port)
     return app, llm
 
 

@@ -34,8 +34,8 @@ def _package_version() -> str | None:
 
 def trace_header(engine: "LLMEngine") -> dict[str, Any]:
     """The header line of a trace of `engine`: schema version, config, model (name and folder), creation time,
-    and the engine's state when the trace begins (a replay starts from it: a trace may begin mid-run). A data-
-    parallel front end (DPLBClient) has no state of its own to snapshot: its trace starts from nothing."""
+    and the engine's state when the trace begins (a replay starts from it: a trace may begin mid-run); a data-
+    parallel front end's (DPLBClient) holds its requests and the replicas' summed KV usage, no blocks."""
     snapshot = getattr(engine, "snapshot", None)
     return {
         "schema_version": SCHEMA_VERSION,

@@ -22,8 +22,9 @@ Every decision is a `dp.routed` event and every replica death a `dp.replica_dead
 
 Under AsyncLLM (the server), the front end is driven as an LLMEngine is (vLLM's AsyncLLM over its DP client):
 `add_request` (which waits until the replica took the request, so that a refusal raises here), `step()`, `get_output`
-/ `pop_output`, `abort`, `subscribe`. Each `step()` that saw anything is the front end's own StepRecord
-(`front_end_records()`, and to subscribers: the server's metrics, a trace): request.added / request.tokens /
+/ `pop_output`, `abort`, `subscribe`, `snapshot()` (what a dashboard attached mid-run starts from). Each `step()`
+that saw anything is the front end's own StepRecord (`front_end_records()`, and to subscribers: the server's
+metrics, the dashboard, a trace): request.added / request.tokens /
 request.finished of its requests, its dp.routed and dp.replica_dead events, and a dp.load per replica whose load
 changed (waiting, running, KV blocks), with the replicas' sums as the record's queue counts and KV usage.
 
@@ -44,8 +45,8 @@ from typing import Callable
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_hex, sha256_hash
 from engine.entrypoints.engine_procs import EngineProcs, Instance, Prompt, TokenDelta, _Route
-from engine.events import (DPLoad, DPReplicaDead, DPRouted, Event, KVUsage, RequestAdded, RequestFinished,
-                           RequestTokens, StepRecord)
+from engine.events import (DPLoad, DPReplicaDead, DPRouted, EngineSnapshot, Event, KVUsage, RequestAdded,
+                           RequestFinished, RequestSnapshot, RequestTokens, StepRecord)
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -288,6 +289,38 @@ class DPLBClient(EngineProcs):
             callback(record)
         return record
 
+    def snapshot(self) -> EngineSnapshot:
+        """The front end between two `step()`s, as a dashboard attached now must draw it: its last record's number,
+        the live replicas' summed KV usage and every request it still knows (in flight: running once it streamed a
+        token, else waiting; finished ones until their output is taken), except those whose request.added is still
+        to be recorded (the next record adds them). No blocks: each replica has its own cache, which the front end
+        does not see block by block."""
+        requests = []
+        unrecorded = {e.request_id for e in self._pending if e.kind == "request.added"}
+        for rid, route in self._routes.items():
+            if rid in unrecorded:
+                continue
+            status = "RUNNING" if route.token_ids else "WAITING"
+            requests.append(self._request_snapshot(rid, route.prompt, route.params, route.priority, route.arrival_ns,
+                                                   status, route.token_ids, route.text, None, None))
+        for rid, out in self._outputs.items():
+            if rid in unrecorded:
+                continue
+            requests.append(self._request_snapshot(rid, out.prompt_token_ids, None, 0, 0, "FINISHED",
+                                                   out.token_ids, out.text, out.finish_reason, out.error))
+        return EngineSnapshot(step=self.step_count, kv=self.stats()["kv"], requests=requests, blocks=[])
+
+    def _request_snapshot(self, rid: str, prompt, params: SamplingParams | None, priority: int, arrival_ns: int,
+                          status: str, token_ids: list[int], text: str, finish_reason: str | None,
+                          error: str | None) -> RequestSnapshot:
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        shown = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids[:200])
+        max_tokens = params.max_tokens if params is not None else len(token_ids)
+        return RequestSnapshot(request_id=rid, prompt=shown[:200], num_prompt_tokens=len(ids), max_tokens=max_tokens,
+                               priority=priority, arrival_ns=arrival_ns, status=status,
+                               num_output_tokens=len(token_ids), num_cached_tokens=0, num_preemptions=0, text=text,
+                               finish_reason=finish_reason, error=error, block_ids=[])
+
     def front_end_records(self) -> list[StepRecord]:
         """The front end's own StepRecords so far (its last `max_records`), in order: what a trace of it holds."""
         return list(self._front)
@@ -332,3 +365,4 @@ class DPLBClient(EngineProcs):
         """Stop every replica (politely, then by force); requests in flight are dropped. Idempotent."""
         super().close()
         self._cached.clear()
+

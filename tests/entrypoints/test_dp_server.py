@@ -181,7 +181,8 @@ def test_workbench_serve_with_data_parallelism_leaves_no_process(tiny_model_path
         expected = offline.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
         reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
         assert reply.choices[0].text == expected.text
-        assert httpx.get(f"http://127.0.0.1:{port}/dashboard").status_code == 404  # the dashboard follows one engine
+        page = httpx.get(f"http://127.0.0.1:{port}/dashboard")  # the front end's dashboard
+        assert page.status_code == 200 and "Bokeh" in page.text
         server.send_signal(signal.SIGTERM)
         server.wait(60)
         gone, alive = psutil.wait_procs(replicas, timeout=30)

@@ -105,7 +105,8 @@ def test_workbench_run_with_data_parallelism_traces_the_front_end(tmp_path, caps
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert [json.loads(line.split(": ", 1)[1]) for line in lines] == [o.text for o in expected]
     trace = read_trace(trace_path)
-    assert trace.header["config"]["data_parallel_size"] == 2 and trace.snapshot is None
+    assert trace.header["config"]["data_parallel_size"] == 2
+    assert trace.snapshot.step == 0 and trace.snapshot.requests == [] and trace.snapshot.blocks == []  # added next
     events = [e for r in trace.records for e in r.events]
     routed = [e for e in events if e.kind == "dp.routed"]
     assert sorted(e.request_id for e in routed) == sorted(e.request_id for e in events if e.kind == "request.added")
@@ -120,3 +121,8 @@ def test_workbench_run_with_data_parallelism_traces_the_front_end(tmp_path, caps
     replay.layout.get_root(Document())
     drawn = replay.dashboard.parallel.dp.routes.source.data
     assert list(zip(drawn["request_id"], drawn["replica"])) == [(e.request_id, e.replica) for e in routed]
+    board = replay.dashboard  # the views of one engine's steps or blocks say they are per replica
+    assert board.data_parallel_size == 2 and board.notices[board.kv_blocks].visible
+    assert not board.kv_blocks.panel.visible and "per replica" in board.notices[board.timeline].object
+    replay.slider.value = 1  # redrawn from the first record: still a data-parallel trace
+    assert board.notices[board.kv_blocks].visible and not board.kv_blocks.panel.visible

@@ -3,6 +3,7 @@ exactly one step of the serving loop, Pause holds it, Play releases it, Reset is
 following), and the app: `/` leads to `/dashboard`, which Panel serves on the API's port; `--prompt` starts paused."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -61,3 +62,44 @@ def test_root_leads_to_the_dashboard_on_the_same_port(served_app):
         page = client.get("/dashboard")
         assert page.status_code == 200 and "Bokeh" in page.text and "<title>Inference Workbench</title>" in page.text
         assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_the_dashboard_follows_a_data_parallel_front_end_live(tiny_model_path):
+    """`workbench serve --data-parallel-size 2`: the dashboard follows the front end's records as requests arrive:
+    the Parallelism tab's DP section fills with each replica's load and every routing decision, the requests table
+    with the requests; the views of one engine's steps or blocks say they are per replica; Step / Play are off."""
+    from workbench.app import Workbench
+    from workbench.serving import build_serving_app
+    from workbench.views.dashboard import PER_REPLICA
+
+    app, llm = build_serving_app(EngineConfig(model="tiny-llama", num_kv_blocks=64, data_parallel_size=2), "tiny")
+    pids = list(llm.engine.pids().values())
+    try:
+        bench = Workbench(llm.engine, serving=llm)
+        bench.layout.get_root(Document())
+        board = bench.dashboard
+        assert board.data_parallel_size == 2 and not board.parallel.dp.panel.visible  # nothing routed yet
+        for view in board.per_replica:
+            notice = board.notices[view]
+            assert notice.visible and not view.panel.visible
+            assert notice.object == PER_REPLICA.format(title=view.title, n=2)
+        assert "per replica, not available with data parallelism" in board.notices[board.kv_blocks].object
+        assert bench.step_button.disabled and bench.play_button.disabled and bench.pause_button.disabled
+        assert "Data parallelism: 2 replicas" in bench.message.object and "data parallel: 2" in bench.title.object
+        rids = [llm.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+                for p in ("The capital of France is", "Once upon a time", "Hello there")]
+        assert llm.wait_until_idle(60)
+        deadline = time.monotonic() + 10
+        while len(board.parallel.dp.routes.source.data["request_id"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the last record is drawn on the loop's thread right after the step
+        routes = board.parallel.dp.routes.source.data
+        assert list(routes["request_id"]) == rids and set(routes["replica"]) == {"dp-0", "dp-1"}
+        assert board.parallel.dp.panel.visible
+        loads = board.parallel.dp.loads.source.data
+        assert {"dp-0", "dp-1"} <= set(loads["replica"])
+        assert set(board.state.requests) == set(rids)
+        assert all(board.state.requests[r].num_output_tokens == 4 for r in rids)
+        bench.close()
+    finally:
+        llm.shutdown()
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]

@@ -20,9 +20,18 @@ from workbench.views.spec import SpecDecodeView
 from workbench.views.timeline import SchedulerTimeline
 
 
+PER_REPLICA = ("**{title}: per replica, not available with data parallelism.** This dashboard follows the "
+               "data-parallel front end of {n} replicas; each replica is a whole engine with its own scheduler and KV "
+               "cache, and the front end sees the routing, each replica's load and the requests' tokens, not a "
+               "replica's steps or blocks. The Parallelism tab shows each replica's waiting and running requests and "
+               "every routing decision; the Requests table and the Metrics tab cover all replicas.")
+
+
 class Dashboard:
     """Owns one EngineState and every view drawn from it; feeds them records and lays them out as tabs (the
-    Experts tab joins them at the first routed step of a mixture-of-experts model, and leaves at a reset)."""
+    Experts tab joins them at the first routed step of a mixture-of-experts model, and leaves at a reset). Drawing
+    a data-parallel front end's records (`data_parallel_size` > 1 at `reset`), the views that need one engine's
+    steps or blocks (`per_replica`) say so in place of their content."""
 
     def __init__(self, budget: int | None = None, num_blocks: int | None = None) -> None:
         self.state = EngineState()
@@ -39,6 +48,13 @@ class Dashboard:
         self.views: list[View] = [self.timeline, self.kv_blocks, self.prefix, self.requests, self.metrics,
                                   self.grammar, self.spec, self.kv_transfer, self.moe, self.parallel]
         self._tab_sets: list[pn.Tabs] = []  # every layout tabs() built: each gains the Experts tab
+        # what a data-parallel front end's records cannot fill: each replica's scheduler steps, blocks, prefix
+        # lookups, grammar masks, drafts, transfers
+        self.per_replica: list[View] = [self.timeline, self.kv_blocks, self.prefix, self.grammar, self.spec,
+                                        self.kv_transfer]
+        self.notices = {view: pn.pane.Alert("", alert_type="warning", visible=False, sizing_mode="stretch_width")
+                        for view in self.per_replica}
+        self.data_parallel_size = 1
         self.requests.table.param.watch(self._select_request, "selection")
 
     def _select_request(self, event) -> None:
@@ -70,9 +86,11 @@ class Dashboard:
         self.extend([record])
 
     def reset(self, budget: int | None = None, num_blocks: int | None = None,
-              snapshot: EngineSnapshot | None = None) -> None:
+              snapshot: EngineSnapshot | None = None, data_parallel_size: int = 1) -> None:
         """Back to no step, or to an engine's `snapshot` (a view attached mid-run); `budget` and `num_blocks`
-        describe the engine drawn from now on (a snapshot knows its number of blocks)."""
+        describe the engine drawn from now on (a snapshot knows its number of blocks); `data_parallel_size` > 1:
+        it is a data-parallel front end (the per-replica views say they are not available)."""
+        self.show_data_parallel(data_parallel_size)
         if snapshot is None:
             self.state.clear()
         else:
@@ -86,14 +104,27 @@ class Dashboard:
         self.kv_blocks.show_blocks(num_blocks)
         self._show_moe(False)
 
+    def show_data_parallel(self, data_parallel_size: int) -> None:
+        """Draw a data-parallel front end (`data_parallel_size` > 1: each per-replica view gives way to its notice)
+        or one engine (1: the views themselves)."""
+        self.data_parallel_size = data_parallel_size
+        dp = data_parallel_size > 1
+        for view, notice in self.notices.items():
+            notice.object = PER_REPLICA.format(title=view.title or type(view).__name__, n=data_parallel_size)
+            notice.visible, view.panel.visible = dp, not dp
+
+    def _held(self, view: View) -> pn.Column:
+        """A per-replica view with its notice above it (one of the two is visible)."""
+        return pn.Column(self.notices[view], view.panel, sizing_mode="stretch_width")
+
     def tabs(self) -> pn.Tabs:
         overview = pn.Column(
-            pn.Row(pn.Column(self.timeline, sizing_mode="stretch_width"),
-                   pn.Column(self.kv_blocks, sizing_mode="stretch_width"), sizing_mode="stretch_width"),
+            pn.Row(self._held(self.timeline), self._held(self.kv_blocks), sizing_mode="stretch_width"),
             self.requests, sizing_mode="stretch_width")
-        tabs = pn.Tabs(("Overview", overview), (self.prefix.title, self.prefix), (self.metrics.title, self.metrics),
-                       (self.grammar.title, self.grammar), (self.spec.title, self.spec),
-                       (self.kv_transfer.title, self.kv_transfer), (self.parallel.title, self.parallel),
+        tabs = pn.Tabs(("Overview", overview), (self.prefix.title, self._held(self.prefix)),
+                       (self.metrics.title, self.metrics), (self.grammar.title, self._held(self.grammar)),
+                       (self.spec.title, self._held(self.spec)),
+                       (self.kv_transfer.title, self._held(self.kv_transfer)), (self.parallel.title, self.parallel),
                        sizing_mode="stretch_width")
         self._tab_sets.append(tabs)
         if not self.moe.empty.is_empty:

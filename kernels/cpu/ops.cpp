@@ -228,14 +228,66 @@ inline void block_values(const float* p, const C* vb, int64_t stride, int64_t n,
   }
 }
 
+// The same for R rows at once (the query heads of a GQA group read the same values): each 16-column slice of V is
+// loaded once for all R rows, whose accumulators stay in registers across the block; p holds row r's weights at
+// p + r * p_stride. Per key that is R broadcasts and 2 loads for 2R FMAs, against 2R loads one row at a time.
+template <typename C, int R>
+inline void block_values_rows(const float* p, int64_t p_stride, const C* vb, int64_t stride, int64_t n, int64_t D,
+                              const float* corr, float* acc) {
+  for (int64_t d = 0; d < D; d += 16) {
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) {
+      const __m256 c = _mm256_set1_ps(corr[r]);
+      a0[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), c);
+      a1[r] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d + 8), c);
+    }
+    for (int64_t u = 0; u < n; ++u) {
+      const __m256 v0 = load8(vb + u * stride + d), v1 = load8(vb + u * stride + d + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pu = _mm256_set1_ps(p[r * p_stride + u]);
+        a0[r] = _mm256_fmadd_ps(pu, v0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(pu, v1, a1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * D + d, a0[r]);
+      _mm256_storeu_ps(acc + r * D + d + 8, a1[r]);
+    }
+  }
+}
+
+// Rows in groups of at most 4 (8 accumulators and the two V slices fit AVX2's 16 registers), as even as possible:
+// 6 rows (2 tokens of a 3-head group) as 3 + 3, not 4 + 2. D not a multiple of 16: a row at a time.
+template <typename C>
+inline void block_values_all(const float* p, int64_t p_stride, int rows, const C* vb, int64_t stride, int64_t n,
+                             int64_t D, const float* corr, float* acc) {
+  if (D % 16 != 0) {
+    for (int r = 0; r < rows; ++r) block_values(p + r * p_stride, vb, stride, n, D, corr[r], acc + r * D);
+    return;
+  }
+  const int groups = (rows + 3) / 4;
+  for (int g = 0, r0 = 0; g < groups; ++g) {
+    const int r1 = rows * (g + 1) / groups;
+    const float* pg = p + r0 * p_stride;
+    float* ag = acc + r0 * D;
+    switch (r1 - r0) {
+      case 1: block_values_rows<C, 1>(pg, p_stride, vb, stride, n, D, corr + r0, ag); break;
+      case 2: block_values_rows<C, 2>(pg, p_stride, vb, stride, n, D, corr + r0, ag); break;
+      case 3: block_values_rows<C, 3>(pg, p_stride, vb, stride, n, D, corr + r0, ag); break;
+      default: block_values_rows<C, 4>(pg, p_stride, vb, stride, n, D, corr + r0, ag); break;
+    }
+    r0 = r1;
+  }
+}
+
 template <typename C>
 void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limits, const C* k_cache,
                  const C* v_cache, const int32_t* table, int64_t block_size, int64_t token_stride,
                  int64_t block_stride, int64_t D, float scale, float* out, int64_t out_stride) {
-  float m[ROWS], l[ROWS];
+  float m[ROWS], l[ROWS], corr[ROWS];
   thread_local std::vector<float> acc, p;  // per thread, grown once: no allocation per task
   acc.assign(static_cast<size_t>(rows) * D, 0.f);
-  p.resize(static_cast<size_t>(block_size));  // one row's scores at a time
+  p.resize(static_cast<size_t>(rows) * block_size);  // every row's weights of one block
   for (int r = 0; r < rows; ++r) { m[r] = -std::numeric_limits<float>::infinity(); l[r] = 0.f; }
   int64_t end = 0;
   for (int r = 0; r < rows; ++r) end = std::max(end, limits[r]);
@@ -255,15 +307,19 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
           _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + u * token_stride) + b, _MM_HINT_T0);
         }
     }
+    int64_t n_any = 0;  // keys any row sees in the block: the values read for all rows
     for (int r = 0; r < rows; ++r) {
-      const int64_t visible = std::min(n_tok, limits[r] - start);  // keys this row sees in the block
-      if (visible <= 0) continue;
-      float* pr = p.data();
+      const int64_t visible = std::max<int64_t>(0, std::min(n_tok, limits[r] - start));  // keys this row sees
+      float* pr = p.data() + r * block_size;
+      n_any = std::max(n_any, visible);
+      std::fill(pr + visible, pr + n_tok, 0.f);  // keys past the row's causal limit weigh nothing
+      corr[r] = 1.f;
+      if (visible == 0) continue;
       block_scores(q + r * q_stride, kb, token_stride, visible, D, scale, pr);
       float bmax = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < visible; ++t) bmax = std::max(bmax, pr[t]);
       const float new_m = std::max(m[r], bmax);
-      const float corr = std::exp(m[r] - new_m);  // 0 on the first block (m = -inf)
+      corr[r] = std::exp(m[r] - new_m);  // 0 on the first block (m = -inf)
       int64_t t = 0;
       const __m256 mv = _mm256_set1_ps(new_m);
       float sum = 0.f;
@@ -273,10 +329,10 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
         sum += hsum(e);
       }
       for (; t < visible; ++t) { pr[t] = std::exp(pr[t] - new_m); sum += pr[t]; }
-      block_values(pr, vb, token_stride, visible, D, corr, acc.data() + r * D);
-      l[r] = l[r] * corr + sum;
+      l[r] = l[r] * corr[r] + sum;
       m[r] = new_m;
     }
+    if (n_any > 0) block_values_all(p.data(), block_size, rows, vb, token_stride, n_any, D, corr, acc.data());
   }
   for (int r = 0; r < rows; ++r) {
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;

@@ -390,7 +390,9 @@ class EngineProcs:
         if not inst.conn.poll(self.start_timeout_s):
             raise TimeoutError(f"{inst.engine_id}: no engine after {self.start_timeout_s} s")
         try:
-            kind, detail = inst.conn.recv()
+            kind, detail = _recv_within(inst.conn, self.start_timeout_s)
+        except ReplyTimeout as exc:
+            raise TimeoutError(f"{inst.engine_id}: {exc}") from None
         except (OSError, EOFError):
             kind, detail = "error", f"the process is gone (exit code {inst.process.exitcode})"
         if kind != "ready":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from engine.events import DPRouted, KVUsage, PrefixLookup, RequestPreempted, StepRecord
 from workbench.bench import dp_routing
 from workbench.cli import main
@@ -37,6 +39,7 @@ def test_counts_take_each_requests_first_lookup_and_every_preemption() -> None:
                                                           "requests_per_replica": [2, 1]}
 
 
+@pytest.mark.slow
 def test_reduced_run_through_the_cli_counts_every_request_and_prefix_routing_hits_no_less(tmp_path, capsys):
     docs = tmp_path / "BENCHMARKS.md"
     docs.write_text("# Benchmarks\n\n<!-- bench:dp_routing:start -->\nTHE OLD SECTION\n"

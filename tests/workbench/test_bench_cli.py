@@ -92,6 +92,30 @@ def test_the_cli_imports_a_benchmark_only_when_its_subcommand_is_parsed() -> Non
     assert out.returncode == 0, out.stderr
 
 
+def test_docs_section_keeps_a_second_setting_beside_the_first(tmp_path, monkeypatch) -> None:
+    """--docs-section NAME writes that section and keeps the result under that name; the benchmark's own section
+    (written before, by default) stays as it was."""
+    import json
+    import types
+
+    fake = types.ModuleType("workbench.bench.fakebench")
+    fake.main = lambda args: {"rate": args.rate}
+    fake.format_text = lambda result: f"rate {result['rate']}"
+    fake.format_markdown = lambda result, command: f"rate {result['rate']} ({command})"
+    monkeypatch.setitem(sys.modules, "workbench.bench.fakebench", fake)
+    docs = tmp_path / "BENCHMARKS.md"
+    for rate, section in (("1", None), ("inf", "fakebench-saturated")):
+        args = argparse.Namespace(bench="fakebench", rate=rate, write_docs=True, docs_path=str(docs),
+                                  docs_section=section)
+        cli.run_bench(args, f"workbench bench fakebench --rate {rate}", out=lambda _: None)
+    text = docs.read_text()
+    assert "<!-- bench:fakebench:start -->\nrate 1 (workbench bench fakebench --rate 1)\n<!-- bench:fakebench:end -->" in text
+    assert ("<!-- bench:fakebench-saturated:start -->\nrate inf (workbench bench fakebench --rate inf)\n"
+            "<!-- bench:fakebench-saturated:end -->") in text
+    kept = {p.name: json.loads(p.read_text())["result"] for p in (tmp_path / "bench").iterdir()}
+    assert kept == {"fakebench.json": {"rate": "1"}, "fakebench-saturated.json": {"rate": "inf"}}
+
+
 def test_run_with_flags_passes_flags_named_as_parameters() -> None:
     def run_x(model: str, seed: int, num_requests: int, batch_size: int, engine_kwargs: dict, log) -> dict:
         return {"model": model, "seed": seed, "num_requests": num_requests, "batch_size": batch_size,

@@ -39,9 +39,12 @@ def positive_float(text: str) -> float:
 
 def add_docs_args(parser: argparse.ArgumentParser, write_help: str = "rewrite this benchmark's section of the docs",
                   path_help: str = "the docs file (default: %(default)s)") -> None:
-    """--write-docs and --docs-path."""
+    """--write-docs, --docs-path and --docs-section."""
     parser.add_argument("--write-docs", action="store_true", help=write_help)
     parser.add_argument("--docs-path", default=str(DEFAULT_DOCS_PATH), help=path_help)
+    parser.add_argument("--docs-section", default=None, metavar="NAME",
+                        help="the docs section (and kept result) to write, default the benchmark's name: one "
+                        "benchmark keeps several settings side by side (serve at 1 req/s and at saturation, say)")
 
 
 def add_common_args(parser: argparse.ArgumentParser, runs: bool = True, budget: bool = True) -> None:

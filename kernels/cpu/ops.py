@@ -1,17 +1,23 @@
 """The C++ CPU ops with the signatures of ``kernels.reference``, each falling back to the reference for what it
-does not cover (more than SMALL_M rows of input, float16 or bfloat16 activations, groups of more than 8 query heads
-per kv head)."""
+does not cover (a linear of more rows than QUANT_SMALL_M with bfloat16 or int8 weights, float16 or bfloat16
+activations, groups of more than 8 query heads per kv head); a float32 linear of more rows than SMALL_M is oneDNN's."""
 from __future__ import annotations
 
 import torch
 
 from kernels import reference
+from kernels.cpu.build import cpu_flags
 
-# Rows of input up to which a linear layer streams its weights once through our op (above: a GEMM). The op takes any
-# number of rows (tiles of 8 over weight rows held in L1); against oneDNN over smollm2's 120 layer linears (1 thread,
-# CPU time, same process, alternating, at load 10) it took 62 / 74 / 99 / 145 / 169 ms at 9 / 12 / 16 / 24 / 32
-# rows where oneDNN took 105 / 105 / 131 / 151 / 165: a clear win to 16 rows, a tie from 24.
-SMALL_M = 16
+# Rows of input up to which a float32 linear streams its weights once through our op (above: oneDNN's GEMM). The op
+# takes any number of rows (tiles of 8 over weight rows held in L1), 8 floats wide (AVX2); where the CPU has AVX-512,
+# oneDNN's kernels are twice as wide and the crossover comes earlier. Over smollm2's 120 layer linears, same process,
+# alternating: on an AVX2-only EPYC (1 thread, CPU time, at load 10) ours took 62 / 74 / 99 / 145 / 169 ms at
+# 9 / 12 / 16 / 24 / 32 rows where oneDNN took 105 / 105 / 131 / 151 / 165; on an AVX-512 EPYC (2 threads, other work
+# paused) 8.8 / 13.4 / 18.7 / 19.3 / 23.2 ms at 1 / 8 / 11 / 12 / 16 rows against 14.0 / 17.3 / 18.8 / 18.9 / 20.4.
+SMALL_M = 11 if "avx512f" in cpu_flags().split() else 16
+# bfloat16 and int8 weights have no GEMM of their own (the reference converts the whole weight on every call): our op
+# takes them up to here on any CPU.
+QUANT_SMALL_M = 16
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # Above SMALL_M rows a float32 linear is a GEMM, on oneDNN with the weight as is: over a 3072x576 layer it ran 1.5-2x
 # torch's default (MKL) at 16 and 64 rows and level at 256 (same process, alternating, on a loaded machine); the
@@ -22,7 +28,8 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 def linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    if x.dtype == torch.float32 and x.shape[0] <= SMALL_M and weight.dtype in _WEIGHT_DTYPES:
+    small = SMALL_M if weight.dtype == torch.float32 else QUANT_SMALL_M
+    if x.dtype == torch.float32 and x.shape[0] <= small and weight.dtype in _WEIGHT_DTYPES:
         return torch.ops.workbench_cpu.linear_small_m(x, weight, scale, bias)
     if _ONEDNN and x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and scale is None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")

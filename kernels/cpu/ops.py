@@ -1,6 +1,6 @@
 """The C++ CPU ops with the signatures of ``kernels.reference``, each falling back to the reference for what it
-does not cover (a linear of more rows than QUANT_SMALL_M with bfloat16 or int8 weights, float16 or bfloat16
-activations, groups of more than 8 query heads per kv head); a float32 linear of more rows than SMALL_M is oneDNN's."""
+does not cover (a linear of more rows than ROW_LIMITS gives its weight's dtype, float16 or bfloat16 activations,
+groups of more than 8 query heads per kv head); a float32 linear of more rows than SMALL_M is oneDNN's."""
 from __future__ import annotations
 
 import torch
@@ -15,10 +15,11 @@ from kernels.cpu.build import cpu_flags
 # 9 / 12 / 16 / 24 / 32 rows where oneDNN took 105 / 105 / 131 / 151 / 165; on an AVX-512 EPYC (2 threads, other work
 # paused) 8.8 / 13.4 / 18.7 / 19.3 / 23.2 ms at 1 / 8 / 11 / 12 / 16 rows against 14.0 / 17.3 / 18.8 / 18.9 / 20.4.
 SMALL_M = 11 if "avx512f" in cpu_flags().split() else 16
-# bfloat16 and int8 weights have no GEMM of their own (the reference converts the whole weight on every call): our op
-# takes them up to here on any CPU.
-QUANT_SMALL_M = 16
-_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+# bfloat16 and int8 weights have no GEMM of their own: the reference converts the whole weight to float32 on every
+# call. Against it (same machine and method, 2 threads, paused: 120 linears) our op took 18 / 38 / 70 / 275 / 577 ms
+# at 16 / 32 / 64 / 256 / 512 rows with bf16 weights where the reference took 33 / 48 / 117 / 307 / 532, and with
+# int8 17 / 65 / 270 / 533 ms at 16 / 64 / 256 / 512 where it took 158 / 212 / 363 / 652: our op up to these rows.
+ROW_LIMITS = {torch.float32: SMALL_M, torch.bfloat16: 256, torch.int8: 1 << 62}
 # Above SMALL_M rows a float32 linear is a GEMM, on oneDNN with the weight as is: over a 3072x576 layer it ran 1.5-2x
 # torch's default (MKL) at 16 and 64 rows and level at 256 (same process, alternating, on a loaded machine); the
 # roofline benchmark reports both rates at 2048^3.
@@ -28,8 +29,7 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 def linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    small = SMALL_M if weight.dtype == torch.float32 else QUANT_SMALL_M
-    if x.dtype == torch.float32 and x.shape[0] <= small and weight.dtype in _WEIGHT_DTYPES:
+    if x.dtype == torch.float32 and x.shape[0] <= ROW_LIMITS.get(weight.dtype, -1):
         return torch.ops.workbench_cpu.linear_small_m(x, weight, scale, bias)
     if _ONEDNN and x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and scale is None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")

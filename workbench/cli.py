@@ -183,12 +183,16 @@ def _add_train_draft(commands: Any) -> None:
     p.add_argument("--out", help="the head folder to write (default: the cache's draft_heads/MODEL/METHOD)")
     for flag, kind, default, what in (
             ("--num-prompts", positive_int, None, "the first N bundled prompts (default: all)"),
-            ("--max-tokens", positive_int, 128, "answer length"), ("--epochs", positive_int, 4, "epochs"),
+            ("--max-tokens", positive_int, 128, "answer length"),
+            ("--temperature", float, 0.0, "the answers' temperature (0: greedy, as bench spec decodes)"),
+            ("--epochs", positive_int, 4, "epochs"),
             ("--batch-size", positive_int, 8, "sequences per step"), ("--lr", float, 2e-3, "peak learning rate"),
             ("--seed", int, 0, "seed of the answers and the training"),
             ("--draft-vocab-size", positive_int, 4096, "tokens the head may draft"),
             ("--intermediate-size", positive_int, 768, "EAGLE's MLP width"),
             ("--num-heads", positive_int, 4, "Medusa's heads"),
+            ("--unroll", positive_int, 3, "EAGLE draft steps unrolled in training, each reading the head's own state"),
+            ("--ce-weight", float, 0.1, "EAGLE's weight of the token cross-entropy beside feature regression"),
             ("--check-prompts", non_negative_int, 8, "held-out prompts run through the engine with the head (0: skip)")):
         p.add_argument(flag, type=kind, default=default, help=f"{what} (default: %(default)s)")
 

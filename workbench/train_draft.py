@@ -1,15 +1,18 @@
 """`workbench train-draft`: an EAGLE or Medusa head for a target model, self-distilled on a CPU, no outside data.
 
 1. The target writes the data: it answers a bundled, varied prompt set (topics x kinds of request, through its
-   chat template) at temperature 0.8, seeded.
+   chat template), greedily by default (the spec benchmark decodes greedily: the head learns the distribution it
+   will see; `temperature` samples, seeded). The answers are kept in the cache and reused by later runs.
 2. The engine's own model reads each answer once more and gives its final hidden state at every position (exactly
-   what the runner hands a proposer) and, through its LM head, its next-token distribution there.
+   what the runner hands a proposer) and its greedy next token there, both kept beside the answers.
 3. The draft vocabulary is the tokens the target wrote most (the head reads out only those rows of the LM head).
 4. Training, with a progress bar. EAGLE: the head reads (h_t, x_{t+1}) and learns h_{t+1} (smooth L1) and the
-   target's next-token distribution read from its prediction (cross-entropy, weight 0.1, as EAGLE's paper). Medusa:
-   head i reads h_t and learns the target's distribution at t+1+i, i.e. of token x_{t+2+i} (weights 0.8^i).
-   After each epoch, the held-out acceptance estimate: how often the first draft (argmax) equals the target's
-   greedy token on held-out prompts' answers, the features being the target's own.
+   target's next-token distribution read from its prediction (cross-entropy, weight 0.1, as EAGLE's paper),
+   unrolled over `unroll` draft steps as drafting chains it (EAGLE-3's training-time test): step j reads step
+   j-1's predicted state and the next token, attending as the paged cache would. Medusa: head i reads h_t and
+   learns the target's distribution at t+1+i, i.e. of token x_{t+2+i} (weights 0.8^i).
+   After each epoch, the held-out acceptance estimate per draft position: how often the draft (argmax) equals the
+   target's greedy token on held-out prompts' answers, the features being the target's own.
 5. The head folder (fp16 safetensors, config, manifest with the command, seed, data, steps, loss and held-out
    acceptance), then the acceptance the engine really gets with it on held-out prompts (greedy).
 """
@@ -35,7 +38,7 @@ from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.loader import resolve_model
 from engine.model.registry import load_model
 from engine.spec_decode.draft_heads import DRAFT_IDS, save_head, trained_heads_dir
-from engine.spec_decode.eagle import EagleHead, causal_attention
+from engine.spec_decode.eagle import EagleHead
 from engine.spec_decode.medusa import MedusaHeads
 
 METHODS = ("eagle", "medusa")
@@ -47,10 +50,18 @@ _TOPICS = ("the ocean", "volcanoes", "the Roman Empire", "photosynthesis", "jazz
            "the printing press", "dinosaurs", "a small bakery", "learning a language", "the internet", "gardening",
            "a robot", "the desert", "ancient Egypt", "football", "a dragon", "recycling", "the human heart",
            "a train journey", "winter", "saving money", "the solar system", "a detective", "bread", "birds",
-           "a haunted house", "Python programming", "sleep", "music lessons", "rivers", "a space station", "honesty")
+           "a haunted house", "Python programming", "sleep", "music lessons", "rivers", "a space station", "honesty",
+           "glaciers", "the Olympic Games", "vaccines", "a pirate ship", "chocolate", "earthquakes", "a village market",
+           "the Great Wall of China", "cooking pasta", "a lost dog", "wind energy", "the Renaissance", "kindness",
+           "a hospital nurse", "tornadoes", "the stock market", "a magic school", "rainforests", "bicycles",
+           "the Vikings", "a birthday party", "clouds", "running a marathon", "smartphones", "an old library",
+           "whales", "time management", "the Industrial Revolution", "a snowstorm", "painting", "a farmer",
+           "the immune system", "a city at night", "board games", "volunteering")
 _KINDS = ("Tell me about {}.", "Write a short story about {}.", "Explain {} to a child.",
           "Give me three interesting facts about {}.", "Write a short poem about {}.", "What is the history of {}?",
-          "Describe {} in a few sentences.", "What are the pros and cons of {}?")
+          "Describe {} in a few sentences.", "What are the pros and cons of {}?", "Why do people care about {}?",
+          "Write a letter to a friend about {}.", "What should a beginner know about {}?",
+          "Summarize what you know about {} in one paragraph.")
 
 
 def prompt_set() -> list[str]:
@@ -120,6 +131,18 @@ def target_features(model: str, sequences: list[tuple[list[int], int]],
             samples.append(Sample(toks, plen, h.clone(), g.clone()))
         i += len(group)
     return samples, net
+
+
+def cached_features(model: str, sequences: list[tuple[list[int], int]],
+                    path: Path) -> tuple[list[Sample], torch.nn.Module]:
+    """`target_features`, kept beside the cached answers they were read from: they cost minutes on smollm2, and a
+    second method's run (or another training setting) reads the same ones."""
+    if not path.is_file():
+        samples, net = target_features(model, sequences)
+        torch.save([(s.hidden, s.greedy) for s in samples], path)
+        return samples, net
+    net, _ = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
+    return [Sample(toks, plen, h, g) for (toks, plen), (h, g) in zip(sequences, torch.load(path))], net
 
 
 def draft_vocabulary(samples: list[Sample], size: int) -> tuple[torch.Tensor, float]:
@@ -195,50 +218,91 @@ def _batches(samples: list[Sample], batch_size: int, max_len: int, rng: random.R
         yield tokens, hidden, mask
 
 
+class UnrolledAttention:
+    """Owns the keys and values of the EAGLE draft steps unrolled so far, so that each step attends as drafting
+    does: step j's query at entry t sees step 0's entries up to t (the target-state entries drafting finds in its
+    cache) and steps 1..j's entries at t (what the chain itself wrote there), EAGLE-3's training-time test.
+    Step 0 alone is plain causal attention."""
+
+    def __init__(self, batch_size: int, seq_len: int, scale: float) -> None:
+        self.b, self.t, self.scale = batch_size, seq_len, scale
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.future = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def split(x: torch.Tensor) -> torch.Tensor:  # [B*T, heads, D] -> [B, heads, T, D]
+            return x.reshape(self.b, self.t, x.shape[1], x.shape[2]).transpose(1, 2)
+        group = q.shape[1] // k.shape[1]
+        q = split(q)
+        self.keys.append(split(k).repeat_interleave(group, dim=1))
+        self.values.append(split(v).repeat_interleave(group, dim=1))
+        causal = (q @ self.keys[0].transpose(-1, -2) * self.scale).masked_fill(self.future, float("-inf"))
+        own = [(q * key).sum(-1, keepdim=True) * self.scale for key in self.keys[1:]]
+        w = torch.cat([causal, *own], dim=-1).softmax(-1)
+        out = w[..., :self.t] @ self.values[0]
+        for j, value in enumerate(self.values[1:]):
+            out = out + w[..., self.t + j:self.t + j + 1] * value
+        return out.transpose(1, 2).reshape(self.b * self.t, -1, q.shape[-1])
+
+
 class Trainer:
     """Owns one head's training: the target's embedding and draft-vocabulary LM head rows (frozen), the loss of the
-    head's method, and its held-out acceptance estimate."""
+    head's method (EAGLE: `steps` draft steps unrolled, feature regression plus `ce_weight` x cross-entropy), and
+    its held-out acceptance estimate."""
 
     def __init__(self, head: torch.nn.Module, method: str, embed: torch.Tensor, lm_head: torch.Tensor,
-                 draft_ids: torch.Tensor) -> None:
+                 draft_ids: torch.Tensor, steps: int = 1, ce_weight: float = 0.1) -> None:
+        if steps < 1:
+            raise ValueError(f"unroll: must be at least 1, got {steps}")
+        if ce_weight < 0:
+            raise ValueError(f"ce_weight: must be at least 0, got {ce_weight}")
         self.head, self.method = head, method
         self.embed = embed
         self.readout = lm_head[draft_ids].float()  # [V_draft, H]
         self.draft_ids = draft_ids
+        self.steps, self.ce_weight = steps, ce_weight
 
-    def _eagle(self, tokens: torch.Tensor, hidden: torch.Tensor, noise: float) -> torch.Tensor:
-        """Predicted h_{t+1} from (h_t, x_{t+1}) for t < T-1: [B, T-1, H]."""
+    def _eagle(self, tokens: torch.Tensor, hidden: torch.Tensor, noise: float) -> list[torch.Tensor]:
+        """Predicted states of each unrolled draft step j, [B, T-1, H] each: entry t reads the step before's
+        prediction at t (step 0: the target's h_t) and token x_{t+1+j}, at position t+j, and should match
+        h_{t+1+j}. Entries past the sequence read token 0 and are masked out by the loss."""
         b, t = tokens.shape[0], tokens.shape[1] - 1
         h = hidden[:, :-1]
         if noise:  # EAGLE's feature noise: later draft steps read the head's own, imperfect states
             h = h + noise * torch.randn_like(h) * h.pow(2).mean(-1, keepdim=True).sqrt()
-        embeds = F.embedding(tokens[:, 1:], self.embed)
-        positions = torch.arange(t).repeat(b)
-        config = self.head.config
-        out = self.head(embeds.reshape(b * t, -1), h.reshape(b * t, -1), positions,
-                        causal_attention(b, t, config.head_dim ** -0.5))
-        return out.view(b, t, -1)
+        padded = F.pad(tokens, (0, self.steps - 1))
+        attend = UnrolledAttention(b, t, self.head.config.head_dim ** -0.5)
+        preds = []
+        for j in range(self.steps):
+            embeds = F.embedding(padded[:, 1 + j:1 + j + t], self.embed)
+            positions = (torch.arange(t) + j).repeat(b)
+            h = self.head(embeds.reshape(b * t, -1), h.reshape(b * t, -1), positions, attend).view(b, t, -1)
+            preds.append(h)
+        return preds
 
     def predictions(self, tokens: torch.Tensor, hidden: torch.Tensor, noise: float = 0.0) -> list[torch.Tensor]:
         """Per draft position i, the head's predicted states aligned so that entry t should match target's state
-        at t+1+i: EAGLE gives one (i=0); Medusa one per head."""
+        at t+1+i: EAGLE one per unrolled step; Medusa one per head."""
         if self.method == "eagle":
-            return [self._eagle(tokens, hidden, noise)]
+            return self._eagle(tokens, hidden, noise)
         return list(self.head(hidden.flatten(0, 1)).view(len(self.head.blocks), *hidden.shape))
 
     def loss(self, tokens: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, noise: float) -> torch.Tensor:
         total = torch.zeros(())
+        with torch.no_grad():  # the target's distribution at every position, once for all draft positions
+            target_probs = F.softmax(hidden[:, 1:] @ self.readout.T, dim=-1)
         for i, pred in enumerate(self.predictions(tokens, hidden, noise)):
             t = hidden.shape[1] - 1 - i  # positions whose target state t+1+i exists
             if t < 1:
                 break
             pred, want = pred[:, :t], hidden[:, 1 + i:1 + i + t]
             valid = mask[:, 1 + i:1 + i + t]
-            soft = F.softmax(want @ self.readout.T, dim=-1)
+            soft = target_probs[:, i:i + t]
             ce = -(soft * F.log_softmax(pred @ self.readout.T, dim=-1)).sum(-1)
             if self.method == "eagle":
                 reg = F.smooth_l1_loss(pred, want, reduction="none").mean(-1)
-                total = total + ((reg + 0.1 * ce) * valid).sum() / valid.sum()
+                total = total + ((reg + self.ce_weight * ce) * valid).sum() / valid.sum()
             else:
                 total = total + 0.8 ** i * (ce * valid).sum() / valid.sum()
         return total
@@ -326,10 +390,11 @@ def engine_acceptance(model: str, method: str, folder: Path, prompts: list[str],
 
 
 def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None, num_prompts: int | None = None,
-                max_tokens: int = 128, temperature: float = 0.8, epochs: int = 4, batch_size: int = 8,
+                max_tokens: int = 128, temperature: float = 0.0, epochs: int = 4, batch_size: int = 8,
                 max_len: int = 256, lr: float = 2e-3, seed: int = 0, draft_vocab_size: int = 4096,
                 intermediate_size: int = 768, num_heads: int = 4, k: int = 4, check_prompts: int = 8,
-                command: str = "", log: Callable[[str], None] = print, progress: bool = True) -> dict[str, Any]:
+                unroll: int = 3, ce_weight: float = 0.1, command: str = "", log: Callable[[str], None] = print,
+                progress: bool = True) -> dict[str, Any]:
     """Self-distil a head of `method` for `model` and write its folder (default: the cache's
     draft_heads/<model>/<method>); returns the manifest. `check_prompts` held-out prompts then run through the
     engine with the head (0: skip that check, which costs minutes on smollm2)."""
@@ -351,7 +416,7 @@ def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None
         cached.write_text(json.dumps(sequences))
     gen_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    samples, net = target_features(model, sequences)
+    samples, net = cached_features(model, sequences, cached.with_suffix(".pt"))
     feat_s = time.perf_counter() - t0
     train_set = [s for i, s in enumerate(samples) if i % 10 != 9]
     held_set = [s for i, s in enumerate(samples) if i % 10 == 9]
@@ -362,7 +427,7 @@ def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None
               else medusa_config(net.config, num_heads, len(draft_ids), model))
     head = new_head(config, seed)
     trainer = Trainer(head, method, net.model.embed_tokens.weight.detach().float(),
-                      net.lm_head.weight.detach().float(), draft_ids)
+                      net.lm_head.weight.detach().float(), draft_ids, unroll if method == "eagle" else 1, ce_weight)
     history = train(trainer, train_set, held_set or train_set[:4], epochs, batch_size, max_len, lr, seed, log=log,
                     progress=progress)
     folder = Path(out) if out else trained_heads_dir() / model / method
@@ -374,7 +439,8 @@ def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None
                  "source": "the target's own answers to workbench/train_draft.py's bundled prompt set"},
         "draft_vocab": {"size": len(draft_ids), "greedy_coverage": coverage},
         "training": {"epochs": epochs, "steps": history["steps"], "batch_size": batch_size, "max_len": max_len,
-                     "lr": lr, "final_loss": history["epochs"][-1]["loss"] if history["epochs"] else None},
+                     "lr": lr, **({"unroll": unroll, "ce_weight": ce_weight} if method == "eagle" else {}),
+                     "final_loss": history["epochs"][-1]["loss"] if history["epochs"] else None},
         "held_out_acceptance": {"untrained": history["untrained"], "per_epoch": history["epochs"]},
         "seconds": {"generate": gen_s, "features": feat_s, "train": history["train_seconds"]},
     }
@@ -395,7 +461,8 @@ def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None
 
 def main(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
     """`workbench train-draft` (its flags are in workbench/cli.py, which starts without torch)."""
-    return train_draft(args.method, args.model, args.out, args.num_prompts, args.max_tokens, epochs=args.epochs,
+    return train_draft(args.method, args.model, args.out, args.num_prompts, args.max_tokens, args.temperature,
+                       epochs=args.epochs, unroll=args.unroll, ce_weight=args.ce_weight,
                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, draft_vocab_size=args.draft_vocab_size,
                        intermediate_size=args.intermediate_size, num_heads=args.num_heads,
                        check_prompts=args.check_prompts, command=command)

@@ -205,6 +205,32 @@ def test_eagle_training_forward_equals_the_paged_forward() -> None:
     torch.testing.assert_close(torch.cat(rows), dense, atol=1e-4, rtol=1e-4)
 
 
+def test_unrolled_training_reads_the_heads_own_states_as_drafting_does() -> None:
+    """Training's unrolled step j at entry p must be drafting's step j from position p: the cache holding the
+    target-state entries before p and the chain's own entries, the state read being the head's last prediction."""
+    head = td.new_head(_config("eagle", 8), seed=1).requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    t, p = 10, 6
+    embed, tokens, hidden = torch.randn(32, 64, generator=gen), torch.randint(32, (t + 1,), generator=gen), \
+        torch.randn(t + 1, 64, generator=gen)
+    trainer = td.Trainer(head, "eagle", embed, torch.randn(32, 64, generator=gen), torch.arange(8), steps=3)
+    preds = trainer.predictions(tokens[None], hidden[None])
+    caches = [(torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16))]
+    request = DraftRequest("r", [0] * (t + 1), [2, 0, 3], 1, 0.0, None)
+
+    def step(pos: int, state: torch.Tensor) -> torch.Tensor:
+        attn = decode_metadata([request], [pos], 4, torch.device("cpu"))
+        return head(embed[tokens[pos + 1:pos + 2]], state, torch.tensor([pos]),
+                    paged_attention(attn, caches[0], head.config.head_dim ** -0.5))
+    with torch.inference_mode():
+        for pos in range(p):  # what mirror wrote: the target's states
+            step(pos, hidden[pos:pos + 1])
+        state = hidden[p:p + 1]
+        for j in range(3):  # the chain: each step reads the state the step before predicted
+            state = step(p + j, state)
+            torch.testing.assert_close(state[0], preds[j][0, p], atol=1e-4, rtol=1e-4)
+
+
 # ---- configs ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_k_below_one_is_refused(method) -> None:
@@ -246,6 +272,17 @@ def test_a_few_seconds_of_training_raise_acceptance(method) -> None:
     history = td.train(trainer, samples, samples, epochs=epochs, batch_size=8, max_len=256, lr=1e-2, seed=0,
                        log=lambda _: None, progress=False)
     assert history["epochs"][-1]["held_out_acceptance"][0] > history["untrained"][0] + gain
+
+
+def test_unrolled_training_raises_the_third_drafts_acceptance() -> None:
+    samples, net = _samples()
+    draft_ids, _ = td.draft_vocabulary(samples, 256)
+    trainer = td.Trainer(td.new_head(_config("eagle", len(draft_ids)), 0), "eagle",
+                         net.model.embed_tokens.weight.float(), net.lm_head.weight.float(), draft_ids, steps=3)
+    history = td.train(trainer, samples, samples, epochs=20, batch_size=8, max_len=256, lr=1e-2, seed=0,
+                       log=lambda _: None, progress=False)
+    assert len(history["untrained"]) == 3
+    assert history["epochs"][-1]["held_out_acceptance"][2] > history["untrained"][2] + 0.2
 
 
 def test_train_draft_command_writes_a_head_the_engine_loads(tmp_path, monkeypatch) -> None:

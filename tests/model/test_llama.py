@@ -14,7 +14,11 @@ from engine.model.registry import load_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
-ATOL = 1e-4
+# Two fp32 computations of the same logits (ours and transformers') each sit up to ~8e-5 from the float64 logits
+# (measured on the random families below, logits up to |17|: transformers' fp32 3.0e-5 to 5.6e-5, ours 1.8e-5 to
+# 8.2e-5 by schedule, with the linear's dot products 16 wide on an AVX-512 CPU), so they may disagree by their sum: on
+# mistral_head_dim_32's decode by 1.1e-4. A RoPE, masking or cache-layout bug moves logits by 1e-2 or more.
+ATOL = 2e-4
 RTOL = 1e-5
 CPU = torch.device("cpu")
 

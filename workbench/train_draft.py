@@ -7,7 +7,8 @@
    what the runner hands a proposer) and its greedy next token there, both kept beside the answers.
 3. The draft vocabulary is the tokens the target wrote most (the head reads out only those rows of the LM head).
 4. Training, with a progress bar. EAGLE: the head reads (h_t, x_{t+1}) and learns h_{t+1} (smooth L1) and the
-   target's next-token distribution read from its prediction (cross-entropy, weight 0.1, as EAGLE's paper),
+   target's next-token distribution read from its prediction (cross-entropy, weight `ce_weight`: 0.1 by
+   default, as EAGLE's paper),
    unrolled over `unroll` draft steps as drafting chains it (EAGLE-3's training-time test): step j reads step
    j-1's predicted state and the next token, attending as the paged cache would. Medusa: head i reads h_t and
    learns the target's distribution at t+1+i, i.e. of token x_{t+2+i} (weights 0.8^i).

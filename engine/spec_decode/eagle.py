@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
@@ -101,18 +100,6 @@ def paged_attention(attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch
         kernels.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
         return kernels.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
                                        scale)
-    return attend
-
-
-def causal_attention(batch_size: int, seq_len: int, scale: float) -> Attend:
-    """Causal attention within each of `batch_size` sequences of `seq_len` tokens laid end to end (training)."""
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.reshape(batch_size, seq_len, t.shape[1], t.shape[2]).transpose(1, 2)
-        group = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(split(q), split(k).repeat_interleave(group, dim=1),
-                                             split(v).repeat_interleave(group, dim=1), is_causal=True, scale=scale)
-        return out.transpose(1, 2).reshape(q.shape)
     return attend
 
 

@@ -18,7 +18,7 @@ from engine.model.loader import resolve_model
 from engine.model.registry import load_model
 from engine.spec_decode import draft_heads
 from engine.spec_decode.draft_heads import DRAFT_IDS, load_head, save_head
-from engine.spec_decode.eagle import EagleHead, EagleProposer, causal_attention, paged_attention
+from engine.spec_decode.eagle import EagleHead, EagleProposer, paged_attention
 from engine.spec_decode.proposer import DraftRequest, TargetModel, decode_metadata
 from kernels import reference
 from tests.reference import hf_greedy
@@ -187,13 +187,14 @@ def test_random_sampling_with_eagle_and_medusa_is_seeded(heads) -> None:
 
 # ---- the head's two attention paths agree --------------------------------------------------------------------------
 def test_eagle_training_forward_equals_the_paged_forward() -> None:
-    """Training reads whole sequences with causal attention, drafting a paged cache one step at a time: the
-    same function of the same weights, else a head would be trained for something it does not run."""
+    """Training reads whole sequences (the unrolled attention's first step: causal), drafting a paged cache one
+    step at a time: the same function of the same weights, else a head would be trained for something it does not
+    run."""
     head = td.new_head(_config("eagle", 8), seed=1).requires_grad_(False)
     gen = torch.Generator().manual_seed(0)
     t = 11
     embeds, hidden = torch.randn(t, 64, generator=gen), torch.randn(t, 64, generator=gen)
-    dense = head(embeds, hidden, torch.arange(t), causal_attention(1, t, head.config.head_dim ** -0.5))
+    dense = head(embeds, hidden, torch.arange(t), td.UnrolledAttention(1, t, head.config.head_dim ** -0.5))
     caches = [(torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16))]
     request = DraftRequest("r", [0] * (t + 1), [2, 0, 3], 1, 0.0, None)
     with torch.inference_mode():

@@ -49,6 +49,12 @@ def linear(
     return _impl("linear", x.device.type)(x, weight, scale, bias)
 
 
+def reads_bf16_weights(device: torch.device) -> bool:
+    """Whether ``linear`` on `device` reads bfloat16 weights beside float32 activations as they are (the C++ CPU
+    op: half the bytes of float32), rather than converting them on every call (the reference)."""
+    return device.type == "cpu" and _impl("linear", "cpu") is not reference.linear
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation of ``x`` ``[T, H]`` with a learned scale; see ``kernels.reference``."""
     return _impl("rms_norm", x.device.type)(x, weight, eps)

@@ -73,10 +73,16 @@ class RejectionSampler:
         if self.with_draft_probs:
             draft_probs = torch.cat([s.request.spec_draft_probs[:n] for s, n in zip(rows, counts)])
         dev, gens, default = logits.device, bonus_meta.generators, bonus_meta.default_generator
-        uniform = kernels.generate_uniform_probs(counts, gens, dev, default)
+        if all(s.request.sampling_params.greedy for s in rows):
+            # greedy rows read no noise (vLLM's all_greedy path): skip drawing a [B, V] race for nothing
+            uniform = torch.zeros(len(drafts), device=dev)
+            noise = torch.ones(len(rows), logits.shape[-1], device=dev)
+        else:
+            uniform = kernels.generate_uniform_probs(counts, gens, dev, default)
+            noise = kernels.generate_recovery_noise(counts, logits.shape[-1], gens, dev, default)
         out = kernels.rejection_sample(
             drafts, torch.tensor(counts, device=dev).cumsum(0), draft_probs, target_probs, bonus, is_greedy, uniform,
-            kernels.generate_recovery_noise(counts, logits.shape[-1], gens, dev, default), max(counts))
+            noise, max(counts))
         return self._emit(rows, counts, out.tolist(), drafts, target_probs, draft_probs, uniform)
 
     def _emit(self, rows: list, counts: list[int], out: list[list[int]], drafts: torch.Tensor, target: torch.Tensor,

@@ -44,8 +44,9 @@ class SpecDecoder:
 
     def mirror(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
                attn: AttentionMetadata, hidden_states: torch.Tensor) -> None:
-        """Show the proposer the step's batch as the target ran it (with the target's final hidden states), and
-        keep it for this step's propose."""
+        """Keep the step's batch as the target ran it (with the target's final hidden states) for the proposer. It
+        sees the batch once the step's tokens are drawn (in `propose`), so that each position is paired with the
+        token really after it; a step where no request samples shows it now."""
         t0 = time.perf_counter()
         starts = attn.query_start_loc.tolist()
         next_ids = input_ids.roll(-1)
@@ -56,17 +57,28 @@ class SpecDecoder:
         next_ids[ends] = torch.tensor(following, dtype=next_ids.dtype, device=next_ids.device)
         self._batch = TargetBatch(input_ids, positions, attn, hidden_states, next_ids)
         self._first_rows = {s.request_id: start for s, start in zip(scheduled, starts)}
-        self.proposer.mirror(self._batch)
+        if not any(s.samples for s in scheduled):
+            self.proposer.mirror(self._batch)
         self.stats.proposer_seconds += time.perf_counter() - t0
 
     def propose(self, rows: list[ScheduledRequest], sampled: dict[str, list[int]]) -> Drafts:
-        """Drafts for every request that just sampled, capped so that drafts plus the bonus token stay
-        within max_tokens and max_model_len."""
+        """Show the proposer the step's batch with the drawn tokens, then drafts for every request that just
+        sampled, capped so that drafts plus the bonus token stay within max_tokens and max_model_len."""
         t0 = time.perf_counter()
+        next_ids = self._batch.next_token_ids
+        for s in rows:  # the row before each drawn token: after a verification, the accepted drafts' rows
+            new = sampled[s.request_id]
+            first = self._row_before(s, 0)
+            next_ids[first:first + len(new)] = torch.tensor(new, dtype=next_ids.dtype, device=next_ids.device)
+        self.proposer.mirror(self._batch)
         requests = [r for s in rows if (r := self._draft_request(s, sampled[s.request_id])) is not None]
         drafts = self.proposer.propose(requests) if requests else {}
         self.stats.proposer_seconds += time.perf_counter() - t0
         return drafts
+
+    def _row_before(self, s: ScheduledRequest, j: int) -> int:
+        """The batch row whose position precedes this step's j-th drawn token of `s` (the row that drew it)."""
+        return self._first_rows[s.request_id] + len(s.request.all_token_ids) - 1 - s.num_computed_tokens + j
 
     def _draft_request(self, s: ScheduledRequest, new: list[int]) -> DraftRequest | None:
         request = s.request
@@ -77,6 +89,6 @@ class SpecDecoder:
             return None
         # the target's state at the position before the newest token: it sampled that token (after the accepted
         # drafts of a verification, whose later rows saw rejected drafts)
-        row = self._first_rows[s.request_id] + len(tokens) - 2 - s.num_computed_tokens
+        row = self._row_before(s, len(new) - 1)
         return DraftRequest(request.request_id, tokens, s.block_ids, k, request.sampling_params.temperature,
-                            request.generator, self._batch.hidden_states[row])
+                            request.generator, self._batch.hidden_states[row], row)

@@ -96,11 +96,24 @@ def save_head(folder: Path, config: dict, tensors: dict[str, torch.Tensor], mani
     return folder
 
 
+def narrow_matrices(module: nn.Module, device: torch.device) -> nn.Module:
+    """Keep a float32 head's matrices in bfloat16 where `kernels.linear` reads them so (the C++ CPU op): drafting
+    streams them every step, and after the target's forward has swept the caches they come from memory, at half
+    the bytes. Activations, norms and the draft distributions stay float32. A draft is a guess the target verifies,
+    so the output keeps the target's distribution (greedy: the same tokens)."""
+    if kernels.reads_bf16_weights(device):
+        for p in module.parameters():
+            if p.dim() == 2 and p.dtype == torch.float32:
+                p.data = p.data.to(torch.bfloat16)
+    return module
+
+
 class DraftVocab:
     """Owns a head's draft vocabulary: the target token ids it may draft, and a copy of those rows of the target's
-    LM head. Reading a few thousand rows instead of the whole vocabulary is most of why drafting is cheap on a CPU;
-    tokens outside it get draft probability 0, which the rejection sampler handles exactly (they are never drafted,
-    and the residual max(p - q, 0) keeps all of the target's mass on them)."""
+    LM head (narrowed as `narrow_matrices` says). Reading a few thousand rows instead of the whole vocabulary is most
+    of why drafting is cheap on a CPU; tokens outside it get draft probability 0, which the rejection sampler
+    handles exactly (they are never drafted, and the residual max(p - q, 0) keeps all of the target's mass on
+    them)."""
 
     def __init__(self, token_ids: torch.Tensor, lm_head: nn.Module, vocab_size: int) -> None:
         if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
@@ -110,6 +123,8 @@ class DraftVocab:
         self.token_ids = token_ids.to(device=device, dtype=torch.long)
         self.vocab_size = vocab_size
         self.weight = lm_head.weight.data[self.token_ids].contiguous()
+        if self.weight.dtype == torch.float32 and kernels.reads_bf16_weights(device):
+            self.weight = self.weight.to(torch.bfloat16)
         scale = getattr(lm_head, "weight_scale", None)
         self.weight_scale = None if scale is None else scale[self.token_ids].contiguous()
 

@@ -5,10 +5,11 @@ target's final hidden state at t - through one Llama decoder layer, and predicts
 target's own LM head reads out (over the head's draft vocabulary). Drafting chains it: the first step uses the
 target's state before the newest token, each later step the head's own prediction and the draft it just made.
 
-The head's attention keeps a paged KV cache of its own on the target's block ids. Every step it runs over the
-target's whole batch (``mirror``: position t paired with the token after it), so its cache holds the same context,
-prompt chunks and prefix hits included; the last position of a request that samples is paired once its token is
-drawn, as the first step of ``propose``. Slots written past a rejection are overwritten later, as the draft model's.
+The head's attention keeps a paged KV cache of its own on the target's block ids. Every step, once the step's
+tokens are drawn, it runs over the target's whole batch (``mirror``: position t paired with the token after it), so
+its cache holds the same context, prompt chunks and prefix hits included. That same pass is the first draft step
+(as in vLLM's EagleProposer): its output at the row that drew a request's newest token predicts the state after it.
+Slots written past a rejection are overwritten later, as the draft model's.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from transformers import LlamaConfig
 import kernels
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.llama import ModelShape, RotaryEmbedding
-from engine.spec_decode.draft_heads import DRAFT_IDS, DraftVocab, head_path, load_head
+from engine.spec_decode.draft_heads import DRAFT_IDS, DraftVocab, head_path, load_head, narrow_matrices
 from engine.spec_decode.proposer import (DraftRequest, Drafts, Proposer, TargetBatch, TargetModel, chain_drafts,
                                          decode_metadata, sample_drafts)
 
@@ -104,8 +105,8 @@ def paged_attention(attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch
 
 
 class EagleProposer(Proposer):
-    """Owns an EAGLE head, its KV cache (the target's block ids) and its draft vocabulary; reads the target's
-    embedding and LM head."""
+    """Owns an EAGLE head, its KV cache (the target's block ids), its draft vocabulary and the states its last
+    mirror pass predicted; reads the target's embedding and LM head."""
 
     method = "eagle"
     drafts_have_probs = True
@@ -119,8 +120,10 @@ class EagleProposer(Proposer):
         self.device = target.device
         self.default_generator = target.default_generator
         self.scale = head.config.head_dim ** -0.5
+        self.dtype = config.torch_dtype  # of the states and the head's cache (its matrices may be narrower)
         self.kv_caches = allocate_kv_caches(head, target.num_blocks, config.block_size, config.torch_dtype,
                                             target.device)
+        self.mirrored: torch.Tensor | None = None  # the states the last mirror predicted, one per batch row
 
     @classmethod
     def from_config(cls, target: TargetModel) -> EagleProposer:
@@ -131,31 +134,34 @@ class EagleProposer(Proposer):
         draft_ids = tensors.pop(DRAFT_IDS)
         head.load_state_dict(tensors)
         head.requires_grad_(False)
-        return cls(head.to(device=target.device, dtype=config.torch_dtype), draft_ids, target)
+        return cls(narrow_matrices(head.to(device=target.device, dtype=config.torch_dtype), target.device), draft_ids,
+                   target)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(token_ids).to(self.head.fc.dtype)  # the embedding may be stored narrower
+        return self.embed_tokens(token_ids).to(self.dtype)  # the embedding may be stored narrower
 
     def mirror(self, batch: TargetBatch) -> None:
-        """Pair each position of the target's batch with the token after it, into the head's cache. A sampling
-        request's last position has no next token yet (-1): any token will do, propose pairs it again."""
-        self.head(self._embed(batch.next_token_ids.clamp(min=0)), batch.hidden_states.to(self.head.fc.dtype),
-                  batch.positions, paged_attention(batch.attn, self.kv_caches[0], self.scale))
+        """Pair each position of the target's batch with the token after it, into the head's cache; keep the
+        predicted states: at the rows that drew the newest tokens they are the first drafts' states."""
+        self.mirrored = self.head(self._embed(batch.next_token_ids.clamp(min=0)),
+                                  batch.hidden_states.to(self.dtype), batch.positions,
+                                  paged_attention(batch.attn, self.kv_caches[0], self.scale))
 
     def propose(self, inputs: list[DraftRequest]) -> Drafts:
-        """Chain the head `num_drafts` times per request, from the target's state before the newest token."""
-        states = torch.stack([inp.hidden_state for inp in inputs]).to(self.head.fc.dtype)
+        """Chain the head `num_drafts` times per request: the first from `mirror`'s pass (the target's state before
+        the newest token, paired with it), each next one from the state before and the draft it made."""
+        states = self.mirrored[[inp.batch_row for inp in inputs]]
 
         def draft(live: list[int], tokens: list[int], step: int) -> tuple[list[int], torch.Tensor]:
             live_inputs = [inputs[i] for i in live]
-            # step 0 pairs the target's state at the newest token's predecessor with that token
-            positions = [len(inp.token_ids) - 2 + step for inp in live_inputs]
             rows = torch.tensor(live, device=self.device)
-            predicted = self.head(self._embed(torch.tensor(tokens, device=self.device)), states[rows],
-                                  torch.tensor(positions, device=self.device),
-                                  paged_attention(decode_metadata(live_inputs, positions, self.block_size,
-                                                                  self.device), self.kv_caches[0], self.scale))
-            states[rows] = predicted
+            if step:  # each later step pairs the state before with the draft just made, one position on
+                positions = [len(inp.token_ids) - 2 + step for inp in live_inputs]
+                states[rows] = self.head(self._embed(torch.tensor(tokens, device=self.device)), states[rows],
+                                         torch.tensor(positions, device=self.device),
+                                         paged_attention(decode_metadata(live_inputs, positions, self.block_size,
+                                                                         self.device), self.kv_caches[0], self.scale))
+            predicted = states[rows]
             drafted, dist = sample_drafts(self.vocab.logits(predicted), live_inputs, self.default_generator)
             return self.vocab.to_target(drafted), self.vocab.to_target_probs(dist)
 

@@ -38,9 +38,10 @@ class TargetModel:
 @dataclass(frozen=True)
 class TargetBatch:
     """This step's flattened batch as the target ran it: its inputs and attention metadata, its final hidden state
-    at every position (what the LM head reads), and the token that follows each position where it is known before
-    sampling (the next one in the same request; at the end of a prompt chunk, the next prompt token); -1 at the end
-    of a request that samples this step (its next token is not drawn yet)."""
+    at every position (what the LM head reads), and the token that follows each position: the next one in the
+    same request; at the end of a prompt chunk, the next prompt token; at the rows that drew this step's tokens,
+    the tokens drawn (after a verification: the accepted drafts and the recovered or bonus token; the rows of
+    rejected drafts keep those drafts, which later steps overwrite)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -53,7 +54,8 @@ class TargetBatch:
 class DraftRequest:
     """One request that just sampled: its tokens (the new ones included), its block ids, how many drafts it may
     take (capped by max_tokens and max_model_len), and how to sample them; and the target's final hidden state at
-    the position before its newest token (the state that sampled that token), for proposers that read it."""
+    the position before its newest token (the state that sampled that token) with that position's row in the
+    step's TargetBatch, for proposers that read them."""
 
     request_id: str
     token_ids: list[int]
@@ -62,6 +64,7 @@ class DraftRequest:
     temperature: float
     generator: torch.Generator | None
     hidden_state: torch.Tensor | None = None
+    batch_row: int | None = None
 
 
 class Proposer(ABC):
@@ -82,8 +85,9 @@ class Proposer(ABC):
         """Drafts for the requests that just sampled (never an empty list); a request without drafts is left out."""
 
     def mirror(self, batch: TargetBatch) -> None:
-        """See the target's batch of this step, after the target ran it: a proposer with its own KV cache runs it
-        too, so that cache holds the same tokens. Nothing to do for the others."""
+        """See the target's batch of this step, after the target ran it and its tokens were drawn (just before
+        `propose`): a proposer with its own KV cache runs it too, so that cache holds the same tokens. Nothing to
+        do for the others."""
 
 
 def decode_metadata(inputs: list[DraftRequest], positions: list[int], block_size: int,
@@ -109,6 +113,8 @@ def sample_drafts(logits: torch.Tensor, inputs: list[DraftRequest],
     from softmax(logits / temperature) with the request's generator; and those distributions [N, V'], which the
     rejection sampler needs to keep the target's distribution. A greedy row's distribution is at temperature 1, as
     the target's that verifies it: only the argmaxes decide there, and spec.verified shows the draft's confidence."""
+    if all(inp.temperature < 1e-5 for inp in inputs):  # no draws: the argmaxes, and the drafts' confidence
+        return logits.argmax(dim=-1).tolist(), torch.softmax(logits, dim=-1)
     greedy = torch.tensor([inp.temperature < 1e-5 for inp in inputs], device=logits.device)
     temps = torch.tensor([inp.temperature for inp in inputs], device=logits.device)
     dist = torch.softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)

@@ -19,7 +19,7 @@ from engine.model.registry import load_model
 from engine.spec_decode import draft_heads
 from engine.spec_decode.draft_heads import DRAFT_IDS, load_head, save_head
 from engine.spec_decode.eagle import EagleHead, EagleProposer, paged_attention
-from engine.spec_decode.proposer import DraftRequest, TargetModel, decode_metadata
+from engine.spec_decode.proposer import DraftRequest, TargetBatch, TargetModel, decode_metadata
 from kernels import reference
 from tests.reference import hf_greedy
 from tests.spec_decode.test_spec_decoding import PARAMS, SETTINGS, _prompts, _reference, _settings
@@ -144,8 +144,11 @@ def _eagle_first_drafts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
             p.mul_(3.0)  # a peaked draft distribution, far from the target's
     proposer = EagleProposer(head.requires_grad_(False), torch.arange(VOCAB), target)
     hidden = torch.randn(64, generator=torch.Generator().manual_seed(seed))
-    requests = [DraftRequest(str(i), [5, 7], [0], 1, 1.0, None, hidden) for i in range(NUM_DRAWS)]
+    requests = [DraftRequest(str(i), [5, 7], [0], 1, 1.0, None, hidden, 0) for i in range(NUM_DRAWS)]
     with torch.inference_mode():
+        # the step that drew token 7, as the decoder shows it: its one row (position 0) paired with 7
+        attn = decode_metadata(requests[:1], [0], 4, torch.device("cpu"))
+        proposer.mirror(TargetBatch(torch.tensor([5]), torch.tensor([0]), attn, hidden[None], torch.tensor([7])))
         drafts = proposer.propose(requests)
     tokens = torch.tensor([drafts[str(i)][0][0] for i in range(NUM_DRAWS)])
     return tokens, drafts["0"][1][0]

@@ -239,11 +239,8 @@ def rejection_sample(
     p_draft = torch.ones_like(p_target) if draft_probs is None else draft_probs.gather(1, drafts[:, None])[:, 0].float()
     greedy = is_greedy[req]
     accepted = torch.where(greedy, drafts == target_argmax, _accept(p_target, p_draft, uniform_probs))
-    if bool(greedy.all()):  # no recovered token to draw: the stop token is the argmax
-        stop_token = target_argmax
-    else:
-        recovered = (_recovered_probs(target_probs, draft_probs, drafts) / recovery_noise[req]).argmax(dim=-1)
-        stop_token = torch.where(greedy, target_argmax, recovered)
+    recovered = (_recovered_probs(target_probs, draft_probs, drafts) / recovery_noise[req]).argmax(dim=-1)
+    stop_token = torch.where(greedy, target_argmax, recovered)
     return _emit(batch_size, max_spec_len, req, pos, counts, drafts, accepted, stop_token, bonus_token_ids)
 
 

@@ -8,6 +8,7 @@ import torch
 
 import kernels
 from engine.events import EventLog, SpecVerified
+from engine.sample.sampler import greedy_sample
 
 
 @dataclass
@@ -64,26 +65,36 @@ class RejectionSampler:
         bonus_idx = [r + n for r, n in zip(first_rows, counts)]
         expanded = [s for s, n in zip(rows, counts) for _ in range(n)]
         target_probs = self.sampler.probs(logits[target_idx], metadata_for(expanded))
-        bonus_meta = metadata_for(rows)
-        bonus = self.sampler(logits[bonus_idx], bonus_meta).sampled_token_ids
-        # greedy rows are judged by the argmax, which temperature 1 and the filters leave where it was
-        is_greedy = torch.tensor([s.request.sampling_params.greedy for s in rows], device=logits.device)
         drafts = torch.tensor([t for s in rows for t in s.spec_token_ids], device=logits.device)
         draft_probs = None
         if self.with_draft_probs:
             draft_probs = torch.cat([s.request.spec_draft_probs[:n] for s, n in zip(rows, counts)])
-        dev, gens, default = logits.device, bonus_meta.generators, bonus_meta.default_generator
+        bonus_meta = metadata_for(rows)
+        bonus = self.sampler(logits[bonus_idx], bonus_meta).sampled_token_ids
         if all(s.request.sampling_params.greedy for s in rows):
-            # greedy rows read no noise (vLLM's all_greedy path): skip drawing a [B, V] race for nothing
-            uniform = torch.zeros(len(drafts), device=dev)
-            noise = torch.ones(len(rows), logits.shape[-1], device=dev)
-        else:
-            uniform = kernels.generate_uniform_probs(counts, gens, dev, default)
-            noise = kernels.generate_recovery_noise(counts, logits.shape[-1], gens, dev, default)
+            out = self._greedy(logits[target_idx], rows, counts, bonus.tolist())
+            return self._emit(rows, counts, out, drafts, target_probs, draft_probs, torch.zeros(len(drafts)))
+        # greedy rows are judged by the argmax, which temperature 1 and the filters leave where it was
+        is_greedy = torch.tensor([s.request.sampling_params.greedy for s in rows], device=logits.device)
+        dev, gens, default = logits.device, bonus_meta.generators, bonus_meta.default_generator
+        uniform = kernels.generate_uniform_probs(counts, gens, dev, default)
         out = kernels.rejection_sample(
             drafts, torch.tensor(counts, device=dev).cumsum(0), draft_probs, target_probs, bonus, is_greedy, uniform,
-            noise, max(counts))
+            kernels.generate_recovery_noise(counts, logits.shape[-1], gens, dev, default), max(counts))
         return self._emit(rows, counts, out.tolist(), drafts, target_probs, draft_probs, uniform)
+
+    @staticmethod
+    def _greedy(target_logits: torch.Tensor, rows: list, counts: list[int], bonus: list[int]) -> list[list[int]]:
+        """Every request greedy (vLLM's all_greedy path): each keeps its drafts while they are the target's argmax,
+        then emits the argmax where one was not, or its bonus token when all stand: the kernel's greedy rule,
+        without its noise and its work over the [drafts, V] rows beyond the argmax."""
+        best = greedy_sample(target_logits).tolist()
+        out, start = [], 0
+        for s, n, extra in zip(rows, counts, bonus):
+            row, start = best[start:start + n], start + n
+            kept = next((j for j in range(n) if s.spec_token_ids[j] != row[j]), n)
+            out.append([*s.spec_token_ids[:kept], row[kept] if kept < n else extra])
+        return out
 
     def _emit(self, rows: list, counts: list[int], out: list[list[int]], drafts: torch.Tensor, target: torch.Tensor,
               draft_probs: torch.Tensor | None, uniform: torch.Tensor) -> dict[str, list[int]]:

@@ -2,7 +2,8 @@
 
 1. The target writes the data: it answers a bundled, varied prompt set (topics x kinds of request, through its
    chat template), greedily by default (the spec benchmark decodes greedily: the head learns the distribution it
-   will see; `temperature` samples, seeded). The answers are kept in the cache and reused by later runs.
+   will see; `temperature` samples, seeded). The answers are kept in the cache by prompt and reused by later runs
+   (a longer prompt set generates only its new prompts' answers).
 2. The engine's own model reads each answer once more and gives its final hidden state at every position (exactly
    what the runner hands a proposer) and its greedy next token there, both kept beside the answers.
 3. The draft vocabulary is the tokens the target wrote most (the head reads out only those rows of the LM head).
@@ -57,12 +58,27 @@ _TOPICS = ("the ocean", "volcanoes", "the Roman Empire", "photosynthesis", "jazz
            "a hospital nurse", "tornadoes", "the stock market", "a magic school", "rainforests", "bicycles",
            "the Vikings", "a birthday party", "clouds", "running a marathon", "smartphones", "an old library",
            "whales", "time management", "the Industrial Revolution", "a snowstorm", "painting", "a farmer",
-           "the immune system", "a city at night", "board games", "volunteering")
+           "the immune system", "a city at night", "board games", "volunteering",
+           "submarines", "a county fair", "the Silk Road", "penguins", "a jazz club", "origami", "thunderstorms",
+           "a bookshop owner", "the periodic table", "camping", "the Moon", "a family dinner", "solar panels",
+           "the Aztecs", "a ballet dancer", "coral reefs", "a first job", "microscopes", "a castle", "hiking boots",
+           "the French Revolution", "a science fair", "octopuses", "a carpenter", "public libraries", "skateboarding",
+           "the water cycle", "a market in Marrakesh", "cheese", "a mountain village", "airplanes", "recycling paper",
+           "the Amazon river", "a violin", "the Stone Age", "elephants", "a museum at night", "cybersecurity",
+           "a lemonade stand", "the northern lights", "knitting", "a fire station", "Mars", "the Ice Age",
+           "a wedding", "photography", "a ferry crossing", "the Samurai", "mushrooms", "an old clock",
+           "climate change", "a chess club", "sailing", "the telephone", "a street musician", "wolves",
+           "spices", "the Eiffel Tower", "a school trip", "bridges", "a tailor", "robots in factories",
+           "a quiet morning", "the Pyramids of Giza", "video games", "a night train", "yoga", "the brain",
+           "a flower shop", "snow leopards", "a team project", "kites", "the Arctic",
+           "a radio station", "ice cream")
 _KINDS = ("Tell me about {}.", "Write a short story about {}.", "Explain {} to a child.",
           "Give me three interesting facts about {}.", "Write a short poem about {}.", "What is the history of {}?",
           "Describe {} in a few sentences.", "What are the pros and cons of {}?", "Why do people care about {}?",
           "Write a letter to a friend about {}.", "What should a beginner know about {}?",
-          "Summarize what you know about {} in one paragraph.")
+          "Summarize what you know about {} in one paragraph.", "How does {} work?", "Why is {} important?",
+          "Give me some advice about {}.", "What is the most surprising thing about {}?",
+          "Write a short dialogue between two friends about {}.", "What would you tell a curious student about {}?")
 
 
 def prompt_set() -> list[str]:
@@ -82,19 +98,40 @@ class Sample:
 
 
 def generate_answers(model: str, prompts: list[str], max_tokens: int, temperature: float,
-                     seed: int) -> list[tuple[list[int], int]]:
-    """The target's answers through its chat template: (prompt + answer token ids, prompt length) each."""
+                     seeds: list[int]) -> list[tuple[list[int], int]]:
+    """The target's answers through its chat template, prompt i's drawn with seeds[i]: (prompt + answer token ids,
+    prompt length) each."""
     # at most 64 at once: every answer's KV fits the default cache, so none is preempted and recomputed
-    llm = LLM(model=model, seed=seed, max_num_seqs=64)
+    llm = LLM(model=model, seed=seeds[0], max_num_seqs=64)
     tok = llm.tokenizer
     if getattr(tok, "chat_template", None):
         ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)) for p in prompts]
     else:
         ids = [tok.encode(p) for p in prompts]
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(len(ids))]
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=s) for s in seeds]
     outs = llm.generate(ids, params, use_tqdm=True)
     return [(p + list(o.token_ids), len(p)) for p, o in zip(ids, outs)]
+
+
+def cached_answers(model: str, prompts: list[str], max_tokens: int, temperature: float, seed: int,
+                   log: Callable[[str], None]) -> tuple[list[tuple[list[int], int]], list[str], Path]:
+    """The target's answers to `prompts` (prompt i drawn with seed + i), kept in the cache by prompt (and by its
+    seed when sampling): a run reuses every answer an earlier run with these settings made, so a longer prompt set
+    generates only its new prompts' answers. Returns the answers, their cache keys and the cache file."""
+    path = trained_heads_dir() / model / f"answers-{max_tokens}-{temperature}-{seed}.json"
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    keys = [p if temperature == 0 else f"{seed + i}|{p}" for i, p in enumerate(prompts)]
+    missing = [i for i, key in enumerate(keys) if key not in known]
+    log(f"{len(prompts) - len(missing)} answers from earlier runs ({path}), {len(missing)} to generate with {model} "
+        f"(temperature {temperature}, up to {max_tokens} tokens)")
+    if missing:
+        made = generate_answers(model, [prompts[i] for i in missing], max_tokens, temperature,
+                                [seed + i for i in missing])
+        known.update({keys[i]: list(answer) for i, answer in zip(missing, made)})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known))
+    return [tuple(known[key]) for key in keys], keys, path
 
 
 @torch.inference_mode()
@@ -134,16 +171,19 @@ def target_features(model: str, sequences: list[tuple[list[int], int]],
     return samples, net
 
 
-def cached_features(model: str, sequences: list[tuple[list[int], int]],
+def cached_features(model: str, sequences: list[tuple[list[int], int]], keys: list[str],
                     path: Path) -> tuple[list[Sample], torch.nn.Module]:
-    """`target_features`, kept beside the cached answers they were read from: they cost minutes on smollm2, and a
-    second method's run (or another training setting) reads the same ones."""
-    if not path.is_file():
-        samples, net = target_features(model, sequences)
-        torch.save([(s.hidden, s.greedy) for s in samples], path)
-        return samples, net
-    net, _ = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
-    return [Sample(toks, plen, h, g) for (toks, plen), (h, g) in zip(sequences, torch.load(path))], net
+    """`target_features`, kept by answer key beside the cached answers they were read from: they cost minutes on
+    smollm2, and a second method's run (or another training setting, or a longer prompt set) reads the same ones."""
+    known = torch.load(path) if path.is_file() else {}
+    missing = [i for i, key in enumerate(keys) if key not in known]
+    if missing:
+        samples, net = target_features(model, [sequences[i] for i in missing])
+        known.update({keys[i]: (s.hidden, s.greedy) for i, s in zip(missing, samples)})
+        torch.save(known, path)
+    else:
+        net, _ = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
+    return [Sample(toks, plen, *known[key]) for (toks, plen), key in zip(sequences, keys)], net
 
 
 def draft_vocabulary(samples: list[Sample], size: int) -> tuple[torch.Tensor, float]:
@@ -405,19 +445,10 @@ def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None
     prompts = prompt_set()[:num_prompts]
     held = [p for i, p in enumerate(prompts) if i % 10 == 9]
     t0 = time.perf_counter()
-    # the answers depend only on these settings: a second method's run reuses the first one's
-    cached = trained_heads_dir() / model / f"answers-{len(prompts)}-{max_tokens}-{temperature}-{seed}.json"
-    if cached.is_file():
-        log(f"the {len(prompts)} answers of an earlier run: {cached}")
-        sequences = [tuple(x) for x in json.loads(cached.read_text())]
-    else:
-        log(f"generating {len(prompts)} answers with {model} (temperature {temperature}, up to {max_tokens} tokens)")
-        sequences = generate_answers(model, prompts, max_tokens, temperature, seed)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(json.dumps(sequences))
+    sequences, keys, cached = cached_answers(model, prompts, max_tokens, temperature, seed, log)
     gen_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    samples, net = cached_features(model, sequences, cached.with_suffix(".pt"))
+    samples, net = cached_features(model, sequences, keys, cached.with_suffix(".pt"))
     feat_s = time.perf_counter() - t0
     train_set = [s for i, s in enumerate(samples) if i % 10 != 9]
     held_set = [s for i, s in enumerate(samples) if i % 10 == 9]

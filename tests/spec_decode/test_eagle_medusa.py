@@ -307,6 +307,19 @@ def test_train_draft_command_writes_a_head_the_engine_loads(tmp_path, monkeypatc
     assert all(t.dtype == torch.float16 for name, t in tensors.items() if name != DRAFT_IDS)
 
 
+def test_a_longer_prompt_set_generates_only_its_new_answers(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(td, "trained_heads_dir", lambda: tmp_path)
+    made, generate = [], td.generate_answers
+    monkeypatch.setattr(td, "generate_answers", lambda model, prompts, *rest: made.append(prompts) or generate(
+        model, prompts, *rest))
+    prompts = td.prompt_set()[:6]
+    first, _, path = td.cached_answers("tiny-llama", prompts[:4], 8, 0.0, 0, lambda _: None)
+    again, keys, _ = td.cached_answers("tiny-llama", prompts, 8, 0.0, 0, lambda _: None)
+    assert made == [prompts[:4], prompts[4:]] and again[:4] == first and keys == prompts
+    assert again[4:] == generate("tiny-llama", prompts[4:], 8, 0.0, [4, 5])  # what a fresh run would write
+    assert len(json.loads(path.read_text())) == 6
+
+
 def test_train_draft_skips_the_engine_check_when_asked(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(td, "trained_heads_dir", lambda: tmp_path / "cache")
     manifest = td.train_draft("eagle", "tiny-llama", str(tmp_path / "head"), num_prompts=10, max_tokens=8, epochs=1,

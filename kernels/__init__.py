@@ -141,6 +141,7 @@ __all__ = [
     "generate_recovery_noise",
     "generate_uniform_probs",
     "paged_attention",
+    "reads_bf16_weights",
     "rejection_sample",
     "rms_norm",
     "rotary",

@@ -65,11 +65,11 @@ class SpecDecoder:
         """Show the proposer the step's batch with the drawn tokens, then drafts for every request that just
         sampled, capped so that drafts plus the bonus token stay within max_tokens and max_model_len."""
         t0 = time.perf_counter()
+        # each drawn token follows the row that drew it: after a verification, the accepted drafts' rows
+        drew = [(self._row_before(s, j), t) for s in rows for j, t in enumerate(sampled[s.request_id])]
         next_ids = self._batch.next_token_ids
-        for s in rows:  # the row before each drawn token: after a verification, the accepted drafts' rows
-            new = sampled[s.request_id]
-            first = self._row_before(s, 0)
-            next_ids[first:first + len(new)] = torch.tensor(new, dtype=next_ids.dtype, device=next_ids.device)
+        next_ids[[r for r, _ in drew]] = torch.tensor([t for _, t in drew], dtype=next_ids.dtype,
+                                                      device=next_ids.device)
         self.proposer.mirror(self._batch)
         requests = [r for s in rows if (r := self._draft_request(s, sampled[s.request_id])) is not None]
         drafts = self.proposer.propose(requests) if requests else {}

@@ -96,21 +96,27 @@ def save_head(folder: Path, config: dict, tensors: dict[str, torch.Tensor], mani
     return folder
 
 
-def narrow_matrices(module: nn.Module, device: torch.device) -> nn.Module:
-    """Keep a float32 head's matrices in bfloat16 where `kernels.linear` reads them so (the C++ CPU op): drafting
-    streams them every step, and after the target's forward has swept the caches they come from memory, at half
-    the bytes. Activations, norms and the draft distributions stay float32. A draft is a guess the target verifies,
-    so the output keeps the target's distribution (greedy: the same tokens)."""
-    if kernels.reads_bf16_weights(device):
-        for p in module.parameters():
-            if p.dim() == 2 and p.dtype == torch.float32:
-                p.data = p.data.to(torch.bfloat16)
+def narrowed(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 matrix a head drafts with, in bfloat16 where `kernels.linear` reads it so (the C++ CPU op): drafting
+    streams it every step, and after the target's forward has swept the caches it comes from memory, at half the
+    bytes. Activations, norms and the draft distributions stay float32. A draft is a guess the target verifies, so
+    the output keeps the target's distribution (greedy: the same tokens)."""
+    if weight.dtype == torch.float32 and kernels.reads_bf16_weights(weight.device):
+        return weight.to(torch.bfloat16)
+    return weight
+
+
+def narrow_matrices(module: nn.Module) -> nn.Module:
+    """Every matrix of a head `narrowed`."""
+    for p in module.parameters():
+        if p.dim() == 2:
+            p.data = narrowed(p.data)
     return module
 
 
 class DraftVocab:
     """Owns a head's draft vocabulary: the target token ids it may draft, and a copy of those rows of the target's
-    LM head (narrowed as `narrow_matrices` says). Reading a few thousand rows instead of the whole vocabulary is most
+    LM head (`narrowed`). Reading a few thousand rows instead of the whole vocabulary is most
     of why drafting is cheap on a CPU; tokens outside it get draft probability 0, which the rejection sampler
     handles exactly (they are never drafted, and the residual max(p - q, 0) keeps all of the target's mass on
     them)."""
@@ -122,9 +128,7 @@ class DraftVocab:
         device = lm_head.weight.device
         self.token_ids = token_ids.to(device=device, dtype=torch.long)
         self.vocab_size = vocab_size
-        self.weight = lm_head.weight.data[self.token_ids].contiguous()
-        if self.weight.dtype == torch.float32 and kernels.reads_bf16_weights(device):
-            self.weight = self.weight.to(torch.bfloat16)
+        self.weight = narrowed(lm_head.weight.data[self.token_ids].contiguous())
         scale = getattr(lm_head, "weight_scale", None)
         self.weight_scale = None if scale is None else scale[self.token_ids].contiguous()
 

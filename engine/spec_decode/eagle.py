@@ -134,8 +134,7 @@ class EagleProposer(Proposer):
         draft_ids = tensors.pop(DRAFT_IDS)
         head.load_state_dict(tensors)
         head.requires_grad_(False)
-        return cls(narrow_matrices(head.to(device=target.device, dtype=config.torch_dtype), target.device), draft_ids,
-                   target)
+        return cls(narrow_matrices(head.to(device=target.device, dtype=config.torch_dtype)), draft_ids, target)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids).to(self.dtype)  # the embedding may be stored narrower

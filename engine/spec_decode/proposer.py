@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.model.attention import AttentionMetadata
-from engine.sample.sampler import exponential_noise
+from engine.sample.sampler import exponential_noise, greedy_sample
 
 # drafts by request id, with their draft distributions [len(drafts), V], or None where the method has none
 # (the rejection sampler then takes the drafts as certain)
@@ -113,9 +113,10 @@ def sample_drafts(logits: torch.Tensor, inputs: list[DraftRequest],
     from softmax(logits / temperature) with the request's generator; and those distributions [N, V'], which the
     rejection sampler needs to keep the target's distribution. A greedy row's distribution is at temperature 1, as
     the target's that verifies it: only the argmaxes decide there, and spec.verified shows the draft's confidence."""
-    if all(inp.temperature < 1e-5 for inp in inputs):  # no draws: the argmaxes, and the drafts' confidence
-        return logits.argmax(dim=-1).tolist(), torch.softmax(logits, dim=-1)
-    greedy = torch.tensor([inp.temperature < 1e-5 for inp in inputs], device=logits.device)
+    flags = [inp.temperature < 1e-5 for inp in inputs]
+    if all(flags):  # no draws: the argmaxes, and the drafts' confidence
+        return greedy_sample(logits).tolist(), torch.softmax(logits, dim=-1)
+    greedy = torch.tensor(flags, device=logits.device)
     temps = torch.tensor([inp.temperature for inp in inputs], device=logits.device)
     dist = torch.softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
     generators = {i: inp.generator for i, inp in enumerate(inputs) if inp.generator is not None}

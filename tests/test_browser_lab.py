@@ -208,8 +208,10 @@ def test_run_all_then_step_shows_exactly_what_the_kernel_drew(lab_url, tmp_path)
     """Run All on the tour, then Step, then a request typed into the form and Step: each time the browser's data
     sources, requests table and `step N` equal the kernel's dashboard, which equals the records. It failed when
     Panel's retried messages arrived out of order, when the browser echoed streamed rows back into the kernel,
-    when a click handled on a comm subshell dropped the changes of a draw in progress, and when the form read
-    the prompt before the field lost focus."""
+    when a click handled on a comm subshell dropped the changes of a draw in progress, when the form read
+    the prompt before the field lost focus, when the page's first message reached its comm's subshell before
+    the busy main shell had opened the comm (the kernel dropped it, and the page held the Step click for want
+    of an ack), and when a click sent in one message with the typing before it ran before the typing landed."""
     playwright = pytest.importorskip("playwright.sync_api")
     dump = tmp_path / "dashboard.json"
     with playwright.sync_playwright() as pw:

@@ -100,3 +100,72 @@ def test_a_draw_sends_nothing_until_it_ends(displayed):
         wb.title.object = "## a title"
         assert len(wire.sent) == sent
     assert sum('"PATCH-DOC"' in str(data) for data, _, _ in wire.sent[sent:]) == 1
+
+
+def _patch(*events: dict) -> dict:
+    """A PATCH-DOC as the page's CommManager sends it over the client comm (pyviz_comms has decoded it)."""
+    return {"header": {"msgid": "m1", "msgtype": "PATCH-DOC"}, "metadata": {}, "content": {"events": list(events)},
+            "_buffers": {}}
+
+
+def _model_of(widget) -> object:
+    (model, _), = [widget._models[ref] for ref in widget._models]
+    return model
+
+
+def test_a_click_sent_with_the_typing_before_it_sees_what_was_typed(displayed):
+    """A page that waits for the kernel's ack sends what happened meanwhile as one message: here the prompt
+    typed, then Add request. Panel applies a message with the document held, which defers the property
+    changes and runs the click at once; the form read the old prompt (the browser test, one run in three)."""
+    wb, comm, client_comm = displayed
+    client_comm._on_open({})
+    prompt, button = _model_of(wb.request_form.prompt), _model_of(wb.request_form.button)
+    typed = "Typed just now: the sky over Paris is"
+    click = {"type": "event", "name": "button_click",
+             "values": {"type": "map", "entries": [["model", {"id": button.id}]]}}
+    client_comm._on_msg(_patch({"kind": "ModelChanged", "model": {"id": prompt.id}, "attr": "value_input",
+                                "new": typed},
+                               {"kind": "MessageSent", "msg_type": "bokeh_event", "msg_data": click}))
+    assert wb.engine.snapshot().requests[-1].prompt == typed
+
+
+class _Kernel:
+    """An ipykernel as far as comms go: its shell handlers are its comm manager's, and it records parents."""
+
+    def __init__(self) -> None:
+        from comm.base_comm import CommManager
+
+        self.comm_manager = CommManager()
+        self.shell_handlers = {"comm_open": self.comm_manager.comm_open, "comm_msg": self.comm_manager.comm_msg}
+        self.parents: list[str] = []
+
+    def set_parent(self, ident, parent, channel="shell") -> None:
+        self.parents.append(parent["header"]["msg_id"])
+
+
+def _comm_message(kind: str, msg_id: str, comm_id: str = "c1", **content) -> dict:
+    return {"header": {"msg_id": msg_id, "msg_type": kind}, "content": {"comm_id": comm_id, **content}}
+
+
+def test_a_message_that_overtakes_its_comm_open_is_handled_when_the_comm_opens():
+    """JupyterLab sends comm messages on a subshell and the comm_open on the busy main shell: the first
+    message arrived for a comm the kernel did not know yet and was dropped, so Panel never acknowledged it and
+    the page held every later click (the browser test's Step, one run in two)."""
+    from workbench.views.sync import _EarlyMessages
+
+    kernel, received = _Kernel(), []
+    kernel.comm_manager.register_target("dashboard", lambda comm, msg: comm.on_msg(
+        lambda m: received.append(m["header"]["msg_id"])))
+    _EarlyMessages.install(kernel)
+    _EarlyMessages.install(kernel)  # once per kernel
+    handlers = kernel.shell_handlers
+    handlers["comm_msg"](None, [], _comm_message("comm_msg", "first"))
+    handlers["comm_msg"](None, [], _comm_message("comm_msg", "second"))
+    handlers["comm_msg"](None, [], _comm_message("comm_msg", "other", comm_id="c2"))
+    assert received == []
+    handlers["comm_open"](None, [], _comm_message("comm_open", "open", target_name="dashboard", data={}))
+    assert received == ["first", "second"]
+    assert kernel.parents == ["first", "second", "open"], "each answered as itself, then the open again"
+    handlers["comm_msg"](None, [], _comm_message("comm_msg", "third"))
+    assert received == ["first", "second", "third"]
+    assert list(kernel._workbench_early_messages.held) == ["c2"]

@@ -1,7 +1,8 @@
-"""How changes to the views reach a notebook's browser: all of them, once each, in the order they were made.
+"""How changes to the views reach a notebook's browser, and the browser's clicks reach the kernel: all of
+them, once each, in the order they were made.
 
 In a notebook, a displayed Panel object talks to its browser view over Jupyter comms that the browser opens
-when it renders the cell's output. Three things went wrong there, each fixed here:
+when it renders the cell's output. Five things went wrong there, each fixed here:
 - Under Run All the kernel goes on stepping the engine before the browser has rendered the output. Panel then
   retries each message on its own 0.1 s timer, the retries land in any order, and the browser ended up with
   steps [18, 13, 14, ...] and a `step N` text one behind. Now changes are made with the comm blocked, so they
@@ -14,9 +15,13 @@ when it renders the cell's output. Three things went wrong there, each fixed her
   Now one lock, `_doc_lock`, admits one thread at a time to a displayed document: the draws and Panel's
   handling of browser messages.
 - The browser sent back every change it had applied from the kernel (`drop_echoes_script`).
+- Under Run All the page's first message on the dashboard's comm was lost, and with it every later click
+  (`_EarlyMessages`); and a click sent together with the typing before it read the old text (`_in_order`).
 """
 
 import threading
+import time
+from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -73,10 +78,37 @@ _doc_lock = threading.RLock()
 _depth = 0  # nested drawing() on the lock's owner: only the outermost pushes
 
 
+def _in_order(msg: Any) -> Iterator[Any]:
+    """The browser's message cut before each event it carries (a click) that follows changes (typing).
+
+    Panel applies a message with the document held: property changes reach the widgets' parameters only at
+    the end, while an event's callbacks run at once. A page waiting for the kernel's ack sends what happened
+    meanwhile as one message, and the Add-request click read the prompt from before the typing. Each part is
+    applied on its own, so the click runs after the changes sent ahead of it have landed."""
+    events = msg.get("content", {}).get("events") if isinstance(msg, dict) else None
+    if not events:
+        yield msg
+        return
+    part: list[Any] = []
+    for event in events:
+        if event.get("kind") == "MessageSent" and part:
+            yield _with_events(msg, part)
+            part = []
+        part.append(event)
+    yield _with_events(msg, part)
+
+
+def _with_events(msg: dict, events: list[Any]) -> dict:
+    # Panel's handler writes into the header and pops the buffers: each part gets its own
+    return {**msg, "header": dict(msg.get("header", {})), "content": {**msg["content"], "events": events},
+            "_buffers": dict(msg.get("_buffers") or {})}
+
+
 def _locked(handler: Callable[[Any], None]) -> Callable[[Any], None]:
     def run(msg: Any) -> None:
         with _doc_lock:
-            handler(msg)
+            for part in _in_order(msg):
+                handler(part)
 
     run.workbench_locked = True
     return run
@@ -106,9 +138,68 @@ def _guard(shown: Any, ref: str, doc: Any, comm: Any) -> None:
     comm._comm, client_comm._on_open = outbox, _locked(on_open)
 
 
+class _EarlyMessages:
+    """Owns the comm messages that reach the kernel before their comm is open, until it opens.
+
+    JupyterLab (4.4 on) sends a comm's messages on a kernel subshell, which runs beside the cells, but the
+    comm's comm_open on the main shell, which waits for the running cell. Under Run All the page's first
+    message on the dashboard's comm reached its subshell while the comm_open still waited behind the cells,
+    and ipykernel drops a message for a comm it does not know. Panel never acknowledged it, so the page's
+    CommManager kept every later change and click (the browser test's Step) until some change came after its
+    5 s timeout, which may never happen. Held here, they are handled as the comm opens, in order, before any
+    later message on that comm."""
+
+    MAX_AGE_S = 600.0  # for a comm that never opens (or closed): dropped after this, as ipykernel would
+    MAX_PER_COMM = 256
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.lock = threading.Lock()
+        self.held: dict[str, deque] = {}
+        self.handle_open = kernel.shell_handlers["comm_open"]
+        self.handle_msg = kernel.shell_handlers["comm_msg"]
+
+    @classmethod
+    def install(cls, kernel: Any) -> None:
+        """Once per kernel (one with subshells, where comm messages can overtake their comm_open)."""
+        if getattr(kernel, "shell_handlers", None) is None or hasattr(kernel, "_workbench_early_messages"):
+            return
+        early = kernel._workbench_early_messages = cls(kernel)
+        kernel.shell_handlers.update(comm_open=early.comm_open, comm_msg=early.comm_msg)
+
+    def comm_msg(self, stream: Any, ident: Any, msg: dict) -> None:
+        comm_id = msg["content"].get("comm_id")
+        with self.lock:
+            if self.kernel.comm_manager.get_comm(comm_id) is None:
+                now = time.monotonic()
+                for stale in [c for c, queue in self.held.items() if now - queue[-1][2] > self.MAX_AGE_S]:
+                    del self.held[stale]
+                self.held.setdefault(comm_id, deque(maxlen=self.MAX_PER_COMM)).append((ident, msg, now))
+                return
+        self.handle_msg(stream, ident, msg)
+
+    def comm_open(self, stream: Any, ident: Any, msg: dict) -> None:
+        with self.lock:  # a message on the opened comm waits here until the held ones are handled
+            self.handle_open(stream, ident, msg)
+            for held_ident, held, _ in self.held.pop(msg["content"].get("comm_id"), ()):
+                self.kernel.set_parent(held_ident, held, channel="shell")  # its ack answers it, on its subshell
+                self.handle_msg(stream, held_ident, held)
+            self.kernel.set_parent(ident, msg, channel="shell")
+
+
+def _kernel() -> Any:
+    """The IPython kernel this runs in, if any."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return getattr(get_ipython(), "kernel", None)
+
+
 def connect(viewable: Any) -> None:
     """Guard every notebook display of `viewable` (call right after displaying it; `push` does it too)."""
     with _doc_lock:
+        _EarlyMessages.install(_kernel())
         for ref, shown, doc, comm in _displays(viewable):
             _guard(shown, ref, doc, comm)
 

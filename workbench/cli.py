@@ -191,6 +191,7 @@ def _add_train_draft(commands: Any) -> None:
             ("--draft-vocab-size", positive_int, 4096, "tokens the head may draft"),
             ("--intermediate-size", positive_int, 768, "EAGLE's MLP width"),
             ("--num-heads", positive_int, 4, "Medusa's heads"),
+            ("--num-hidden-layers", positive_int, 1, "Medusa's residual layers per head"),
             ("--unroll", positive_int, 3, "EAGLE draft steps unrolled in training, each reading the head's own state"),
             ("--ce-weight", float, 0.1, "EAGLE's weight of the token cross-entropy beside feature regression"),
             ("--check-prompts", non_negative_int, 8, "held-out prompts run through the engine with the head (0: skip)")):

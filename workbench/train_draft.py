@@ -212,9 +212,10 @@ def eagle_config(target_config: Any, intermediate_size: int, draft_vocab_size: i
             "vocab_size": target_config.vocab_size, "draft_vocab_size": draft_vocab_size}
 
 
-def medusa_config(target_config: Any, num_heads: int, draft_vocab_size: int, target: str) -> dict:
+def medusa_config(target_config: Any, num_heads: int, draft_vocab_size: int, target: str,
+                  num_hidden_layers: int = 1) -> dict:
     return {"method": "medusa", "architectures": ["MedusaModel"], "target": target,
-            "hidden_size": target_config.hidden_size, "num_heads": num_heads, "num_hidden_layers": 1,
+            "hidden_size": target_config.hidden_size, "num_heads": num_heads, "num_hidden_layers": num_hidden_layers,
             "vocab_size": target_config.vocab_size, "draft_vocab_size": draft_vocab_size}
 
 
@@ -433,7 +434,8 @@ def engine_acceptance(model: str, method: str, folder: Path, prompts: list[str],
 def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None, num_prompts: int | None = None,
                 max_tokens: int = 128, temperature: float = 0.0, epochs: int = 4, batch_size: int = 8,
                 max_len: int = 256, lr: float = 2e-3, seed: int = 0, draft_vocab_size: int = 4096,
-                intermediate_size: int = 768, num_heads: int = 4, k: int = 4, check_prompts: int = 8,
+                intermediate_size: int = 768, num_heads: int = 4, num_hidden_layers: int = 1, k: int = 4,
+                check_prompts: int = 8,
                 unroll: int = 3, ce_weight: float = 0.1, command: str = "", log: Callable[[str], None] = print,
                 progress: bool = True) -> dict[str, Any]:
     """Self-distil a head of `method` for `model` and write its folder (default: the cache's
@@ -456,7 +458,7 @@ def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None
     log(f"{sum(len(s.token_ids) - s.prompt_len for s in samples)} answer tokens ({gen_s:.0f} s), features "
         f"({feat_s:.0f} s); draft vocabulary {len(draft_ids)} tokens covering {coverage:.1%} of greedy tokens")
     config = (eagle_config(net.config, intermediate_size, len(draft_ids), model) if method == "eagle"
-              else medusa_config(net.config, num_heads, len(draft_ids), model))
+              else medusa_config(net.config, num_heads, len(draft_ids), model, num_hidden_layers))
     head = new_head(config, seed)
     trainer = Trainer(head, method, net.model.embed_tokens.weight.detach().float(),
                       net.lm_head.weight.detach().float(), draft_ids, unroll if method == "eagle" else 1, ce_weight)
@@ -497,4 +499,4 @@ def main(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
                        epochs=args.epochs, unroll=args.unroll, ce_weight=args.ce_weight,
                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, draft_vocab_size=args.draft_vocab_size,
                        intermediate_size=args.intermediate_size, num_heads=args.num_heads,
-                       check_prompts=args.check_prompts, command=command)
+                       num_hidden_layers=args.num_hidden_layers, check_prompts=args.check_prompts, command=command)

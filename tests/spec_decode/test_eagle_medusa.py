@@ -296,14 +296,15 @@ def test_train_draft_command_writes_a_head_the_engine_loads(tmp_path, monkeypatc
     out = tmp_path / "head"
     assert main(["train-draft", "--method", "medusa", "--model", "tiny-llama", "--out", str(out),
                  "--num-prompts", "10", "--max-tokens", "8", "--epochs", "1", "--draft-vocab-size", "64",
-                 "--num-heads", "2"]) == 0
+                 "--num-heads", "2", "--num-hidden-layers", "2"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["command"].startswith("workbench train-draft --method medusa")
     assert {"seed", "data", "training", "held_out_acceptance", "engine_acceptance"} <= set(manifest)
     assert manifest["data"]["prompts"] == 10 and manifest["training"]["steps"] >= 1
     assert manifest["engine_acceptance"]["prompts"] == 1  # the one held-out prompt of ten
     config, tensors = load_head(out, "medusa", 64)
-    assert config["num_heads"] == 2 and tensors[DRAFT_IDS].numel() == 64
+    assert config["num_heads"] == 2 and config["num_hidden_layers"] == 2 and tensors[DRAFT_IDS].numel() == 64
+    assert "blocks.1.layers.1.weight" in tensors  # the engine loaded these for its check above
     assert all(t.dtype == torch.float16 for name, t in tensors.items() if name != DRAFT_IDS)
 
 

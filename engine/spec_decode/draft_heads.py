@@ -96,6 +96,12 @@ def save_head(folder: Path, config: dict, tensors: dict[str, torch.Tensor], mani
     return folder
 
 
+def head_ops():
+    """The kernels a head runs on: ours when drafting; their torch references when training, which needs autograd
+    (the C++/Triton kernels have none)."""
+    return kernels.reference if torch.is_grad_enabled() else kernels
+
+
 def narrowed(weight: torch.Tensor) -> torch.Tensor:
     """A float32 matrix a head drafts with, in bfloat16 where `kernels.linear` reads it so (the C++ CPU op): drafting
     streams it every step, and after the target's forward has swept the caches it comes from memory, at half the

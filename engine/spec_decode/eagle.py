@@ -22,17 +22,13 @@ from transformers import LlamaConfig
 import kernels
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.llama import ModelShape, RotaryEmbedding
-from engine.spec_decode.draft_heads import DRAFT_IDS, DraftVocab, head_path, load_head, narrow_matrices
+from engine.spec_decode.draft_heads import (DRAFT_IDS, DraftVocab, head_ops, head_path, load_head,
+                                           narrow_matrices)
 from engine.spec_decode.proposer import (DraftRequest, Drafts, Proposer, TargetBatch, TargetModel, chain_drafts,
                                          decode_metadata, sample_drafts)
 
 # q [N, Hq, D], k and v [N, Hkv, D] of the N tokens -> attention output [N, Hq, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _ops():
-    # Training needs autograd, which the C++/Triton kernels do not have; their torch references do.
-    return kernels.reference if torch.is_grad_enabled() else kernels
 
 
 class EagleLayer(nn.Module):
@@ -54,7 +50,7 @@ class EagleLayer(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(hidden, config.intermediate_size))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
-        ops, n = _ops(), x.shape[0]
+        ops, n = head_ops(), x.shape[0]
         h = ops.rms_norm(x, self.input_layernorm, self.eps)
         q, k, v = ops.linear(h, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = ops.rotary(q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim),
@@ -89,7 +85,7 @@ class EagleHead(nn.Module):
                 attend: Attend) -> torch.Tensor:
         """Token embeddings and target (or predicted) hidden states [N, H] at `positions` -> predicted next
         hidden states [N, H]."""
-        x = _ops().linear(torch.cat((embeds, hidden), dim=-1), self.fc)
+        x = head_ops().linear(torch.cat((embeds, hidden), dim=-1), self.fc)
         return self.layers[0](x, self.rotary_emb(positions, x.dtype), attend)
 
 

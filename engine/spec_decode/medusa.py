@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.spec_decode.draft_heads import DRAFT_IDS, DraftVocab, head_path, load_head
+from engine.spec_decode.draft_heads import DRAFT_IDS, DraftVocab, head_ops, head_path, load_head, narrow_matrices
 from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetModel, sample_drafts
 
 
@@ -28,8 +28,9 @@ class ResidualBlock(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = head_ops()
         for layer in self.layers:
-            x = x + F.silu(layer(x))
+            x = x + F.silu(ops.linear(x, layer.weight, None, layer.bias))
         return x
 
 
@@ -69,13 +70,13 @@ class MedusaProposer(Proposer):
         draft_ids = tensors.pop(DRAFT_IDS)
         heads.load_state_dict(tensors)
         heads.requires_grad_(False)
-        return cls(heads.to(device=target.device, dtype=config.torch_dtype), draft_ids, target)
+        return cls(narrow_matrices(heads.to(device=target.device, dtype=config.torch_dtype)), draft_ids, target)
 
     def propose(self, inputs: list[DraftRequest]) -> Drafts:
         """Every head at once over the requests' states, one LM-head readout for all; head i's draft for each
         request that may take more than i drafts."""
         k = max(inp.num_drafts for inp in inputs)
-        hidden = torch.stack([inp.hidden_state for inp in inputs]).to(self.heads.blocks[0].layers[0].weight.dtype)
+        hidden = torch.stack([inp.hidden_state for inp in inputs])
         logits = self.vocab.logits(self.heads(hidden, k).flatten(0, 1)).view(k, len(inputs), -1)
         drafts: Drafts = {}
         per_head = [sample_drafts(logits[i], inputs, self.default_generator) for i in range(k)]

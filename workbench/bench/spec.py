@@ -13,6 +13,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engine import LLM, SamplingParams
@@ -133,13 +134,16 @@ def _delta(before: tuple[float, ...], after: tuple[float, ...], seconds: float) 
 
 
 def _heads(llms: dict[str, LLM]) -> dict[str, str]:
-    """The head folder each learned method used (its manifest says how it was made)."""
+    """The head folder each learned method used (its manifest says how it was made), from the repository's root
+    when it is one of the committed heads."""
+    from engine.spec_decode.draft_heads import head_path
+
+    root = Path(__file__).resolve().parents[2]
     heads = {}
     for name in ("eagle", "medusa"):
         if name in llms:
-            from engine.spec_decode.draft_heads import head_path
-
-            heads[name] = str(head_path(None, llms[name].engine.config.model, name))
+            folder = head_path(None, llms[name].engine.config.model, name).resolve()
+            heads[name] = str(folder.relative_to(root) if folder.is_relative_to(root) else folder)
     return heads
 
 

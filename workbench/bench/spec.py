@@ -82,11 +82,10 @@ def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = 
         load.append(os.getloadavg()[0])
         for wname, requests in workloads.items():
             for bs in batch_sizes:
-                reqs = requests[:max(bs, 2)] if bs == 1 else requests  # batch 1: two requests, one at a time
                 reference = None
                 for name, llm in llms.items():
                     before = _stats(llm)
-                    seconds, num_tokens, tokens = _run(llm, reqs, bs)
+                    seconds, num_tokens, tokens = _run(llm, requests, bs)
                     reference = tokens if reference is None else reference
                     if tokens != reference:
                         raise RuntimeError(f"{name}: greedy tokens differ from the run without speculation")
@@ -160,8 +159,8 @@ def _table_rows(result: dict[str, Any]) -> list[list[object]]:
 
 _DOCS = ("Model {model}, fp32, greedy (identical tokens with and without drafts: checked), k={k} draft tokens; n-gram "
          "lookup windows 5..2; draft model {draft_model} (drafting for itself accepts every greedy draft: the ceiling "
-         "of the mechanism, paying a full draft forward per token). Batch 1: two requests one after the other; batch "
-         "8: eight together. Median of {runs} alternating runs. Editing prompts ask to rewrite a code passage "
+         "of the mechanism, paying a full draft forward per token). Batch 1: every request alone, one after "
+         "another (two prompts, as before, were too few to judge a proposer by); batch 8: eight together. Median of {runs} alternating runs. Editing prompts ask to rewrite a code passage "
          "(input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and Medusa: the "
          "target's default heads ({heads}; each folder's manifest.json says how it was made). Draft share: the "
          "proposer's time over the run's. 1-minute load average before each run and after the last: {load_average} "

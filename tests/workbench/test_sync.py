@@ -169,3 +169,21 @@ def test_a_message_that_overtakes_its_comm_open_is_handled_when_the_comm_opens()
     handlers["comm_msg"](None, [], _comm_message("comm_msg", "third"))
     assert received == ["first", "second", "third"]
     assert list(kernel._workbench_early_messages.held) == ["c2"]
+
+
+def test_messages_for_a_comm_that_never_opens_are_kept_bounded(monkeypatch):
+    """A comm closed or never opened must not hold messages forever: at most MAX_PER_COMM each (the newest),
+    and none older than MAX_AGE_S once another message is held."""
+    from workbench.views import sync
+
+    kernel, clock = _Kernel(), [0.0]
+    monkeypatch.setattr(sync.time, "monotonic", lambda: clock[0])
+    sync._EarlyMessages.install(kernel)
+    early, handle = kernel._workbench_early_messages, kernel.shell_handlers["comm_msg"]
+    for i in range(early.MAX_PER_COMM + 5):
+        handle(None, [], _comm_message("comm_msg", f"m{i}", comm_id="gone"))
+    held = early.held["gone"]
+    assert len(held) == early.MAX_PER_COMM and held[0][1]["header"]["msg_id"] == "m5"
+    clock[0] = early.MAX_AGE_S + 1
+    handle(None, [], _comm_message("comm_msg", "late", comm_id="other"))
+    assert list(early.held) == ["other"]

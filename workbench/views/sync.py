@@ -161,7 +161,7 @@ class _EarlyMessages:
 
     @classmethod
     def install(cls, kernel: Any) -> None:
-        """Once per kernel (one with subshells, where comm messages can overtake their comm_open)."""
+        """Once per kernel (without subshells nothing overtakes a comm_open, and nothing is held)."""
         if getattr(kernel, "shell_handlers", None) is None or hasattr(kernel, "_workbench_early_messages"):
             return
         early = kernel._workbench_early_messages = cls(kernel)

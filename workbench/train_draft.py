@@ -435,9 +435,8 @@ def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None
                 max_tokens: int = 128, temperature: float = 0.0, epochs: int = 4, batch_size: int = 8,
                 max_len: int = 256, lr: float = 2e-3, seed: int = 0, draft_vocab_size: int = 4096,
                 intermediate_size: int = 768, num_heads: int = 4, num_hidden_layers: int = 1, k: int = 4,
-                check_prompts: int = 8,
-                unroll: int = 3, ce_weight: float = 0.1, command: str = "", log: Callable[[str], None] = print,
-                progress: bool = True) -> dict[str, Any]:
+                check_prompts: int = 8, unroll: int = 3, ce_weight: float = 0.1, command: str = "",
+                log: Callable[[str], None] = print, progress: bool = True) -> dict[str, Any]:
     """Self-distil a head of `method` for `model` and write its folder (default: the cache's
     draft_heads/<model>/<method>); returns the manifest. `check_prompts` held-out prompts then run through the
     engine with the head (0: skip that check, which costs minutes on smollm2)."""

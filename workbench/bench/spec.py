@@ -160,8 +160,8 @@ def _table_rows(result: dict[str, Any]) -> list[list[object]]:
 _DOCS = ("Model {model}, fp32, greedy (identical tokens with and without drafts: checked), k={k} draft tokens; n-gram "
          "lookup windows 5..2; draft model {draft_model} (drafting for itself accepts every greedy draft: the ceiling "
          "of the mechanism, paying a full draft forward per token). Batch 1: every request alone, one after "
-         "another (two prompts, as before, were too few to judge a proposer by); batch 8: eight together. Median of {runs} alternating runs. Editing prompts ask to rewrite a code passage "
-         "(input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and Medusa: the "
+         "another; batch 8: eight together. Median of {runs} alternating runs. Editing prompts ask to rewrite a "
+         "code passage (input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and Medusa: the "
          "target's default heads ({heads}; each folder's manifest.json says how it was made). Draft share: the "
          "proposer's time over the run's. 1-minute load average before each run and after the last: {load_average} "
          "(2 cores; above 2 the machine was shared and every number is slower and noisier).")

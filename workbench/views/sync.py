@@ -161,7 +161,8 @@ class _EarlyMessages:
 
     @classmethod
     def install(cls, kernel: Any) -> None:
-        """Once per kernel (without subshells nothing overtakes a comm_open, and nothing is held)."""
+        """Once per kernel. Without subshells a message precedes its comm_open only when its comm is gone; such
+        messages are dropped after MAX_AGE_S, as ipykernel drops them at once."""
         if getattr(kernel, "shell_handlers", None) is None or hasattr(kernel, "_workbench_early_messages"):
             return
         early = kernel._workbench_early_messages = cls(kernel)

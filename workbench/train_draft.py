@@ -46,7 +46,7 @@ from engine.spec_decode.medusa import MedusaHeads
 METHODS = ("eagle", "medusa")
 
 # The bundled prompt set: every kind of request about every topic. Held out for the acceptance estimate: every
-# tenth prompt. The spec benchmark's chat prompts are not among them.
+# tenth prompt. The spec benchmark's chat prompts, and their topics, are not among them.
 _TOPICS = ("the ocean", "volcanoes", "the Roman Empire", "photosynthesis", "jazz music", "chess", "a rainy city",
            "the moon landing", "coffee", "friendship", "a lighthouse keeper", "electric cars", "mountain climbing",
            "the printing press", "dinosaurs", "a small bakery", "learning a language", "the internet", "gardening",
@@ -71,7 +71,29 @@ _TOPICS = ("the ocean", "volcanoes", "the Roman Empire", "photosynthesis", "jazz
            "spices", "the Eiffel Tower", "a school trip", "bridges", "a tailor", "robots in factories",
            "a quiet morning", "the Pyramids of Giza", "video games", "a night train", "yoga", "the brain",
            "a flower shop", "snow leopards", "a team project", "kites", "the Arctic",
-           "a radio station", "ice cream")
+           "a radio station", "ice cream",
+           "gravity", "electricity", "magnets", "atoms", "DNA", "evolution", "bacteria", "viruses",
+           "the speed of sound", "stars", "galaxies", "comets", "the Sun", "ocean tides", "the four seasons",
+           "plate tectonics", "fossils", "chemical reactions", "batteries", "the human skeleton", "blood", "the lungs",
+           "digestion", "muscles", "the eye", "hearing", "memory", "dreams", "fungi", "ants", "butterflies", "frogs",
+           "sharks", "dolphins", "owls", "horses", "spiders", "cactus plants", "seeds", "soil", "hurricanes",
+           "lightning", "fog", "computers", "artificial intelligence", "email", "3D printing", "satellites", "GPS",
+           "rockets", "nuclear power", "steam engines", "the light bulb", "refrigerators", "cameras", "television",
+           "radio waves", "self-driving cars", "drones", "the compass", "ancient Greece", "the Middle Ages", "knights",
+           "the Maya", "the Incas", "the Cold War", "the American Revolution", "the Ottoman Empire",
+           "the Mongol Empire", "the Titanic", "explorers", "the Wright brothers", "Marie Curie", "Leonardo da Vinci",
+           "Shakespeare", "Mozart", "Cleopatra", "breakfast", "moving to a new city", "a job interview",
+           "public transport", "traffic", "grocery shopping", "a birthday cake", "doing laundry", "a power outage",
+           "a road trip", "a picnic", "a summer holiday", "homework", "neighbours", "pets", "a houseplant",
+           "hot chocolate", "rice", "soup", "pizza", "apples", "sushi", "salt", "vegetables", "a doctor",
+           "a firefighter", "an astronaut", "a pilot", "a chef", "a librarian", "an architect", "a fisherman",
+           "a journalist", "a judge", "a mechanic", "a zookeeper", "an artist", "a football coach", "happiness",
+           "courage", "patience", "curiosity", "creativity", "failure", "success", "trust", "gratitude", "leadership",
+           "teamwork", "stress", "motivation", "habits", "fear", "hope", "Paris", "Tokyo", "New York", "the Sahara",
+           "the Himalayas", "Antarctica", "a tropical island", "a small town", "an airport", "a beach", "a waterfall",
+           "a cave", "a zoo", "an amusement park", "swimming", "dancing", "fishing", "singing", "reading books",
+           "keeping a diary", "baking cookies", "playing the piano", "learning math", "meditation", "tennis",
+           "basketball")
 _KINDS = ("Tell me about {}.", "Write a short story about {}.", "Explain {} to a child.",
           "Give me three interesting facts about {}.", "Write a short poem about {}.", "What is the history of {}?",
           "Describe {} in a few sentences.", "What are the pros and cons of {}?", "Why do people care about {}?",

@@ -339,3 +339,19 @@ def test_a_head_is_written_in_shards_under_the_limit_and_read_back_equal(tmp_pat
     _, loaded = draft_heads.load_head(tmp_path, "eagle", 20)
     assert loaded.keys() == tensors.keys() and torch.equal(loaded["ids"], tensors["ids"])
     assert torch.equal(loaded["a"], tensors["a"].half())
+
+
+@pytest.mark.parametrize("method", td.METHODS)
+def test_a_committed_heads_command_names_the_data_it_learned_from(method) -> None:
+    """Each committed head's manifest carries the command that made it: run today, on the bundled prompt set as it is
+    now (which grows), that command reads as many prompts as the head learned from, with its held-out tenth."""
+    import shlex
+
+    from workbench.cli import build_parser
+
+    manifest = json.loads((draft_heads.BUNDLED_HEADS / "smollm2-135m" / method / "manifest.json").read_text())
+    args = build_parser().parse_args(shlex.split(manifest["command"])[1:])
+    prompts = td.prompt_set()[:args.num_prompts]
+    assert (args.method, args.model, args.epochs) == (method, manifest["target"], manifest["training"]["epochs"])
+    assert len(prompts) == manifest["data"]["prompts"]
+    assert len(prompts[9::10]) == manifest["data"]["held_out_prompts"]

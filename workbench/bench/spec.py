@@ -48,15 +48,12 @@ def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[st
     return {name: configs[name] for name in ("none", *names) if name in configs}
 
 
-def _run(llm: LLM, requests: Sequence[BenchRequest], batch_size: int) -> tuple[float, int, list[list[int]]]:
-    """Requests in consecutive batches of `batch_size`; returns seconds, output tokens, and the tokens."""
-    llm.engine.reset_prefix_cache()
-    tokens, t0 = [], time.perf_counter()
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
-        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=r.ignore_eos) for r in batch]
-        tokens += [o.token_ids for o in llm.generate([r.prompt_token_ids for r in batch], params, use_tqdm=False)]
-    return time.perf_counter() - t0, sum(len(t) for t in tokens), tokens
+def _run_batch(llm: LLM, batch: Sequence[BenchRequest]) -> tuple[float, list[list[int]]]:
+    """One batch of requests together; returns seconds and the tokens."""
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=r.ignore_eos) for r in batch]
+    t0 = time.perf_counter()
+    tokens = [o.token_ids for o in llm.generate([r.prompt_token_ids for r in batch], params, use_tqdm=False)]
+    return time.perf_counter() - t0, tokens
 
 
 def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = None, batch_sizes=(1, 8),
@@ -64,7 +61,7 @@ def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = 
              max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
              methods_: Sequence[str] = METHODS, workloads_: Sequence[str] = ("editing", "chat"),
              log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Median seconds per (workload, batch size, method), alternating methods within each run; acceptance
+    """Median seconds per (workload, batch size, method), the methods taking turns batch by batch; acceptance
     statistics and the proposer's time from the engines' SpecDecodingStats; the 1-minute load average before each
     run and after the last."""
     configs = methods(k, draft_model or model, methods_)
@@ -82,17 +79,26 @@ def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = 
         load.append(os.getloadavg()[0])
         for wname, requests in workloads.items():
             for bs in batch_sizes:
-                reference = None
+                before = {name: _stats(llm) for name, llm in llms.items()}
+                seconds = dict.fromkeys(llms, 0.0)
+                tokens: dict[str, list[list[int]]] = {name: [] for name in llms}
+                for llm in llms.values():
+                    llm.engine.reset_prefix_cache()
+                # each batch through every method in turn: a slow spell of this shared host (its runs of one engine
+                # have differed by 20%) falls on all of them, not on whichever method ran all its batches then
+                for i in range(0, len(requests), bs):
+                    for name, llm in llms.items():
+                        s, batch_tokens = _run_batch(llm, requests[i:i + bs])
+                        seconds[name] += s
+                        tokens[name] += batch_tokens
                 for name, llm in llms.items():
-                    before = _stats(llm)
-                    seconds, num_tokens, tokens = _run(llm, requests, bs)
-                    reference = tokens if reference is None else reference
-                    if tokens != reference:
+                    if tokens[name] != tokens["none"]:
                         raise RuntimeError(f"{name}: greedy tokens differ from the run without speculation")
-                    times.setdefault((wname, bs, name), []).append(seconds)
+                    num_tokens = sum(len(t) for t in tokens[name])
+                    times.setdefault((wname, bs, name), []).append(seconds[name])
                     results[(wname, bs, name)] = {"output_tokens": num_tokens,
-                                                  **_delta(before, _stats(llm), seconds)}
-                    log(f"run {run + 1}/{runs} {wname} batch {bs} {name}: {seconds:.2f} s, {num_tokens} tokens")
+                                                  **_delta(before[name], _stats(llm), seconds[name])}
+                    log(f"run {run + 1}/{runs} {wname} batch {bs} {name}: {seconds[name]:.2f} s, {num_tokens} tokens")
     rows = []
     for (wname, bs, name), r in results.items():
         median = statistics.median(times[(wname, bs, name)])
@@ -160,7 +166,8 @@ def _table_rows(result: dict[str, Any]) -> list[list[object]]:
 _DOCS = ("Model {model}, fp32, greedy (identical tokens with and without drafts: checked), k={k} draft tokens; n-gram "
          "lookup windows 5..2; draft model {draft_model} (drafting for itself accepts every greedy draft: the ceiling "
          "of the mechanism, paying a full draft forward per token). Batch 1: every request alone, one after "
-         "another; batch 8: eight together. Median of {runs} alternating runs. Editing prompts ask to rewrite a "
+         "another; batch 8: eight together. The methods take turns batch by batch (each batch runs through "
+         "every method before the next batch). Median of {runs} runs. Editing prompts ask to rewrite a "
          "code passage (input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and Medusa: the "
          "target's default heads ({heads}; each folder's manifest.json says how it was made). Draft share: the "
          "proposer's time over the run's. 1-minute load average before each run and after the last: {load_average} "

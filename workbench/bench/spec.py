@@ -56,6 +56,23 @@ def _run_batch(llm: LLM, batch: Sequence[BenchRequest]) -> tuple[float, list[lis
     return time.perf_counter() - t0, tokens
 
 
+def _run_in_turns(llms: dict[str, LLM], requests: Sequence[BenchRequest],
+                  batch_size: int) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
+    """The requests in consecutive batches, each batch through every engine in turn; seconds and tokens per engine.
+    Taking turns batch by batch, a slow spell of this shared host (its runs of one engine have differed by 20%)
+    falls on every method, not on whichever one was running all its batches then."""
+    seconds = dict.fromkeys(llms, 0.0)
+    tokens: dict[str, list[list[int]]] = {name: [] for name in llms}
+    for llm in llms.values():
+        llm.engine.reset_prefix_cache()
+    for i in range(0, len(requests), batch_size):
+        for name, llm in llms.items():
+            s, batch_tokens = _run_batch(llm, requests[i:i + batch_size])
+            seconds[name] += s
+            tokens[name] += batch_tokens
+    return seconds, tokens
+
+
 def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = None, batch_sizes=(1, 8),
              num_requests: int = 8, output_len: int = 96, runs: int = 2, seed: int = 0,
              max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
@@ -80,17 +97,7 @@ def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = 
         for wname, requests in workloads.items():
             for bs in batch_sizes:
                 before = {name: _stats(llm) for name, llm in llms.items()}
-                seconds = dict.fromkeys(llms, 0.0)
-                tokens: dict[str, list[list[int]]] = {name: [] for name in llms}
-                for llm in llms.values():
-                    llm.engine.reset_prefix_cache()
-                # each batch through every method in turn: a slow spell of this shared host (its runs of one engine
-                # have differed by 20%) falls on all of them, not on whichever method ran all its batches then
-                for i in range(0, len(requests), bs):
-                    for name, llm in llms.items():
-                        s, batch_tokens = _run_batch(llm, requests[i:i + bs])
-                        seconds[name] += s
-                        tokens[name] += batch_tokens
+                seconds, tokens = _run_in_turns(llms, requests, bs)
                 for name, llm in llms.items():
                     if tokens[name] != tokens["none"]:
                         raise RuntimeError(f"{name}: greedy tokens differ from the run without speculation")
@@ -167,11 +174,11 @@ _DOCS = ("Model {model}, fp32, greedy (identical tokens with and without drafts:
          "lookup windows 5..2; draft model {draft_model} (drafting for itself accepts every greedy draft: the ceiling "
          "of the mechanism, paying a full draft forward per token). Batch 1: every request alone, one after "
          "another; batch 8: eight together. The methods take turns batch by batch (each batch runs through "
-         "every method before the next batch). Median of {runs} runs. Editing prompts ask to rewrite a "
-         "code passage (input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and Medusa: the "
-         "target's default heads ({heads}; each folder's manifest.json says how it was made). Draft share: the "
-         "proposer's time over the run's. 1-minute load average before each run and after the last: {load_average} "
-         "(2 cores; above 2 the machine was shared and every number is slower and noisier).")
+         "every method before the next batch). Median of {runs} runs. Editing prompts ask to rewrite a code "
+         "passage (input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and "
+         "Medusa: the target's default heads ({heads}; each folder's manifest.json says how it was made). Draft "
+         "share: the proposer's time over the run's. 1-minute load average before each run and after the last: "
+         "{load_average} (2 cores; above 2 the machine was shared and every number is slower and noisier).")
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:

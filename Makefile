@@ -22,7 +22,7 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 NBSTRIPOUT := "$(abspath $(BIN))/python" -m nbstripout --keep-id --extra-keys "$(foreach k,codemirror_mode \
 	file_extension mimetype nbconvert_exporter pygments_lexer version,metadata.language_info.$(k))"
 
-.PHONY: lab test bench strip screenshots gpu-check
+.PHONY: lab test bench strip screenshots gpu-check vllm-ref fidelity
 
 lab: $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
 	PANEL_INLINE=true $(BIN)/jupyter lab --ip 127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_tour.ipynb
@@ -96,3 +96,22 @@ $(GIT_FILTER): $(STAMP) Makefile
 $(CPU_OPS): $(EDITABLE) kernels/cpu/ops.cpp kernels/cpu/build.py
 	$(BIN)/python -m kernels.cpu.build
 	touch $@
+
+# vLLM 0.33.0 as a reference, never a dependency: its own venv (.venv-vllm), whose scheduler and KV cache manager
+# `workbench fidelity` drives side by side with this engine (docs/FIDELITY.md). Built once (~3 min, ~2 GB).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm-ref: $(VLLM_STAMP)
+$(VLLM_STAMP): tests/fidelity/requirements-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --no-deps vllm==0.33.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+	$(VLLM_VENV)/bin/pip install -r tests/fidelity/requirements-vllm.txt
+	touch $@
+
+# Re-record the golden traces from live vLLM, then compare this engine with it on fresh seeded workloads
+# (FIDELITY_WORKLOADS per coverage group).
+FIDELITY_WORKLOADS ?= 1000
+fidelity: $(EDITABLE) $(VLLM_STAMP)
+	$(BIN)/workbench fidelity record --vllm-python $(VLLM_VENV)/bin/python
+	$(BIN)/workbench fidelity run --vllm-python $(VLLM_VENV)/bin/python --workloads $(FIDELITY_WORKLOADS)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -101,7 +101,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: size the cache from kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
     enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "builtin"
+    # vLLM's algorithms, bit-equal to its hashes: "sha256" (pickle, vLLM's default) and "sha256_cbor"; "builtin"
+    # is this engine's own: Python's hash of a tuple, fastest, the same only within one process
+    prefix_caching_hash_algo: str = "sha256"
     # scheduler
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -109,6 +111,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    # vLLM 0.33: admit a waiting request only if its whole sequence fits in the free blocks, not only its first chunk
+    scheduler_reserve_full_isl: bool = True
+    max_logprobs: int = 20  # vLLM's: the most logprobs / prompt_logprobs a request may ask for (engine/limits.py)
     # model
     # None: float32 on CPU, bfloat16 on CUDA. On a CPU it is how weights and the KV cache are stored: the
     # arithmetic runs in float32 there (kernels.linear converts bf16 weights as it streams them)
@@ -124,8 +129,11 @@ class EngineConfig:
     # processes on torch.distributed (chosen by itself when tensor_parallel_size > 1, as vLLM does); "simulated"
     # runs the scheduler and KV cache over a cost model of `hardware` (a name of its table or a dict) in simulated
     # time, no weights
+    # "scripted": the simulated executor whose sampled tokens come from `token_script` (engine/executor/scripted.py),
+    # priced on the "cpu" hardware unless told otherwise
     executor: str = "uniproc"
     hardware: str | dict | None = None
+    token_script: dict | Callable | None = None
     tensor_parallel_size: int = 1
     # tensor parallelism over several machines, as torch.distributed: the ranks split evenly over `nnodes` nodes;
     # this engine is node 0, the others run `python -m engine.distributed.launch`; they meet at master_addr and
@@ -147,7 +155,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         ints = ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                "long_prefill_token_threshold", "seed")
+                "long_prefill_token_threshold", "seed", "max_logprobs")
         for name in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -156,7 +164,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name}: expected int or None, got {type(value).__name__}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "scheduler_reserve_full_isl"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.model, str):
@@ -191,11 +199,24 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_data_parallel()
-        if self.executor not in ("uniproc", "multiproc", "simulated"):
-            raise ValueError(f"executor: must be 'uniproc', 'multiproc' or 'simulated', got {self.executor!r}")
-        if self.executor != "simulated":
+        if self.executor not in ("uniproc", "multiproc", "simulated", "scripted"):
+            raise ValueError("executor: must be 'uniproc', 'multiproc', 'simulated' or 'scripted', "
+                             f"got {self.executor!r}")
+        if self.executor == "scripted":
+            if self.token_script is None:
+                raise ValueError("token_script: executor 'scripted' samples from a script: give token_script "
+                                 "({request_id: [token ids]} or a callable)")
+            self.hardware = "cpu" if self.hardware is None else self.hardware
+        if self.token_script is not None:
+            from engine.executor.scripted import check_token_script
+
+            check_token_script(self.token_script)
+        if not self.simulated:
             if self.hardware is not None:
                 raise ValueError("hardware: only the simulated executor reads it (executor='simulated')")
+            if self.token_script is not None:
+                raise ValueError("token_script: only a model-free executor reads it (executor='scripted' or "
+                                 "'simulated')")
             if self.tensor_parallel_size != 1:
                 self.executor = "multiproc"  # one process cannot hold several ranks
             self._check_nodes()
@@ -234,7 +255,7 @@ class EngineConfig:
         if self.tensor_parallel_size != 1:  # a replica's process is a daemon: it cannot start TP workers
             raise ValueError(f"data_parallel_size: {dp} with tensor_parallel_size {self.tensor_parallel_size} is not "
                              "supported yet (use one of them)")
-        for name, bad in (("executor", self.executor == "simulated"), ("kv_transfer_config",
+        for name, bad in (("executor", self.simulated), ("kv_transfer_config",
                                                                         self.kv_transfer_config is not None)):
             if bad:
                 raise ValueError(f"data_parallel_size: {dp} with {name} {getattr(self, name)!r} is not supported")
@@ -260,14 +281,17 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold: must be >= 0, got {self.long_prefill_token_threshold}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.prefix_caching_hash_algo not in ("builtin", "sha256"):
-            raise ValueError(
-                f"prefix_caching_hash_algo: must be 'builtin' or 'sha256', got {self.prefix_caching_hash_algo!r}"
-            )
+        from engine.core.block_hash import HASH_FUNCTIONS
+
+        if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:
+            raise ValueError(f"prefix_caching_hash_algo: must be one of {sorted(HASH_FUNCTIONS)}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
 
     def set_max_model_len(self, model_max: int) -> None:
         """Fill `max_model_len` from the model's limit, then check what depends on it."""
@@ -288,6 +312,11 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"{unknown[0]}: not an EngineConfig field (known: {', '.join(sorted(known))})")
         return cls(**kwargs)
+
+    @property
+    def simulated(self) -> bool:
+        """No model runs: the simulated executor (random or scripted tokens) on the simulated clock."""
+        return self.executor in ("simulated", "scripted")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -36,7 +36,7 @@ class LLMEngine:
         self.events = EventLog()
         self.events.begin(1)  # adds and aborts between steps belong to the step that follows them
         # every stamp below (records, arrivals, request metrics) reads this clock: simulated time when simulated
-        self.clock = SimulatedClock() if config.executor == "simulated" else Clock()
+        self.clock = SimulatedClock() if config.simulated else Clock()
         self.executor = get_executor_class(config)(config, self.events, self.clock)
         self.model_path = self.executor.model_path  # None for a simulated model without a folder
         self.runner = self.executor.runner  # the in-process ModelRunner (None when simulated)
@@ -128,6 +128,9 @@ class LLMEngine:
 
     def _check_logits_options(self, params: SamplingParams) -> list[list[int]]:
         """Token ids of the logits options within the vocabulary; `bad_words` tokenized (returned)."""
+        if params.min_tokens and self.config.speculative is not None:
+            # the sampler bans EOS and stop ids before min_tokens; verification of drafts does not yet
+            raise ValueError("min_tokens: not supported with speculative_config yet")
         if not uses_logits_options(params):
             return []
         if self.config.speculative is not None:

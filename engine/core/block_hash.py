@@ -1,15 +1,21 @@
-"""Chained block hashes: a full block's identity is hash(parent block's hash, its token ids, extra keys).
+"""Chained block hashes: a full block's identity is hash((parent block's hash, its token ids, extra keys)).
 
-Two algorithms, as vLLM: "builtin" (Python's hash of a tuple, fast, stable only within a process when
-extra keys hold strings) and "sha256" (over a canonical byte encoding: the same in every process and on
-every machine, so KV can move between instances by hash).
+vLLM 0.33's algorithms, bit-equal to its own (vllm/v1/core/kv_cache_utils.py `hash_block_tokens`,
+vllm/utils/hashing.py): "sha256" (SHA-256 of the pickled tuple, vLLM's default) and "sha256_cbor" (SHA-256 of its
+canonical CBOR, the same in any language). The first block's parent is vLLM's `NONE_HASH`: the algorithm applied
+to the seed "vllm-none-hash", or to $PYTHONHASHSEED where that is set. So a block hash here names the same tokens as
+the same hash in vLLM, and KV can move between instances (and processes) by hash. "builtin" is this engine's own
+fast option: Python's hash of the tuple, stable only within one process.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
-import struct
+import os
+import pickle
 from typing import Callable, Sequence
+
+import cbor2
 
 from engine.request import Request
 
@@ -17,25 +23,40 @@ BlockHash = int | bytes
 ExtraKeys = tuple | None
 HashFn = Callable[[BlockHash | None, Sequence[int], ExtraKeys], BlockHash]
 
-# The parent of a request's first block. Fixed (not random) so that sha256 chains agree across processes.
-_ROOT_SEED = b"inference-workbench/prefix-cache/v1"
-_BUILTIN_ROOT = int.from_bytes(hashlib.sha256(_ROOT_SEED).digest()[:8], "little")
-_SHA256_ROOT = hashlib.sha256(_ROOT_SEED).digest()
+_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 
-def builtin_hash(parent: BlockHash | None, token_ids: Sequence[int], extra: ExtraKeys) -> int:
-    return hash((_BUILTIN_ROOT if parent is None else parent, tuple(token_ids), extra))
+def _sha256_pickle(obj: object) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _sha256_cbor(obj: object) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+@functools.cache
+def none_hash(algo: str) -> BlockHash:
+    """vLLM's NONE_HASH for `algo`: the parent of every request's first block (read once per process, as vLLM
+    reads $PYTHONHASHSEED once at start)."""
+    seed = os.environ.get("PYTHONHASHSEED", _DEFAULT_NONE_HASH_SEED)
+    if algo == "builtin":
+        return hash(seed)
+    return {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}[algo](seed)
 
 
 def sha256_hash(parent: BlockHash | None, token_ids: Sequence[int], extra: ExtraKeys) -> bytes:
-    h = hashlib.sha256(_SHA256_ROOT if parent is None else parent)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    if extra is not None:
-        h.update(json.dumps(extra, separators=(",", ":"), sort_keys=True).encode())
-    return h.digest()
+    return _sha256_pickle((parent or none_hash("sha256"), tuple(token_ids), extra))
 
 
-HASH_FUNCTIONS: dict[str, HashFn] = {"builtin": builtin_hash, "sha256": sha256_hash}
+def sha256_cbor_hash(parent: BlockHash | None, token_ids: Sequence[int], extra: ExtraKeys) -> bytes:
+    return _sha256_cbor((parent or none_hash("sha256_cbor"), tuple(token_ids), extra))
+
+
+def builtin_hash(parent: BlockHash | None, token_ids: Sequence[int], extra: ExtraKeys) -> int:
+    return hash((none_hash("builtin") if parent is None else parent, tuple(token_ids), extra))
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": sha256_hash, "sha256_cbor": sha256_cbor_hash, "builtin": builtin_hash}
 
 
 def hash_hex(block_hash: BlockHash | None) -> str | None:
@@ -48,10 +69,11 @@ def hash_hex(block_hash: BlockHash | None) -> str | None:
 
 
 def extra_keys_for_block(request: Request, block_index: int) -> ExtraKeys:
-    """The salt goes into the first block only: the whole chain then differs, so only same-salt requests share.
-    The second slot is kept for adapter ids (LoRA) so adding them later does not reshape the key."""
-    if block_index == 0 and request.cache_salt is not None:
-        return (request.cache_salt, None)
+    """vLLM's extra keys: the salt goes into the first block only, as ("cache_salt", salt) (an empty salt is no
+    salt); the whole chain then differs, so only same-salt requests share. (vLLM puts LoRA names and multimodal
+    hashes here too; this engine has neither.)"""
+    if block_index == 0 and request.cache_salt:
+        return (("cache_salt", request.cache_salt),)
     return None
 
 

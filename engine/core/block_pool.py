@@ -1,8 +1,10 @@
-"""The block pool: every KV block, the free block queue, and the map from block hash to cached block.
+"""The block pool: every KV block, the free block queue, and the map from block hash to cached blocks.
 
-A freed block keeps its hash and waits in the free queue as "cached-free": a later request with the same
-prefix can take it back (`touch`). It is evicted lazily, only when it reaches the head of the queue and is
-popped to serve a new allocation.
+As vLLM 0.33 (vllm/v1/core/block_pool.py): a freed block that holds a hash waits at the tail of the free queue as
+"cached-free" (LRU: a later request with the same prefix can take it back with `touch`; it is evicted lazily, only
+when it reaches the head and is popped for a new allocation); a freed block without a hash, or every freed block
+when prefix caching is off, goes to the head (LIFO: it is reused first). Two blocks may hold the same hash (two
+requests computed the same prefix at once): both are cached, and a lookup takes the one cached first.
 """
 from __future__ import annotations
 
@@ -74,6 +76,15 @@ class FreeKVCacheBlockQueue:
         for block in blocks:
             self.append(block)
 
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put blocks at the head, in the given order (the first is popped first)."""
+        nxt = self._head.next_free_block
+        for block in reversed(blocks):
+            nxt.prev_free_block, block.next_free_block = block, nxt
+            nxt = block
+        self._head.next_free_block, nxt.prev_free_block = nxt, self._head
+        self.num_free_blocks += len(blocks)
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         out, block = [], self._head.next_free_block
         while block is not self._tail:
@@ -83,7 +94,7 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """Owns all KV blocks: allocation, ref counts, the free queue, and the hash -> cached block map.
+    """Owns all KV blocks: allocation, ref counts, the free queue, and the hash -> cached blocks map.
 
     Block 0 is the null block: never allocated, it pads block tables.
     """
@@ -94,28 +105,30 @@ class BlockPool:
         self.events = events
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # hash -> {block id: block}, in the order they were cached (vLLM's BlockHashToBlockMap)
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.num_cached_free = 0  # blocks in the free queue that still hold a hash
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
     # ---- prefix cache -------------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+        blocks = self.cached_block_hash_to_block.get(block_hash)
+        return next(iter(blocks.values())) if blocks else None
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
                           num_cached_blocks: int, num_full_blocks: int) -> None:
         """Give blocks[num_cached_blocks:num_full_blocks] their hashes and enter them in the map."""
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block.is_null:
                 continue  # a prefix hit: cached already
             block_hash = block_hashes[i]
-            if block_hash in self.cached_block_hash_to_block:
-                continue  # another request computed the same block first; this copy stays anonymous
             block.block_hash = block_hash
             block.parent_hash = block_hashes[i - 1] if i else None
-            self.cached_block_hash_to_block[block_hash] = block
+            # another request may have computed the same block first: both copies are cached (vLLM does not
+            # de-duplicate, so that block tables stay append-only)
+            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
             self.events.emit(KVCached, block_id=block.block_id, block_hash=hash_hex(block_hash),
                              parent_hash=hash_hex(block.parent_hash))
 
@@ -123,8 +136,10 @@ class BlockPool:
         """Forget a block's hash: it leaves the map and can no longer be hit."""
         if block.block_hash is None:
             return
-        if self.cached_block_hash_to_block.get(block.block_hash) is block:
-            del self.cached_block_hash_to_block[block.block_hash]
+        blocks = self.cached_block_hash_to_block.get(block.block_hash, {})
+        blocks.pop(block.block_id, None)
+        if not blocks:
+            self.cached_block_hash_to_block.pop(block.block_hash, None)
         self.events.emit(KVEvicted, block_id=block.block_id, block_hash=hash_hex(block.block_hash))
         block.block_hash = block.parent_hash = None
 
@@ -159,14 +174,25 @@ class BlockPool:
         return blocks
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each; those that reach 0 go to the tail in the given order
-        (callers pass a request's blocks tail first, so its tail is evicted before its prefix)."""
+        """Drop one reference from each; those that reach 0 join the free queue in the given order (callers pass a
+        request's blocks tail first): cached ones at the tail (LRU: its tail is evicted before its prefix),
+        the others at the head (LIFO: reused first, as they can never be hit)."""
+        reuse_first, reuse_last = [], []
         for block in ordered_blocks:
+            if block.is_null:
+                continue
             block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
-                self.free_block_queue.append(block)
-                if block.block_hash is not None:
-                    self.num_cached_free += 1
+            if block.ref_cnt == 0:
+                (reuse_last if block.block_hash is not None and self.enable_caching else reuse_first).append(block)
+        self.free_block_queue.prepend_n(reuse_first)
+        self.free_block_queue.append_n(reuse_last)
+        self.num_cached_free += len(reuse_last)
+
+    def forget_hashes(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Uncache free blocks whose KV was never computed, where they stand in the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                self._maybe_evict(block)
 
     # ---- figures --------------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:

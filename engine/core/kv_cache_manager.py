@@ -81,23 +81,30 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_lookahead_tokens: int = 0, delay_cache_blocks: bool = False) -> list[KVCacheBlock] | None:
+                       num_lookahead_tokens: int = 0, delay_cache_blocks: bool = False,
+                       full_sequence_must_fit: bool = False) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` (plus lookahead slots for draft tokens) after the request's computed
         tokens and its new prefix hits. Returns the newly allocated blocks, or None if the pool is short
         (then nothing changes). `delay_cache_blocks`: the new blocks get their KV later (an asynchronous load),
-        so they enter the prefix cache only when `cache_blocks` is called."""
+        so they enter the prefix cache only when `cache_blocks` is called. `full_sequence_must_fit` (vLLM's
+        admission gate, `scheduler_reserve_full_isl`): refuse unless the request's whole sequence would fit now,
+        not only this chunk, so that admitting it cannot force a preemption later in its prefill."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if full_sequence_must_fit:
+            num_tokens = request.num_tokens if self.max_model_len is None else min(request.num_tokens,
+                                                                                  self.max_model_len)
+            if self._num_blocks_to_allocate(blocks, new_computed_blocks, num_tokens) \
+                    > self.block_pool.get_num_free_blocks():
+                return None
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
         if self.max_model_len is not None:  # as vLLM: lookahead slots for drafts never reach past the last position
             num_slots = min(num_slots, self.max_model_len)
-        num_required = cdiv(num_slots, self.block_size)
-        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
-        # hit blocks nobody holds sit in the free queue: taking them uses up free blocks too
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
+        if self._num_blocks_to_allocate(blocks, new_computed_blocks, num_slots) \
+                > self.block_pool.get_num_free_blocks():
             return None
+        num_new_blocks = max(0, cdiv(num_slots, self.block_size) - len(blocks) - len(new_computed_blocks))
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
@@ -112,6 +119,13 @@ class KVCacheManager:
             # draft tokens are not in request.num_tokens, so blocks holding them are never cached
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def _num_blocks_to_allocate(self, blocks: list[KVCacheBlock], new_computed_blocks: list[KVCacheBlock],
+                                num_slots: int) -> int:
+        """Free blocks that `num_slots` token slots would use up: new blocks past those held and hit, plus hit
+        blocks nobody holds (they sit in the free queue, so taking them uses up free blocks too)."""
+        num_new_blocks = max(0, cdiv(num_slots, self.block_size) - len(blocks) - len(new_computed_blocks))
+        return num_new_blocks + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Enter the request's full blocks up to `num_tokens` into the prefix cache (a no-op without caching)."""
@@ -130,13 +144,13 @@ class KVCacheManager:
         """Release a request's blocks, tail first, so its prefix outlives its tail in the cache."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         num_cached = self.num_cached_block.pop(request.request_id, 0)
-        # Blocks are cached when allocated, before the forward computes them. A request preempted in the
-        # step that allocated them leaves them uncomputed: their hashes must not outlive it.
-        for block in blocks[request.num_computed_tokens // self.block_size:num_cached]:
-            if block.ref_cnt == 1:
-                self.block_pool.uncache(block)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+            # Blocks are cached when allocated, before the forward computes them. A request preempted in the step
+            # that allocated them leaves them uncomputed: their hashes must not outlive it. vLLM keeps them (a
+            # later hit would read KV never written; docs/FIDELITY.md): they stay where vLLM's free queue puts
+            # them, so every block id still matches vLLM's, and only lose their hashes.
+            self.block_pool.forget_hashes(blocks[request.num_computed_tokens // self.block_size:num_cached])
             self.events.emit(KVFreed, request_id=request.request_id, block_ids=tuple(b.block_id for b in blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -11,7 +11,7 @@ from engine.executor.abstract import Executor
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
     """The executor class `config.executor` names; imported on use (the simulated one needs no model code)."""
-    if config.executor == "simulated":
+    if config.simulated:
         from engine.executor.simulated import SimulatedExecutor
 
         return SimulatedExecutor

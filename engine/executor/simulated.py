@@ -4,6 +4,7 @@ No weights are loaded and no forward runs. Each step, the cost model prices the 
 hardware and tensor-parallel size, the engine's SimulatedClock advances by that time, and every request that samples
 gets a token: a random id from a generator seeded by the config's `seed`, never the model's EOS nor the request's
 `stop_token_ids`, so each request runs to its `max_tokens` (or `max_model_len`): output lengths are the workload's.
+Given a `token_script` (always, with `executor="scripted"`), the tokens come from it instead (engine/executor/scripted.py).
 Text prompts go through the model folder's tokenizer where it has one, else a byte tokenizer.
 """
 from __future__ import annotations
@@ -16,12 +17,14 @@ from engine.config import EngineConfig
 from engine.core.sched.output import SchedulerOutput
 from engine.events import EventLog
 from engine.executor.abstract import Executor
+from engine.executor.scripted import TokenScript
 from engine.executor.sim.cost_model import CostModel, KVCapacity, ScheduledShape
 from engine.executor.sim.hardware import get_hardware
 from engine.executor.sim.model_spec import load_model_spec
 from engine.executor.sim.tokenizer import spec_tokenizer
 from engine.model.llama import ModelShape
 from engine.model.runner import ModelRunnerOutput
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 
@@ -46,6 +49,8 @@ class SimulatedExecutor(Executor):
         self._rng = np.random.default_rng(config.seed)
         eos = self.eos_token_id
         self._never = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.script = None if config.token_script is None else TokenScript(
+            config.token_script, eos[0] if isinstance(eos, list) else eos, self.vocab_size)
 
     def determine_num_available_blocks(self) -> int:
         """vLLM's rule over the hardware's memory (CostModel.kv_capacity); the split is kept as `kv_capacity`."""
@@ -74,10 +79,13 @@ class SimulatedExecutor(Executor):
                                  len(s.spec_token_ids) + 1 if s.samples else 0) for s in scheduled]
         cost = self.cost_model.step_cost(shapes)
         self.clock.advance(cost.total_s)
-        sampled = {s.request_id: [self._token(s.request.sampling_params)] for s in scheduled if s.samples}
+        sampled = {s.request_id: [self._token(s.request)] for s in scheduled if s.samples}
         return ModelRunnerOutput(sampled, {}, forward_ms=cost.forward_s * 1e3, sample_ms=cost.sampling_s * 1e3)
 
-    def _token(self, params: SamplingParams) -> int:
+    def _token(self, request: Request) -> int:
+        if self.script is not None:
+            return self.script.next_token(request)
+        params = request.sampling_params
         while True:  # a redraw is rare: a few excluded ids in a vocabulary of tens of thousands
             token = int(self._rng.integers(self.vocab_size))
             if token not in self._never and token not in params.stop_token_ids:

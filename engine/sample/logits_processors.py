@@ -1,5 +1,7 @@
 """What a request asks to change in its logits before a token is drawn, as vLLM V1 applies it: allowed token ids,
-bad words, logit bias, then the repetition, frequency and presence penalties (``vllm/v1/sample/ops/penalties.py``).
+bad words, logit bias, min_tokens (EOS and the stop token ids banned until that many tokens are out: vLLM's
+MinTokensLogitsProcessor), then the repetition, frequency and presence penalties
+(``vllm/v1/sample/ops/penalties.py``).
 
 ``LogitsInputs`` holds the per-row inputs of one step; it exists only when some row uses an option, so a batch
 that uses none pays nothing.
@@ -27,12 +29,13 @@ class LogitsInputs:
     logit_bias: list[dict[int, float] | None]
     allowed_token_ids: list[list[int] | None]
     bad_words_token_ids: list[list[list[int]]]
+    min_tokens_banned: list[list[int]]  # per row: EOS and stop ids while the row is short of min_tokens, else []
 
     @classmethod
     def from_requests(cls, requests: Sequence, device: torch.device) -> LogitsInputs | None:
         """The inputs for `requests` (engine Requests, one per logits row), or None when none uses an option."""
         params = [r.sampling_params for r in requests]
-        if not any(uses_logits_options(p) for p in params):
+        if not any(uses_logits_options(p) or p.min_tokens for p in params):
             return None
         return cls(
             prompt_token_ids=[r.prompt_token_ids for r in requests],
@@ -45,6 +48,7 @@ class LogitsInputs:
             logit_bias=[p.logit_bias for p in params],
             allowed_token_ids=[p.allowed_token_ids for p in params],
             bad_words_token_ids=[getattr(r, "bad_words_token_ids", []) for r in requests],
+            min_tokens_banned=[min_tokens_banned(r) for r in requests],
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -52,6 +56,7 @@ class LogitsInputs:
         apply_allowed_token_ids(logits, self.allowed_token_ids)
         apply_bad_words(logits, self.bad_words_token_ids, self.output_token_ids)
         apply_logit_bias(logits, self.logit_bias)
+        apply_min_tokens(logits, self.min_tokens_banned)
         apply_penalties(logits, self.prompt_token_ids, self.output_token_ids, self.presence_penalties,
                         self.frequency_penalties, self.repetition_penalties)
         return logits
@@ -61,6 +66,24 @@ def uses_logits_options(p: SamplingParams) -> bool:
     """Whether a request changes its logits (any penalty, bias, bad word or allowed-token list)."""
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
                 or p.allowed_token_ids or p.bad_words)
+
+
+def min_tokens_banned(request) -> list[int]:
+    """The tokens a request may not sample yet: EOS (even with ignore_eos, as vLLM) and its stop token ids, while
+    fewer than min_tokens of its tokens are out."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        return []
+    eos = getattr(request, "eos_token_id", None)
+    return [*([] if eos is None else [eos]), *params.stop_token_ids]
+
+
+def apply_min_tokens(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    """In place: each row's banned tokens get -inf."""
+    for row, ids in enumerate(banned):
+        if ids:
+            logits[row, ids] = float("-inf")
+    return logits
 
 
 def apply_allowed_token_ids(logits: torch.Tensor, allowed: list[list[int] | None]) -> torch.Tensor:

@@ -116,6 +116,10 @@ class Scheduler:
     # ---- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        # vLLM 0.33: the long-prefill threshold keeps a long prompt from starving the others; with one request
+        # (running or waiting) there is nobody to starve, and it is not applied
+        alone = len(self.running) + len(self.waiting) <= 1
+        self.long_prefill_token_threshold = 0 if alone else self.config.long_prefill_token_threshold
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         budget = self._schedule_running(scheduled, preempted, budget)
@@ -129,18 +133,21 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+    def _num_new_tokens(self, request: Request, num_computed: int) -> int:
+        """Tokens the request has left to compute (drafts included), cut by the long-prefill threshold (which,
+        as in vLLM, cuts with chunked prefill off too)."""
         num_new = request.num_tokens_with_spec - num_computed
-        threshold = self.config.long_prefill_token_threshold
-        if self.config.enable_chunked_prefill and 0 < threshold < num_new:
-            num_new = threshold
-        return min(num_new, budget)
+        threshold = self.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new else num_new
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[Request], budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            num_computed = request.num_computed_tokens
+            # no input position past max_model_len - 1: the token sampled there is the last one the model holds
+            num_new = min(self._num_new_tokens(request, num_computed), budget,
+                          self.config.max_model_len - num_computed - 1)
             if num_new <= 0:
                 index += 1
                 continue
@@ -151,13 +158,19 @@ class Scheduler:
                 budget += self._unschedule(scheduled, victim)
                 self._preempt(victim)
                 preempted.append(victim)
-                if victim is request:
-                    return budget
                 if victim_index < index:
                     index -= 1
-            scheduled.append(self._scheduled(request, num_new, request.num_computed_tokens))
-            budget -= num_new
-            index += 1
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new, num_computed))
+                budget -= num_new
+                index += 1
+                continue
+            if self.policy != "priority":
+                break  # FCFS preempted the request itself: it was the last one
+            # priority: the request was the lowest-priority one and preempted itself; those after it rank higher and
+            # may fit in the blocks it freed (vLLM 0.33 goes on with them)
         return budget
 
     def _pick_victim(self) -> Request:
@@ -251,9 +264,10 @@ class Scheduler:
     def _count_new_tokens(self, a: Admission) -> Verdict | None:
         if a.load_async:  # nothing is computed until the load lands
             return None
-        a.num_new = self._num_new_tokens(a.request, a.num_computed, a.budget)
-        if not self.config.enable_chunked_prefill and a.num_new < a.request.num_tokens - a.num_computed:
+        a.num_new = self._num_new_tokens(a.request, a.num_computed)
+        if not self.config.enable_chunked_prefill and a.num_new > a.budget:
             return Verdict.STOP  # without chunking, a prompt waits until it fits whole
+        a.num_new = min(a.num_new, a.budget)
         return None
 
     def _allocate_slots(self, a: Admission) -> Verdict:
@@ -262,7 +276,8 @@ class Scheduler:
         prefix cache only when it lands: nobody may hit KV that is not there yet."""
         lookahead = 0 if a.load_async else self.num_lookahead_tokens
         if self.kv.allocate_slots(a.request, a.num_external + a.num_new, a.num_hit, a.hit_blocks, lookahead,
-                                  delay_cache_blocks=a.load_async) is None:
+                                  delay_cache_blocks=a.load_async,
+                                  full_sequence_must_fit=self.config.scheduler_reserve_full_isl) is None:
             return Verdict.STOP
         if self.connector is not None:
             self.connector.update_state_after_alloc(a.request, self.kv.get_block_ids(a.request.request_id),
@@ -390,17 +405,16 @@ class Scheduler:
                              draft_token_ids=tuple(tokens), num_cut_by_grammar=num_proposed - len(tokens))
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        # vLLM's order: length first, then (past min_tokens) EOS, then stop token ids
+        # vLLM 0.33's order (vllm/v1/core/sched/utils.py check_stop): EOS, then stop token ids, then length. The
+        # sampler keeps EOS and stop tokens out before min_tokens, so they are not checked against it here
         params = request.sampling_params
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_output_tokens < params.min_tokens:
-            return None
         if not params.ignore_eos and token == request.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
     def finish_request(self, request: Request, status: RequestStatus, error: str | None = None) -> None:

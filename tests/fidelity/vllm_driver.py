@@ -1,0 +1,174 @@
+"""The vLLM side of `workbench fidelity`: runs workloads through vLLM 0.33.0's own V1 `Scheduler` and
+`KVCacheManager` and writes what they decided at every step.
+
+Run only with the reference venv's python (`make vllm-ref` builds .venv-vllm); nothing of the workbench imports
+this file, and this file imports nothing of the workbench: it reads workloads (JSON lines, the format of
+workbench/fidelity/workload.py) and writes one trace per workload (JSON lines, the format of
+workbench/fidelity/trace.py's `step_record`), so each side can be read without the other.
+
+    .venv-vllm/bin/python tests/fidelity/vllm_driver.py WORKLOADS.jsonl TRACES.jsonl
+
+The scheduler is driven as vLLM's own tests drive it (tests/v1/core/utils.py): `schedule()`, then a
+`ModelRunnerOutput` carrying the scripted token of each request whose computed tokens reached its length, then
+`update_from_output(...)`. No model, no GPU, no tokenizer: a tiny Llama config.json stands for the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+_MODEL_DIR = tempfile.mkdtemp(prefix="fidelity-model-")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="fidelity-vllm-cache-"))
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+FINISH_REASONS = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort",
+                  "FINISHED_ERROR": "error"}
+
+
+def _write_model_config(eos_token_id: int) -> None:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
+              "vocab_size": 49152, "max_position_embeddings": 1 << 16, "eos_token_id": eos_token_id,
+              "bos_token_id": 1, "torch_dtype": "float32"}
+    with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+_model_configs: dict = {}
+
+
+def make_scheduler(workload: dict):
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    c = workload["config"]
+    key = c["max_model_len"]
+    if key not in _model_configs:  # the first build inspects the architecture in a subprocess (~10 s)
+        _model_configs[key] = ModelConfig(model=_MODEL_DIR, skip_tokenizer_init=True, max_model_len=key,
+                                          dtype="float32")
+    model_config = _model_configs[key]
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=c["max_num_batched_tokens"],
+        enable_chunked_prefill=c["enable_chunked_prefill"],
+        long_prefill_token_threshold=c["long_prefill_token_threshold"], policy=c["scheduling_policy"],
+        max_model_len=c["max_model_len"], is_encoder_decoder=False)
+    cache_config = CacheConfig(block_size=c["block_size"], enable_prefix_caching=c["enable_prefix_caching"],
+                               prefix_caching_hash_algo=c["prefix_caching_hash_algo"])
+    cache_config.num_gpu_blocks = c["num_blocks"]
+    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
+                             scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"))
+    spec = FullAttentionSpec(block_size=c["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=c["num_blocks"], kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                     structured_output_manager=StructuredOutputManager(vllm_config), block_size=c["block_size"])
+
+
+def make_request(spec: dict, index: int, workload: dict, hasher):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=spec["max_tokens"], min_tokens=spec["min_tokens"],
+                            ignore_eos=spec["ignore_eos"], stop_token_ids=list(spec["stop_token_ids"]))
+    params.update_from_generation_config({}, eos_token_id=workload["eos_token_id"])
+    return Request(spec["request_id"], list(spec["prompt_token_ids"]), params, None, arrival_time=float(index),
+                   priority=spec["priority"], cache_salt=spec["cache_salt"], block_hasher=hasher)
+
+
+def _hash_hex(block) -> str | None:
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    return None if block.block_hash is None else get_block_hash(block.block_hash).hex()[:16]
+
+
+def run_workload(workload: dict) -> dict:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    c = workload["config"]
+    hash_fn = get_hash_fn_by_name(c["prefix_caching_hash_algo"])
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(c["block_size"], hash_fn)
+    scheduler = make_scheduler(workload)
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    scripts = {r["request_id"]: r["output_token_ids"] for r in workload["requests"]}
+    requests: dict = {}
+    steps = []
+    for step in range(workload["max_steps"]):
+        finished = []
+        for index, spec in enumerate(workload["requests"]):
+            if spec["arrival_step"] == step:
+                requests[spec["request_id"]] = request = make_request(spec, index, workload, hasher)
+                scheduler.add_request(request)
+        for rid in workload["aborts"].get(str(step), []):
+            if scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED):
+                finished.append([rid, "abort"])
+        pending = any(s["arrival_step"] > step for s in workload["requests"])
+        if not scheduler.get_num_unfinished_requests() and not pending:
+            break
+        out = scheduler.schedule()
+        cached = out.scheduled_cached_reqs
+        # vLLM's V2 model runner gets resumed requests among the new ones: told apart by their preemptions
+        admitted = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+        for rid, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            if rid in cached.resumed_req_ids:
+                admitted[rid] = num_computed
+        resumed = sorted(rid for rid in admitted if requests[rid].num_preemptions > 0)
+        record = {
+            "step": step,
+            "scheduled": [[rid, n] for rid, n in out.num_scheduled_tokens.items()],
+            "new": [n.req_id for n in out.scheduled_new_reqs if requests[n.req_id].num_preemptions == 0],
+            "resumed": resumed,
+            "preempted": sorted(out.preempted_req_ids),
+            "hit_tokens": dict(sorted(admitted.items())),
+        }
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            r = scheduler.requests[rid]
+            if r.num_computed_tokens >= r.num_tokens:
+                script = scripts[rid]
+                i = len(r.output_token_ids)
+                sampled.append([script[i] if i < len(script) else workload["eos_token_id"]])
+            else:
+                sampled.append([])
+        runner_out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                                       sampled_token_ids=sampled)
+        for outputs in scheduler.update_from_output(out, runner_out).values():
+            for o in outputs.outputs:
+                if o.finish_reason is not None:
+                    finished.append([o.request_id, str(o.finish_reason)])
+        record["requests"] = {rid: {"computed": r.num_computed_tokens, "blocks": list(kv.get_block_ids(rid)[0]),
+                                    "hashes": [_hash_hex(b) for b in kv.get_blocks(rid).blocks[0]]}
+                              for rid, r in sorted(scheduler.requests.items())}
+        record["finished"] = finished
+        record["free_blocks"] = pool.get_num_free_blocks()
+        record["free_queue"] = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+        steps.append(record)
+    outputs = {rid: list(r.output_token_ids) for rid, r in sorted(requests.items())}
+    return {"name": workload["name"], "steps": steps, "outputs": outputs}
+
+
+def main(argv: list[str]) -> int:
+    src, dst = argv[1], argv[2]
+    with open(src) as f:
+        workloads = [json.loads(line) for line in f if line.strip()]
+    if workloads:
+        _write_model_config(workloads[0]["eos_token_id"])
+    with open(dst, "w") as f:
+        for workload in workloads:
+            f.write(json.dumps(run_workload(workload), separators=(",", ":")) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,82 @@
+"""This engine's side of `workbench fidelity`: a workload through `LLMEngine` with the scripted executor (no model),
+recording at every step what vLLM's side records (tests/fidelity/vllm_driver.py), in the same shape:
+
+- scheduled: [[request id, tokens]] in the order the scheduler took them (running first, then waiting);
+- new / resumed: the requests admitted from waiting this step (first time, or after a preemption);
+- preempted: sorted ids; hit_tokens: for each admitted request, the tokens it starts from (prefix-cache hits);
+- requests: every live request's num_computed_tokens, block ids and the hash each block holds (None if uncached);
+- finished: [request id, reason] in the order they finished (aborts before the step first);
+- free_blocks and free_queue: the free block count and the free queue's block ids, head first.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engine import LLMEngine, SamplingParams
+from engine.core.block_hash import hash_hex
+
+
+def make_engine(workload: dict[str, Any]) -> LLMEngine:
+    c = workload["config"]
+    scripts = {r["request_id"]: r["output_token_ids"] for r in workload["requests"]}
+    return LLMEngine(
+        executor="scripted", token_script=scripts, num_kv_blocks=c["num_blocks"], block_size=c["block_size"],
+        max_num_batched_tokens=c["max_num_batched_tokens"], max_num_seqs=c["max_num_seqs"],
+        max_model_len=c["max_model_len"], enable_chunked_prefill=c["enable_chunked_prefill"],
+        enable_prefix_caching=c["enable_prefix_caching"],
+        long_prefill_token_threshold=c["long_prefill_token_threshold"], scheduling_policy=c["scheduling_policy"],
+        prefix_caching_hash_algo=c["prefix_caching_hash_algo"])
+
+
+def _add(engine: LLMEngine, spec: dict[str, Any], index: int) -> None:
+    params = SamplingParams(max_tokens=spec["max_tokens"], min_tokens=spec["min_tokens"],
+                            ignore_eos=spec["ignore_eos"], stop_token_ids=list(spec["stop_token_ids"]))
+    engine.add_request(list(spec["prompt_token_ids"]), params, request_id=spec["request_id"],
+                       priority=spec["priority"], cache_salt=spec["cache_salt"], arrival_time=float(index))
+
+
+def _live_requests(engine: LLMEngine) -> dict[str, dict[str, Any]]:
+    kv = engine.kv_cache_manager
+    return {rid: {"computed": r.num_computed_tokens, "blocks": kv.get_block_ids(rid),
+                  "hashes": [hash_hex(b.block_hash) for b in kv.req_to_blocks.get(rid, [])]}
+            for rid, r in sorted(engine.scheduler.requests.items())}
+
+
+def run_workload(workload: dict[str, Any]) -> dict[str, Any]:
+    """The workload through this engine; returns its trace: {"name", "steps": [step records], "outputs"}."""
+    engine = make_engine(workload)
+    if engine.eos_token_id != workload["eos_token_id"]:
+        raise ValueError(f"eos_token_id: the workload's is {workload['eos_token_id']}, "
+                         f"the engine's {engine.eos_token_id}")
+    scheduler, pool = engine.scheduler, engine.kv_cache_manager.block_pool
+    requests: dict = {}
+    steps = []
+    for step in range(workload["max_steps"]):
+        for index, spec in enumerate(workload["requests"]):
+            if spec["arrival_step"] == step:
+                _add(engine, spec, index)
+                requests[spec["request_id"]] = scheduler.requests[spec["request_id"]]
+        for rid in workload["aborts"].get(str(step), []):  # its request.finished lands in this step's record
+            if rid in scheduler.requests:
+                engine.abort(rid)
+        pending = any(s["arrival_step"] > step for s in workload["requests"])
+        if not engine.has_unfinished_requests() and not pending:
+            break
+        was_running = {r.request_id for r in scheduler.running}
+        record = engine.step()
+        events = [e for e in record.events if e.step == record.step]
+        admitted = [e for e in events if e.kind == "request.scheduled" and e.request_id not in was_running]
+        steps.append({
+            "step": step,
+            "scheduled": [[rid, n] for rid, n in record.scheduled.items()],
+            "new": [e.request_id for e in admitted if requests[e.request_id].num_preemptions == 0],
+            "resumed": sorted(e.request_id for e in admitted if requests[e.request_id].num_preemptions > 0),
+            "preempted": sorted(e.request_id for e in events if e.kind == "request.preempted"),
+            "hit_tokens": dict(sorted((e.request_id, e.num_computed_tokens) for e in admitted)),
+            "requests": _live_requests(engine),
+            "finished": [[e.request_id, e.reason] for e in events if e.kind == "request.finished"],
+            "free_blocks": pool.get_num_free_blocks(),
+            "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        })
+    outputs = {rid: list(r.output_token_ids) for rid, r in sorted(requests.items())}
+    return {"name": workload["name"], "steps": steps, "outputs": outputs}

@@ -1,0 +1,100 @@
+"""Seeded random workloads for the differential check against vLLM: a config, requests as token ids with the
+tokens each will sample (its script), arrival steps, priorities, cache salts and aborts. Plain JSON, so the vLLM
+side (tests/fidelity/vllm_driver.py, in another venv) reads the same thing this engine runs.
+
+Each coverage group draws what it covers and keeps the rest at defaults that cannot hide it:
+- core: FCFS and priority, chunked prefill on and off, prefix caching on and off with cache salts, the long-prefill
+  threshold, max_num_seqs, pools small enough to preempt;
+- lifecycle: the same, plus aborts in every state (waiting, running, preempted, finished, before arrival), EOS,
+  stop tokens, min_tokens, ignore_eos and max_model_len reached before max_tokens.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+GROUPS = ("core", "lifecycle")
+EOS_TOKEN_ID = 2
+VOCAB = range(3, 500)  # script and prompt tokens: small ids, never EOS unless placed on purpose
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _config(rng: random.Random) -> dict[str, Any]:
+    block_size = rng.choice([4, 8, 16])
+    max_model_len = rng.choice([32, 48, 64, 96, 128])
+    chunked = rng.random() < 0.7
+    max_num_seqs = rng.choice([1, 2, 3, 4, 6, 8])
+    budget = rng.choice([8, 16, 24, 32, 48, 64, 128])
+    if not chunked:  # vLLM refuses a budget below max_model_len without chunking
+        budget = max(budget, max_model_len)
+    budget = max(budget, max_num_seqs)
+    threshold = rng.choice([0, 0, 0, 4, 8, 16, 32])
+    min_blocks = _cdiv(max_model_len, block_size) + 1  # one request alone always fits (and the null block)
+    num_blocks = rng.randint(min_blocks, min_blocks * 3)
+    return {"block_size": block_size, "num_blocks": num_blocks, "max_num_batched_tokens": budget,
+            "max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "enable_chunked_prefill": chunked,
+            "enable_prefix_caching": rng.random() < 0.7, "long_prefill_token_threshold": min(threshold, max_model_len),
+            "scheduling_policy": rng.choice(["fcfs", "priority"]),
+            "prefix_caching_hash_algo": rng.choice(["sha256_cbor", "sha256_cbor", "sha256"])}
+
+
+def _prompt(rng: random.Random, prefixes: list[list[int]], max_len: int) -> list[int]:
+    length = rng.randint(1, max_len)
+    if prefixes and rng.random() < 0.6:  # a shared prefix: prefix-cache hits, blocks held by two requests
+        prefix = rng.choice(prefixes)[:length]
+        return prefix + [rng.choice(VOCAB) for _ in range(length - len(prefix))]
+    return [rng.choice(VOCAB) for _ in range(length)]
+
+
+def _script(rng: random.Random, max_tokens: int, stops: list[int], lifecycle: bool) -> list[int]:
+    script = [rng.choice(VOCAB) for _ in range(max_tokens)]
+    if lifecycle and rng.random() < 0.5:  # an EOS or a stop token somewhere in what it will sample
+        script[rng.randrange(max_tokens)] = rng.choice([EOS_TOKEN_ID, *stops])
+    return script
+
+
+def _request(rng: random.Random, i: int, config: dict, prefixes: list[list[int]], lifecycle: bool) -> dict:
+    max_model_len = config["max_model_len"]
+    prompt = _prompt(rng, prefixes, max_model_len - 1)
+    room = max_model_len - len(prompt)
+    # lifecycle: max_tokens past max_model_len now and then, so the length cap ends the request first
+    max_tokens = rng.randint(1, room + 8 if lifecycle else max(1, min(room, 24)))
+    stops = rng.sample(list(VOCAB), rng.choice([0, 1, 2])) if lifecycle else []
+    return {
+        "request_id": f"r{i}", "prompt_token_ids": prompt, "max_tokens": max_tokens,
+        "min_tokens": rng.choice([0, 0, 0, min(2, max_tokens), max_tokens]) if lifecycle else 0,
+        "ignore_eos": lifecycle and rng.random() < 0.15, "stop_token_ids": stops,
+        "priority": rng.randint(-2, 2) if config["scheduling_policy"] == "priority" else 0,
+        "cache_salt": rng.choice([None, None, None, "a", "b"]),
+        "arrival_step": rng.choice([0, 0, rng.randint(0, 12), rng.randint(0, 40)]),
+        "output_token_ids": _script(rng, max_tokens, stops, lifecycle),
+    }
+
+
+def _aborts(rng: random.Random, requests: list[dict]) -> dict[str, list[str]]:
+    """Aborts at steps spread over the run: before arrival, waiting, running, preempted or finished (a no-op),
+    and an id never added."""
+    aborts: dict[str, list[str]] = {}
+    for request in rng.sample(requests, rng.randint(0, max(1, len(requests) // 2))):
+        step = request["arrival_step"] + rng.choice([-1, 0, 1, 2, 5, 10, 30])
+        aborts.setdefault(str(max(step, 0)), []).append(request["request_id"])
+    if rng.random() < 0.2:
+        aborts.setdefault(str(rng.randint(0, 20)), []).append("never-added")
+    return aborts
+
+
+def make_workload(group: str, seed: int) -> dict[str, Any]:
+    """The workload `seed` of coverage group `group`: the same dict on every machine and Python."""
+    if group not in GROUPS:
+        raise ValueError(f"group: must be one of {GROUPS}, got {group!r}")
+    rng = random.Random(f"{group}-{seed}")
+    config = _config(rng)
+    lifecycle = group == "lifecycle"
+    prefixes = [[rng.choice(VOCAB) for _ in range(config["max_model_len"])] for _ in range(rng.randint(0, 3))]
+    requests = [_request(rng, i, config, prefixes, lifecycle) for i in range(rng.randint(1, 12))]
+    return {"name": f"{group}-{seed}", "group": group, "seed": seed, "config": config,
+            "eos_token_id": EOS_TOKEN_ID, "requests": requests,
+            "aborts": _aborts(rng, requests) if lifecycle else {}, "max_steps": 2000}

@@ -63,18 +63,21 @@ def test_allocate_slots_returns_none_when_short_and_changes_nothing(kv):
     assert [b.block_id for b in kv.allocate_slots(r1, 8)] == [8, 9]
 
 
-def test_free_returns_blocks_tail_first_to_the_end_of_the_queue(kv):
+def test_freed_uncached_blocks_go_tail_first_to_the_head_of_the_queue_and_are_reused_first(kv):
+    # vLLM 0.33: without prefix caching no block holds a hash, and a freed one goes to the head of the free queue
+    # (LIFO): the blocks freed last are reused first
     r0, r1, r2 = make_request("r0", 12), make_request("r1", 8), make_request("r2", 4)
     kv.allocate_slots(r0, 12)  # 1 2 3
     kv.allocate_slots(r1, 8)  # 4 5
     kv.allocate_slots(r2, 4)  # 6
     kv.free(r0)
-    assert free_ids(kv) == [7, 8, 9, 3, 2, 1]
+    assert free_ids(kv) == [3, 2, 1, 7, 8, 9]
     kv.free(r2)
-    assert free_ids(kv) == [7, 8, 9, 3, 2, 1, 6]
-    # the next allocation takes from the head: the blocks free the longest go first
+    assert free_ids(kv) == [6, 3, 2, 1, 7, 8, 9]
+    # the next allocation takes from the head: the blocks freed last go first
     r3 = make_request("r3", 16)
-    assert [b.block_id for b in kv.allocate_slots(r3, 16)] == [7, 8, 9, 3]
+    assert [b.block_id for b in kv.allocate_slots(r3, 16)] == [6, 3, 2, 1]
+    assert free_ids(kv) == [7, 8, 9]
     assert kv.get_block_ids("r0") == []
     freed = [e for e in kv.events.events if e.kind == "kv.freed"]
     assert [(e.request_id, e.block_ids) for e in freed] == [("r0", (1, 2, 3)), ("r2", (6,))]

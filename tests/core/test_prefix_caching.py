@@ -1,13 +1,17 @@
 """Prefix caching, ported from vLLM's behaviours: hits and misses, ref counts, the exact free order, LRU
 eviction, salts, hash algorithms, reset, and the events each decision emits."""
 
+import hashlib
+import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
+import cbor2
 import pytest
 
-from engine.core.block_hash import HASH_FUNCTIONS, hash_hex, sha256_hash
+from engine.core.block_hash import HASH_FUNCTIONS, extra_keys_for_block, hash_hex, sha256_hash
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.events import EventLog
 from engine.request import Request
@@ -49,7 +53,7 @@ def events_of(kv: KVCacheManager, kind: str) -> list:
     return [e for e in kv.events.events if e.kind == kind]
 
 
-@pytest.fixture(params=["builtin", "sha256"])
+@pytest.fixture(params=["builtin", "sha256", "sha256_cbor"])
 def algo(request) -> str:
     return request.param
 
@@ -75,18 +79,22 @@ def test_prefill_miss_then_hit_with_ref_counts_and_free_order(algo):
     assert ref_counts(kv, [1, 2, 3, 4, 5]) == [2, 2, 2, 1, 1]
     assert free_ids(kv) == [6, 7, 8, 9]
 
+    # vLLM 0.33: a freed block without a hash (r0's partial block 4) goes to the head of the free queue, to be
+    # reused first (LIFO); the shared blocks are still held by r1
     kv.free(r0)
-    assert free_ids(kv) == [6, 7, 8, 9, 4]
+    assert free_ids(kv) == [4, 6, 7, 8, 9]
+    # r1's blocks go back tail first: its partial block 5 to the head, its cached blocks to the tail (LRU)
     kv.free(r1)
-    assert free_ids(kv) == [6, 7, 8, 9, 4, 5, 3, 2, 1]
+    assert free_ids(kv) == [5, 4, 6, 7, 8, 9, 3, 2, 1]
     usage = kv.usage()
     assert (usage.used, usage.cached_free, usage.free) == (0, 3, 6)
 
-    # a third request takes its hits out of the middle of the free queue and new blocks from the head
+    # a third request takes its hits out of the end of the free queue and its new block from the head: the
+    # uncached block freed last
     r2 = make_request("r2", COMMON + [41, 42, 43])
     assert prefill(kv, r2) == ([1, 2, 3], 12)
-    assert kv.get_block_ids("r2") == [1, 2, 3, 6]
-    assert free_ids(kv) == [7, 8, 9, 4, 5]
+    assert kv.get_block_ids("r2") == [1, 2, 3, 5]
+    assert free_ids(kv) == [4, 6, 7, 8, 9]
     check_usage(kv)
 
 
@@ -235,6 +243,44 @@ def test_reset_prefix_cache_is_refused_while_a_block_is_in_use(algo):
     usage = kv.usage()
     assert (usage.used, usage.cached_free, usage.free) == (0, 0, 9)
     assert prefill(kv, make_request("r1", COMMON + [21])) == ([], 0)
+
+
+def test_block_hashes_are_vllms_from_none_hash_with_the_salt_as_an_extra_key():
+    # vLLM 0.33's hash_block_tokens: hash((parent or NONE_HASH, tokens, extra keys)), sha256 over the pickled
+    # tuple (its default) or over canonical CBOR; NONE_HASH is the algorithm applied to $PYTHONHASHSEED, or to
+    # "vllm-none-hash" when it is unset; a cache salt enters the first block only, as (("cache_salt", salt),)
+    seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
+    by_pickle = lambda obj: hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    by_cbor = lambda obj: hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+    for algo, digest in (("sha256", by_pickle), ("sha256_cbor", by_cbor)):
+        kv = make_kv(algo=algo)
+        request = make_request("r", COMMON + [21], cache_salt="alice")
+        kv.get_computed_blocks(request)
+        first = digest((digest(seed), tuple(COMMON[:4]), (("cache_salt", "alice"),)))
+        second = digest((first, tuple(COMMON[4:8]), None))
+        assert request.block_hashes[:2] == [first, second], algo
+    assert extra_keys_for_block(make_request("s", 8, cache_salt="alice"), 0) == (("cache_salt", "alice"),)
+    assert extra_keys_for_block(make_request("s", 8, cache_salt="alice"), 1) is None
+    assert extra_keys_for_block(make_request("e", 8, cache_salt=""), 0) is None  # an empty salt is no salt
+
+
+def test_two_requests_computing_the_same_prefix_at_once_both_cache_it():
+    # vLLM 0.33 keeps both copies (no de-duplication, so block tables stay append-only); a lookup takes the
+    # copy cached first, and the second copy still answers once the first is evicted
+    kv = make_kv(num_blocks=9)  # 8 usable
+    r0, r1 = make_request("r0", COMMON + [21]), make_request("r1", COMMON + [31])
+    assert kv.get_computed_blocks(r0) == ([], 0) and kv.get_computed_blocks(r1) == ([], 0)  # both miss
+    for request in (r0, r1):
+        kv.allocate_slots(request, request.num_tokens)
+        request.num_computed_tokens = request.num_tokens  # the model's part
+    assert (kv.get_block_ids("r0"), kv.get_block_ids("r1")) == ([1, 2, 3, 4], [5, 6, 7, 8])
+    assert kv.block_pool.blocks[5].block_hash == kv.block_pool.blocks[1].block_hash
+    assert [b.block_id for b in kv.get_computed_blocks(make_request("r2", COMMON + [41]))[0]] == [1, 2, 3]
+    kv.free(r0)  # 4 to the head; 3 2 1 to the tail
+    assert free_ids(kv) == [4, 3, 2, 1]
+    kv.allocate_slots(make_request("other", list(range(5000, 5008))), 8)  # takes 4, evicts 3
+    assert [b.block_id for b in kv.get_computed_blocks(make_request("r3", COMMON + [41]))[0]] == [1, 2, 7]
+    check_usage(kv)
 
 
 def test_sha256_chain_is_the_same_in_another_process():

@@ -31,6 +31,24 @@ def test_long_prefill_threshold_splits_the_budget_400_400_224():
     assert out.num_scheduled_tokens == {"a": 200, "b": 300, "c": 400}
 
 
+def test_long_prefill_threshold_is_not_applied_to_a_lone_request():
+    # vLLM 0.33: the threshold keeps a long prompt from starving the others; with one request running or waiting
+    # there is nobody to starve, and only the budget cuts it. It applies again as soon as a second one arrives.
+    h = SchedulerHarness(num_blocks=512, block_size=16, max_num_batched_tokens=1024,
+                         long_prefill_token_threshold=400)
+    h.add(make_request("a", 1000, max_tokens=3))
+    assert h.step().num_scheduled_tokens == {"a": 1000}
+    assert h.last_phases == {"a": "prefill"}
+    h.add(make_request("b", 1000))
+    assert h.step().num_scheduled_tokens == {"a": 1, "b": 400}
+    assert h.step().num_scheduled_tokens == {"a": 1, "b": 400}  # a finishes with its third token
+    assert h.step().num_scheduled_tokens == {"b": 200}  # alone again: the rest at once
+    lone = SchedulerHarness(num_blocks=512, block_size=16, max_num_batched_tokens=600,
+                            long_prefill_token_threshold=400)
+    lone.add(make_request("a", 1000))
+    assert lone.step().num_scheduled_tokens == {"a": 600}  # the budget still cuts
+
+
 def test_chunked_prefill_takes_three_steps_and_samples_only_in_the_last():
     h = SchedulerHarness(max_num_batched_tokens=100)
     request = make_request("r", 250, max_tokens=2)
@@ -92,10 +110,22 @@ def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():
     assert chunk_positions(h)["b"] == ("prefill", 1, 1)
 
 
-def test_without_chunked_prefill_the_long_prefill_threshold_does_not_split():
+def test_without_chunked_prefill_a_lone_request_is_not_cut_by_the_long_prefill_threshold():
     h = SchedulerHarness(max_num_batched_tokens=64, enable_chunked_prefill=False, long_prefill_token_threshold=8)
     h.add(make_request("r", 20, max_tokens=1))
     assert h.step().num_scheduled_tokens == {"r": 20}
+
+
+def test_without_chunked_prefill_the_long_prefill_threshold_still_cuts_two_requests():
+    # vLLM 0.33 applies the threshold before it looks at chunking: with two requests, each prompt goes in chunks of
+    # the threshold even with enable_chunked_prefill=False (only a prompt over the budget waits whole)
+    h = SchedulerHarness(max_num_batched_tokens=64, enable_chunked_prefill=False, long_prefill_token_threshold=8)
+    h.add(make_request("a", 20, max_tokens=1), make_request("b", 20, max_tokens=1))
+    assert h.step().num_scheduled_tokens == {"a": 8, "b": 8}
+    assert h.last_phases == {"a": "chunk", "b": "chunk"} and h.sampled == []
+    assert h.step().num_scheduled_tokens == {"a": 8, "b": 8}
+    assert h.step().num_scheduled_tokens == {"a": 4, "b": 4}
+    assert h.sampled == ["a", "b"]
 
 
 def test_without_chunked_prefill_the_budget_must_hold_a_whole_request():
@@ -111,9 +141,9 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_request():
 
 # ---- preemption -----------------------------------------------------------------------------------
 
-def fcfs_preemption_harness() -> SchedulerHarness:
+def fcfs_preemption_harness(**config) -> SchedulerHarness:
     """Four usable blocks of 4 slots; after two steps "a" (9 tokens) holds blocks 1 3 and "b" (8) 2 4."""
-    h = SchedulerHarness(num_blocks=5, max_num_batched_tokens=16, long_prefill_token_threshold=4)
+    h = SchedulerHarness(num_blocks=5, max_num_batched_tokens=16, long_prefill_token_threshold=4, **config)
     h.add(make_request("a", 8, max_tokens=3), make_request("b", 7, max_tokens=3))
     assert h.step().num_scheduled_tokens == {"a": 4, "b": 4}
     assert h.step().num_scheduled_tokens == {"a": 4, "b": 3}
@@ -139,13 +169,44 @@ def test_fcfs_preempts_the_last_running_request_and_puts_it_at_the_head_of_waiti
 
 
 def test_no_request_is_admitted_in_a_step_that_preempted():
-    h = fcfs_preemption_harness()
+    # scheduler_reserve_full_isl=False: with vLLM 0.33's default the full-sequence gate would also keep b out
+    # (its 8 tokens need two blocks, one is free) and hide this rule; with the old first-chunk check it shows
+    h = fcfs_preemption_harness(scheduler_reserve_full_isl=False)
     out = h.step()
     # b's first chunk (4 tokens, one block) would fit in the freed block 2, but it waits a step
     assert out.num_scheduled_tokens == {"a": 1}
     out = h.step()
     assert out.num_scheduled_tokens == {"a": 1, "b": 4}
     assert h.kv.get_block_ids("b") == [2]
+
+
+def test_a_waiting_request_is_admitted_only_when_its_whole_sequence_fits():
+    # vLLM 0.33's admission gate (scheduler_reserve_full_isl, default True): b, preempted with 7 prompt tokens and
+    # 1 output, needs two blocks for its whole sequence; one first chunk would fit the free block 2, but b waits
+    # until a finishes and frees its blocks, so that admitting it cannot force another preemption mid-prefill
+    h = fcfs_preemption_harness()
+    assert h.step().preempted_req_ids == ["b"]
+    assert (h.step().num_scheduled_tokens, free_ids(h.kv)) == ({"a": 1}, [4, 3, 1, 2])  # a finished
+    # b is alone now: the long-prefill threshold (4) does not apply, and its 8 tokens go at once into a's blocks,
+    # freed tail first to the head of the free queue (LIFO)
+    assert h.step().num_scheduled_tokens == {"b": 8}
+    assert h.kv.get_block_ids("b") == [4, 3]
+
+
+def test_without_the_full_sequence_gate_a_waiting_request_is_admitted_on_its_first_chunk():
+    h = SchedulerHarness(num_blocks=5, max_num_batched_tokens=16, long_prefill_token_threshold=4,
+                         scheduler_reserve_full_isl=False)
+    h.add(make_request("a", 8, max_tokens=20))
+    assert h.step().num_scheduled_tokens == {"a": 8}  # alone: no threshold; blocks 1 2
+    h.add(make_request("b", 12))
+    # b's 12 tokens need three blocks and two are free: its first chunk (4 tokens, one block) is enough here
+    assert h.step().num_scheduled_tokens == {"a": 1, "b": 4}
+    gated = SchedulerHarness(num_blocks=5, max_num_batched_tokens=16, long_prefill_token_threshold=4)
+    gated.add(make_request("a", 8, max_tokens=20))
+    gated.step()
+    gated.add(make_request("b", 12))
+    assert gated.step().num_scheduled_tokens == {"a": 1}  # the gate: three blocks do not fit in two
+    assert [r.request_id for r in gated.scheduler.waiting] == ["b"]
 
 
 def test_a_preempted_request_resumes_and_finishes_with_all_its_tokens():
@@ -166,7 +227,10 @@ def test_priority_waiting_order_is_priority_then_arrival():
 
 
 def test_priority_preempts_the_lowest_priority_even_if_already_scheduled_this_step():
-    h = SchedulerHarness(num_blocks=5, max_num_batched_tokens=4, scheduling_policy="priority")
+    # scheduler_reserve_full_isl=False: mid's 20 tokens need five blocks, more than the pool's four, so vLLM 0.33's
+    # full-sequence gate would never admit it; the first-chunk check lets it in to show the victim choice
+    h = SchedulerHarness(num_blocks=5, max_num_batched_tokens=4, scheduling_policy="priority",
+                         scheduler_reserve_full_isl=False)
     low = make_request("low", 3, max_tokens=50, priority=5, arrival_time=0.0)
     high = make_request("high", 3, max_tokens=50, priority=0, arrival_time=1.0)
     mid = make_request("mid", 20, priority=1, arrival_time=2.0)
@@ -205,17 +269,18 @@ def test_priority_victim_among_equal_priorities_is_the_latest_arrival():
 
 
 def test_a_victim_preempted_in_the_step_it_was_scheduled_leaves_no_uncomputed_block_cached():
-    h = SchedulerHarness(num_blocks=8, max_num_batched_tokens=64, long_prefill_token_threshold=8,
+    h = SchedulerHarness(num_blocks=8, max_num_batched_tokens=12, long_prefill_token_threshold=8,
                          scheduling_policy="priority", enable_prefix_caching=True)
     victim = make_request("victim", 24, max_tokens=1, priority=5, arrival_time=0.0)
     h.add(victim)
-    h.step()  # tokens 0-7 computed
+    # alone, the victim is not cut by the threshold (vLLM 0.33), only by the budget of 12
+    assert h.step().num_scheduled_tokens == {"victim": 12}  # tokens 0-11 computed, blocks 1-3
     h.add(make_request("high", 4, max_tokens=2, priority=0, arrival_time=1.0))
-    h.step()  # victim tokens 8-15 computed; high prefilled
-    out = h.step()  # victim is given tokens 16-23 (two new full blocks), then preempted for high's decode
+    assert h.step().num_scheduled_tokens == {"victim": 8, "high": 4}  # victim tokens 12-19; high prefilled
+    out = h.step()  # victim is given tokens 20-23 (the last free block, full), then preempted for high's decode
     assert out.preempted_req_ids == ["victim"]
     _, num_hit = h.kv.get_computed_blocks(make_request("probe", 25))
-    assert num_hit == 16  # only what was computed
+    assert num_hit == 20  # only what was computed
     h.run(max_steps=20)  # the victim resumes on its prefix hit; the fake model checks the KV it reads
 
 
@@ -247,11 +312,24 @@ def test_eos_finishes_with_stop_unless_ignore_eos():
     assert (request.output_token_ids, request.status.finish_reason) == ([TOKEN, EOS, TOKEN, TOKEN], "length")
 
 
-def test_min_tokens_suppresses_eos_and_stop_tokens_before_it():
+def test_eos_sampled_as_the_max_tokens_th_token_finishes_with_stop():
+    # vLLM 0.33's check_stop order: EOS, then stop token ids, then length
+    request, _ = run_one(max_tokens=3, tokens=[TOKEN, TOKEN, EOS])
+    assert (request.output_token_ids, request.status.finish_reason) == ([TOKEN, TOKEN, EOS], "stop")
+    request, _ = run_one(max_tokens=3, stop_token_ids=[9], tokens=[TOKEN, TOKEN, 9])
+    assert (request.status.finish_reason, request.stop_reason) == ("stop", 9)
+    request, _ = run_one(max_tokens=3, tokens=[TOKEN, TOKEN, TOKEN])
+    assert request.status.finish_reason == "length"
+
+
+def test_min_tokens_is_the_samplers_rule_not_the_schedulers():
+    # vLLM 0.33: the sampler bans EOS and the stop token ids while fewer than min_tokens are out
+    # (tests/sample/test_logits_processors.py); the scheduler checks every sampled token as it comes, so a
+    # stop token that reaches it ends the request whatever min_tokens says
     request, _ = run_one(max_tokens=10, min_tokens=3, stop_token_ids=[9], tokens=[EOS, 9, EOS])
-    assert (request.output_token_ids, request.status.finish_reason) == ([EOS, 9, EOS], "stop")
+    assert (request.output_token_ids, request.status.finish_reason) == ([EOS], "stop")
     request, _ = run_one(max_tokens=10, min_tokens=3, stop_token_ids=[9], tokens=[9, EOS, TOKEN, 9])
-    assert (request.output_token_ids, request.stop_reason) == ([9, EOS, TOKEN, 9], 9)
+    assert (request.output_token_ids, request.stop_reason) == ([9], 9)
 
 
 def test_stop_token_id_finishes_with_the_token_as_stop_reason():
@@ -294,7 +372,8 @@ def test_abort_a_running_request_mid_prefill():
     h.step()
     assert h.kv.get_block_ids("a") == [1, 2]
     abort(h, "a")
-    assert h.kv.usage().used == 0 and free_ids(h.kv)[-2:] == [2, 1]
+    # uncached blocks go back tail first to the head of the free queue (vLLM 0.33's LIFO)
+    assert h.kv.usage().used == 0 and free_ids(h.kv)[:2] == [2, 1]
 
 
 def test_abort_a_running_decode():

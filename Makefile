@@ -109,9 +109,13 @@ $(VLLM_STAMP): tests/fidelity/requirements-vllm.txt
 	$(VLLM_VENV)/bin/pip install -r tests/fidelity/requirements-vllm.txt
 	touch $@
 
-# Re-record the golden traces from live vLLM, then compare this engine with it on fresh seeded workloads
-# (FIDELITY_WORKLOADS per coverage group).
+# Re-record the golden traces from live vLLM (tests/fidelity/golden: `git diff` shows whether vLLM's decisions
+# moved), check the engine against them, then compare it with live vLLM on FIDELITY_WORKLOADS fresh seeded
+# workloads per coverage group, from seed FIDELITY_START. Exits non-zero on any divergence.
 FIDELITY_WORKLOADS ?= 1000
+FIDELITY_START ?= 1000
 fidelity: $(EDITABLE) $(VLLM_STAMP)
 	$(BIN)/workbench fidelity record --vllm-python $(VLLM_VENV)/bin/python
-	$(BIN)/workbench fidelity run --vllm-python $(VLLM_VENV)/bin/python --workloads $(FIDELITY_WORKLOADS)
+	$(BIN)/workbench fidelity check
+	$(BIN)/workbench fidelity run --vllm-python $(VLLM_VENV)/bin/python --workloads $(FIDELITY_WORKLOADS) \
+		--start $(FIDELITY_START)

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from engine.spec_decode import PROPOSERS, method_names
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# engine/core/block_hash.py's HASH_FUNCTIONS, by name (named here so that the config imports no engine module)
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor", "builtin")
 
 
 def _check_keys(cls: type, d: Any, name: str) -> None:
@@ -19,6 +21,22 @@ def _check_keys(cls: type, d: Any, name: str) -> None:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"{name}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+
+
+def check_token_script(script: object) -> None:
+    """A script must be a mapping of request ids to lists of token ids, or a callable: anything else is refused
+    with the field named."""
+    if callable(script):
+        return
+    if not isinstance(script, Mapping):
+        raise TypeError(f"token_script: expected a dict {{request_id: [token ids]}} or a callable, "
+                        f"got {type(script).__name__}")
+    for rid, tokens in script.items():
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+            raise TypeError(f"token_script[{rid!r}]: expected a list of token ids, got {type(tokens).__name__}")
+        bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int)), None)
+        if bad is not None:
+            raise TypeError(f"token_script[{rid!r}]: token ids must be int, got {type(bad).__name__} ({bad!r})")
 
 
 @dataclass(frozen=True)
@@ -208,8 +226,6 @@ class EngineConfig:
                                  "({request_id: [token ids]} or a callable)")
             self.hardware = "cpu" if self.hardware is None else self.hardware
         if self.token_script is not None:
-            from engine.executor.scripted import check_token_script
-
             check_token_script(self.token_script)
         if not self.simulated:
             if self.hardware is not None:
@@ -287,10 +303,8 @@ class EngineConfig:
             raise ValueError(f"long_prefill_token_threshold: must be >= 0, got {self.long_prefill_token_threshold}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        from engine.core.block_hash import HASH_FUNCTIONS
-
-        if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:
-            raise ValueError(f"prefix_caching_hash_algo: must be one of {sorted(HASH_FUNCTIONS)}, "
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo: must be one of {list(PREFIX_CACHING_HASH_ALGOS)}, "
                              f"got {self.prefix_caching_hash_algo!r}")
 
     def set_max_model_len(self, model_max: int) -> None:

@@ -6,7 +6,8 @@ trace for Perfetto.
 `workbench tune` searches the engine's knobs for the most goodput under latency SLOs;
 `workbench serve` serves the live dashboard; `workbench replay` serves the dashboards over a trace;
 `workbench pd` runs prompts through prefill and decode engine processes that move KV through a connector;
-`workbench train-draft` self-distils an EAGLE or Medusa head for a target model."""
+`workbench train-draft` self-distils an EAGLE or Medusa head for a target model.
+`workbench fidelity` checks the engine's decisions against vLLM 0.33.0's own scheduler, step by step."""
 from __future__ import annotations
 
 import argparse
@@ -172,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(commands)
     _add_pd(commands)
     _add_train_draft(commands)
+    # `workbench fidelity run|record|check`: this engine against vLLM 0.33.0's own scheduler (workbench/fidelity/)
+    commands.add_parser("fidelity", help="check the engine's decisions against vLLM's own scheduler, step by step",
+                        module="workbench.fidelity.command")
     return parser
 
 
@@ -398,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
             from workbench.bench.pd import run_pd_command
 
             run_pd_command(args)
+        elif args.command == "fidelity":
+            from workbench.fidelity.command import main as fidelity
+
+            return fidelity(args, "workbench " + shlex.join(argv))
         elif args.command == "train-draft":
             from workbench.train_draft import main as train_draft
 

@@ -11,25 +11,10 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
+from engine.config import check_token_script
 from engine.request import Request
 
 Script = Mapping[str, Sequence[int]] | Callable[[Request], int]
-
-
-def check_token_script(script: object) -> None:
-    """A script must be a mapping of request ids to lists of token ids, or a callable: anything else is refused
-    with the field named."""
-    if callable(script):
-        return
-    if not isinstance(script, Mapping):
-        raise TypeError(f"token_script: expected a dict {{request_id: [token ids]}} or a callable, "
-                        f"got {type(script).__name__}")
-    for rid, tokens in script.items():
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-            raise TypeError(f"token_script[{rid!r}]: expected a list of token ids, got {type(tokens).__name__}")
-        bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int)), None)
-        if bad is not None:
-            raise TypeError(f"token_script[{rid!r}]: token ids must be int, got {type(bad).__name__} ({bad!r})")
 
 
 class TokenScript:

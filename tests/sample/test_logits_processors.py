@@ -126,6 +126,33 @@ def test_a_batch_without_options_builds_nothing_and_plain_rows_stay_untouched():
     assert torch.equal(got[0], logits[0]) and not torch.equal(got[1], logits[1])
 
 
+def test_min_tokens_bans_eos_and_the_stop_ids_until_that_many_tokens_are_out():
+    # vLLM 0.33's MinTokensLogitsProcessor: min_tokens is the sampler's rule, not the scheduler's. EOS (2 here)
+    # and the stop token ids get -inf while fewer than min_tokens tokens are out (EOS even with ignore_eos)
+    eos, stop = 2, 9
+    params = [SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[stop]),
+              SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[stop]),
+              SamplingParams(max_tokens=8, min_tokens=3, ignore_eos=True),
+              SamplingParams(max_tokens=8, stop_token_ids=[stop])]
+    outputs = [[5, 6], [5, 6, 7], [5], [5]]
+    reqs = []
+    for i, (p, output) in enumerate(zip(params, outputs)):
+        r = Request(str(i), [1, 3], p, eos_token_id=eos)
+        for t in output:
+            r.append_output_token_ids(t)
+        reqs.append(r)
+    logits = random_logits(4, 7)
+    logits[:, eos], logits[:, stop] = 50.0, 40.0  # the most likely tokens in every row
+    got = LogitsInputs.from_requests(reqs, CPU).apply(logits.clone())
+    assert got[0, eos] == got[0, stop] == float("-inf")  # two tokens out, three asked: both banned
+    assert torch.equal(got[1], logits[1])  # three out: free to stop
+    assert got[2, eos] == float("-inf") and got[2, stop] == 40.0  # no stop ids of its own; EOS despite ignore_eos
+    assert torch.equal(got[3], logits[3])  # no min_tokens
+    # the greedy choice moves off EOS and the stop id only where they are banned
+    assert got.argmax(-1).tolist()[1:] == [eos, stop, eos]
+    assert got[0].argmax().item() not in (eos, stop)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"presence_penalty": 2.5}, ValueError, r"presence_penalty: must be in \[-2, 2\]"),
     ({"frequency_penalty": -3}, ValueError, r"frequency_penalty: must be in \[-2, 2\]"),

@@ -24,8 +24,14 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from engine.config import EngineConfig
 from engine.events import StepRecord
+from engine.limits import check_engine_limits
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """A request refused because `max_waiting_requests` are already waiting (a server answers 503): a flood is
+    turned away at the door instead of growing the waiting queue, and the memory, without bound."""
 
 
 class _Collector:
@@ -107,11 +113,17 @@ class AsyncLLM:
     (worker and replica processes with it). Every public method is safe from any thread."""
 
     def __init__(self, engine: Any = None, *, config: EngineConfig | None = None, start_paused: bool = False,
-                 **kwargs: Any) -> None:
+                 max_waiting_requests: int | None = None, **kwargs: Any) -> None:
         if engine is not None and (config is not None or kwargs):
             raise TypeError("AsyncLLM: pass either an engine, a config or engine keyword arguments, not several")
         if config is not None and kwargs:
             raise TypeError("AsyncLLM: pass either a config or engine keyword arguments, not both")
+        if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool)
+                                                 or not isinstance(max_waiting_requests, int)
+                                                 or max_waiting_requests < 1):
+            raise ValueError(f"max_waiting_requests: must be an int >= 1 or None, got {max_waiting_requests!r}")
+        # the queue bound: past it, add_request/open raise QueueFullError (None: unbounded, as an offline batch)
+        self.max_waiting_requests = max_waiting_requests
         self._owns_engine = engine is None
         config = engine.config if engine is not None else config or EngineConfig.from_kwargs(**kwargs)
         self.data_parallel_size = config.data_parallel_size
@@ -142,7 +154,10 @@ class AsyncLLM:
 
     def _add(self, prompt: Any, params: SamplingParams | None, request_id: str | None, priority: int,
              cache_salt: str | None, collector: _Collector | None) -> str:
+        if isinstance(params, SamplingParams):  # before the lock: a refusal never waits for a step to end
+            check_engine_limits(params, self.engine.config)
         with self.lock:
+            self._check_queue(params.n if isinstance(params, SamplingParams) else 1)
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
             rid = self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
@@ -153,6 +168,15 @@ class AsyncLLM:
                     self._parent_of[child] = rid
         self._notify()
         return rid
+
+    def _check_queue(self, num_new: int) -> None:
+        """Refuse (QueueFullError) a request whose sequences would take the waiting queue past its bound."""
+        if self.max_waiting_requests is None:
+            return
+        waiting = self.stats()["num_waiting"]
+        if waiting + num_new > self.max_waiting_requests:
+            raise QueueFullError(f"the server is overloaded: {waiting} requests are waiting (max_waiting_requests="
+                                 f"{self.max_waiting_requests}); retry later")
 
     async def open(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                    request_id: str | None = None, priority: int = 0,

@@ -68,9 +68,10 @@ class SpeculativeConfig:
         return cfg
 
 
-# vLLM's connector names, and the short names the CLI uses
-KV_CONNECTORS = {"SharedStorageConnector": "SharedStorageConnector", "shared_storage": "SharedStorageConnector",
-                 "RedisConnector": "RedisConnector", "redis": "RedisConnector"}
+# vLLM 0.33's connector names, the name the 2025 article used (SharedStorageConnector, vLLM's before it became
+# ExampleConnector), and the short names the CLI uses
+KV_CONNECTORS = {"ExampleConnector": "ExampleConnector", "SharedStorageConnector": "ExampleConnector",
+                 "shared_storage": "ExampleConnector", "RedisConnector": "RedisConnector", "redis": "RedisConnector"}
 
 
 @dataclass(frozen=True)

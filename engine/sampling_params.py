@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.limits import check_static_limits
+
 
 def _check_type(name: str, value: Any, types: type | tuple[type, ...], allow_none: bool = False) -> None:
     if value is None and allow_none:
@@ -107,6 +109,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise TypeError("stop_token_ids: must be a list of int")
+        check_static_limits(self)  # sizes and ranges no engine is needed for (engine/limits.py)
 
     def _check_logits_options(self) -> None:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):

@@ -212,7 +212,10 @@ def _add_run(commands: Any) -> None:
     engine.add_argument("--max-num-batched-tokens", type=positive_int, help="the token budget per step")
     engine.add_argument("--long-prefill-token-threshold", type=non_negative_int)
     engine.add_argument("--num-kv-blocks", type=positive_int)
-    engine.add_argument("--max-num-seqs", type=positive_int)
+    engine.add_argument("--max-num-seqs", type=positive_int, help="also the most `n` a request may ask for")
+    engine.add_argument("--max-model-len", type=positive_int, help="prompt plus max_tokens, at most")
+    engine.add_argument("--max-logprobs", type=non_negative_int, help="the most logprobs a request may ask for "
+                        "(vLLM's; default 20)")
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--data-parallel-size", type=positive_int,
@@ -305,7 +308,14 @@ def _add_serve(commands: Any) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* and the hold routes")
+    p.add_argument("--api-key", help="require the key on every route but /health and /metrics: `Authorization: "
+                   "Bearer KEY` for API clients; the dashboard asks for it once (a form, or ?key=KEY) and keeps it "
+                   "in a session cookie")
+    # their defaults are ServerLimits' (workbench/serving.py), which the help repeats: the CLI imports no engine code
+    p.add_argument("--max-waiting-requests", type=positive_int,
+                   help="past this many waiting requests, new ones get 503 (default: 1024)")
+    p.add_argument("--max-request-body-bytes", type=positive_int,
+                   help="larger request bodies get 413 (default: 4 MiB)")
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's)")
     engine = p.add_argument_group("engine (default: EngineConfig's)")
     engine.add_argument("--block-size", type=positive_int)
@@ -344,16 +354,19 @@ def serve(args: argparse.Namespace) -> None:
 
     check_port(args.port, args.host)
     from engine import EngineConfig, SamplingParams
-    from workbench.serving import serve_openai
+    from workbench.serving import ServerLimits, serve_openai
 
     model = args.model_tag or args.model
     config = EngineConfig(model=model, enable_prefix_caching=not args.no_prefix_caching,
-                          **{k: getattr(args, k) for k in _RUN_ENGINE_FLAGS if getattr(args, k) is not None})
+                          **{k: getattr(args, k) for k in (*_RUN_ENGINE_FLAGS, "max_model_len", "max_logprobs")
+                             if getattr(args, k) is not None})
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     where = "dashboard: {url}dashboard" + (" of the data-parallel front end" if config.data_parallel_size > 1 else "")
     serve_openai(config, args.host, args.port, args.api_key, args.prompt, params,
                  args.served_model_name or model,
-                 announce=lambda url: _announce("serving ")(f"{url}v1 ({where.format(url=url)})"))
+                 announce=lambda url: _announce("serving ")(f"{url}v1 ({where.format(url=url)})"),
+                 limits=ServerLimits(**{k: getattr(args, k) for k in ("max_waiting_requests", "max_request_body_bytes")
+                                        if getattr(args, k) is not None}))
 
 
 def replay(args: argparse.Namespace) -> None:

@@ -8,6 +8,8 @@ Every browser session gets its own Workbench over the shared AsyncLLM: its Pause
 the serving loop for everyone, which is the point (watch a step of real traffic, then the next)."""
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import panel as pn
@@ -17,15 +19,27 @@ from fastapi.responses import RedirectResponse
 from engine import EngineConfig, SamplingParams
 from engine.async_llm import AsyncLLM
 from engine.entrypoints.openai.api_server import build_app, run_server
+from engine.entrypoints.openai.guards import DEFAULT_MAX_REQUEST_BODY_BYTES, warn_if_exposed
 from workbench.app import Workbench
 from workbench.views import ensure_extension
 
 DASHBOARD_PATH = "/dashboard"
+# the waiting queue's bound when serving (a flood past it gets 503s): four full batches of the default max_num_seqs
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What the server refuses at the door beyond the engine's own limits: more waiting requests than
+    `max_waiting_requests` (503, vLLM's answer when overloaded), a body past `max_request_body_bytes` (413)."""
+
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 def build_serving_app(config: EngineConfig, model_name: str | None = None, api_key: str | None = None,
                       prompts: Sequence[str] = (), params: SamplingParams | None = None,
-                      port: int = 8000) -> tuple[FastAPI, AsyncLLM]:
+                      port: int = 8000, limits: ServerLimits = ServerLimits()) -> tuple[FastAPI, AsyncLLM]:
     """The API and the dashboard over one new engine. With `prompts`, they are queued first and the loop starts
     paused: they wait for Step or Play (HTTP requests queue behind them meanwhile). With data_parallel_size > 1,
     the dashboard follows the data-parallel front end (its records: routing, each replica's load, the requests'
@@ -33,8 +47,13 @@ def build_serving_app(config: EngineConfig, model_name: str | None = None, api_k
     if prompts and config.data_parallel_size > 1:
         raise ValueError(f"prompt: queued prompts wait for the dashboard's Step, which data_parallel_size="
                          f"{config.data_parallel_size} has not")
-    llm = AsyncLLM(config=config, start_paused=bool(prompts))  # shutdown() closes its engine (and processes)
-    app = build_app(llm, model_name or config.model, api_key)  # its metrics follow every step from the first
+    # shutdown() closes its engine (and processes)
+    llm = AsyncLLM(config=config, start_paused=bool(prompts), max_waiting_requests=limits.max_waiting_requests)
+    try:  # its metrics follow every step from the first; the key guards the dashboard mounted below as well
+        app = build_app(llm, model_name or config.model, api_key, max_request_body_bytes=limits.max_request_body_bytes)
+    except ValueError:
+        llm.shutdown()
+        raise
     for prompt in prompts:
         llm.add_request(prompt, params)
     mount_dashboard(app, llm, port)
@@ -62,10 +81,14 @@ def mount_dashboard(app: FastAPI, llm: AsyncLLM, port: int) -> None:
 
 def serve_openai(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  prompts: Sequence[str] = (), params: SamplingParams | None = None, model_name: str | None = None,
-                 announce: Callable[[str], Any] | None = None) -> None:
+                 announce: Callable[[str], Any] | None = None, limits: ServerLimits = ServerLimits()) -> None:
     """Build the engine (a bad model or config fails here, before any port is bound), then serve until
-    interrupted; `announce(url)` once the port is bound. The engine loop stops with the server."""
-    app, llm = build_serving_app(config, model_name, api_key, prompts, params, port)
+    interrupted; `announce(url)` once the port is bound. The engine loop stops with the server. Beyond the
+    loopback without a key, a loud warning first (warn_if_exposed)."""
+    warning = warn_if_exposed(host, api_key)
+    if warning:
+        print(f"\n{'!' * 100}\n{warning}\n{'!' * 100}\n", file=sys.stderr, flush=True)
+    app, llm = build_serving_app(config, model_name, api_key, prompts, params, port, limits)
     try:
         run_server(app, host, port, announce)
     finally:

@@ -5,6 +5,7 @@ from typing import Any, Sequence
 
 from engine.config import EngineConfig
 from engine.entrypoints.engine_procs import batch_prompts
+from engine.limits import check_engine_limits
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -43,12 +44,16 @@ class LLM:
     def generate(self, prompts: str | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. `params`: one for all, or one per prompt."""
+        """Run every prompt to completion; outputs in prompt order. `params`: one for all, or one per prompt.
+        A request past the engine's limits (engine/limits.py: n, logprobs) refuses the batch before any is queued."""
+        batch = batch_prompts(prompts, params)
+        for _, p in batch:
+            check_engine_limits(p, self.engine.config)
         if not isinstance(self.engine, LLMEngine):  # the data-parallel front end routes and waits itself
             return self.engine.generate(prompts, params)
         ids = []
         try:
-            for prompt, p in batch_prompts(prompts, params):
+            for prompt, p in batch:
                 ids.append(self.engine.add_request(prompt, p))
         except (ValueError, TypeError):
             for rid in ids:  # a bad prompt refuses the whole batch before any work is done

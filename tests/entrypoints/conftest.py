@@ -37,14 +37,14 @@ def served(tiny_model_path):
     yield from serving(AsyncLLM(model=MODEL, **ENGINE))
 
 
-def serving(llm):
-    """Serve `llm` (an AsyncLLM) on a free port while the generator is suspended; then stop the server and the
-    loop (which closes an engine the AsyncLLM built)."""
+def serving(llm, **app_kwargs):
+    """Serve `llm` (an AsyncLLM) on a free port while the generator is suspended (`app_kwargs` to build_app: an
+    api_key, a body limit); then stop the server and the loop (which closes an engine the AsyncLLM built)."""
     import uvicorn
 
     from engine.entrypoints.openai.api_server import build_app
 
-    app = build_app(llm, MODEL)
+    app = build_app(llm, MODEL, **app_kwargs)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)

@@ -3,19 +3,22 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`
 (Prometheus, vLLM's names), and the hold of the engine loop: `POST /pause`, `POST /resume`, `GET /is_paused`
 (vLLM's names) and `POST /step` (ours: one step while paused). With an API key, every route but /health and
-/metrics needs `Authorization: Bearer KEY` (compared in constant time)."""
+/metrics needs the key (engine/entrypoints/openai/guards.py: `Authorization: Bearer KEY`, or a browser's session
+cookie from /login). Every error, the framework's own (404, 405, a body that is not JSON, 413) included, is a 4xx in
+OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_llm import AsyncLLM
+from engine.entrypoints.openai import guards
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -23,8 +26,11 @@ from engine.entrypoints.openai.serving_engine import RequestError, error_respons
 from engine.metrics import PrometheusStatLogger
 
 def _validation_error(exc: RequestValidationError) -> Response:
-    """Pydantic's first complaint as a 400 naming the field ("max_tokens: Input should be a valid integer")."""
-    error = exc.errors()[0]
+    """Pydantic's first complaint as a 400 naming the field ("max_tokens: Input should be a valid integer"). Of a
+    union's complaints (`stop`: a string, or a list of strings) the first that is not a wrong type: a list of 65 stop
+    strings is refused for its length ("at most 64 items"), not for not being a string."""
+    errors = exc.errors()
+    error = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None
     where = ".".join(loc) or "body"
@@ -34,11 +40,21 @@ def _validation_error(exc: RequestValidationError) -> Response:
     return error_response(400, f"{where}: {message}", param)
 
 
+def _http_error(exc: StarletteHTTPException) -> Response:
+    """The framework's own refusals (no such route, wrong method, a body it could not parse, 413) in OpenAI's
+    shape, as every other error."""
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    return error_response(exc.status_code, message)
+
+
 def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
-              metrics: PrometheusStatLogger | None = None) -> FastAPI:
+              metrics: PrometheusStatLogger | None = None,
+              max_request_body_bytes: int = guards.DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The app serving `llm` under `model_name`. The metrics logger subscribes to the engine here (pass one to
-    share it); nothing binds a port until uvicorn runs the app."""
+    share it); nothing binds a port until uvicorn runs the app. The guards (guards.py: the key on every route but
+    /health and /metrics, routes mounted later such as the dashboard included; the body limit) wrap the app."""
     app = FastAPI(title="Inference Workbench OpenAI-compatible server")
+    guards.install(app, api_key, max_request_body_bytes)
     completion = OpenAIServingCompletion(llm, model_name)
     chat = OpenAIServingChat(llm, model_name)
     if metrics is None:
@@ -49,17 +65,7 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
     app.add_exception_handler(RequestValidationError, lambda request, exc: _validation_error(exc))
     app.add_exception_handler(RequestError, lambda request, exc: error_response(exc.status, exc.message, exc.param))
-
-    if api_key is not None:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next: Callable) -> Response:
-            if request.method != "OPTIONS" and _guarded(request.url.path):
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):  # constant time: no timing oracle on the key
-                    return error_response(401, "Unauthorized: a valid `Authorization: Bearer KEY` is needed")
-            return await call_next(request)
+    app.add_exception_handler(StarletteHTTPException, lambda request, exc: _http_error(exc))
 
     @app.get("/health")
     async def health() -> Response:
@@ -106,12 +112,6 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         return JSONResponse({**_hold_state(llm), "granted": granted})
 
     return app
-
-
-def _guarded(path: str) -> bool:
-    # the API and the hold need the key; /health and /metrics stay open to load balancers and Prometheus, as in
-    # vLLM; the dashboard (mounted beside by `workbench serve`) is a page for a browser on the loopback
-    return path.startswith("/v1/") or path in ("/pause", "/resume", "/step", "/is_paused")
 
 
 def _hold(call: Callable, *args: Any) -> Any:

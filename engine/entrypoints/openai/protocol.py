@@ -1,14 +1,23 @@
 """The OpenAI API's request bodies with vLLM's extras (`vllm/entrypoints/openai/protocol.py`), and its error shape.
 
 Requests are strict: a field of the wrong type, or one the API does not have, is a 400 naming it (a client that
-sends `max_tokens: "5"` or `temprature` learns so, rather than getting a default)."""
+sends `max_tokens: "5"` or `temprature` learns so, rather than getting a default). The limits that need no engine
+(engine/limits.py: the seed's range, the size of every list) are in the models, so `/openapi.json` states them and a
+request past one is refused by validation, before anything else runs; those an engine sets (n, logprobs,
+max_tokens) are checked by serving_engine against its config."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limit
+from engine import limits
+
+# a prompt or a conversation far past any model's context is refused by its size before it is tokenized
+MAX_PROMPT_ITEMS = 1 << 17
+MAX_MESSAGES = 4096
+StopString = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_STRING_CHARS)]
+TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_ITEMS)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -71,27 +80,28 @@ class SamplingRequest(OpenAIBaseModel):
     ignore_eos, ...)."""
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    seed: int | None = Field(None, ge=limits.SEED_MIN, le=limits.SEED_MAX)
+    stop: StopString | Annotated[list[StopString], Field(max_length=limits.MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=limits.MAX_STOP_TOKEN_IDS)
+    n: int = Field(1, ge=1)  # at most the engine's max_num_seqs (checked against its config)
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None  # token id (as a JSON key, a string) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = Field(None, max_length=limits.MAX_LOGIT_BIAS)  # token id (as a JSON key, a string) -> bias in [-100, 100]
     user: str | None = None
     # vLLM's extras
     repetition_penalty: float = 1.0
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    bad_words: list[Annotated[str, Field(max_length=limits.MAX_BAD_WORD_CHARS)]] | None = Field(
+        None, max_length=limits.MAX_BAD_WORDS)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=limits.MAX_ALLOWED_TOKEN_IDS)
     priority: int = 0
     cache_salt: str | None = None
     ignore_eos: bool = False
@@ -104,8 +114,10 @@ class SamplingRequest(OpenAIBaseModel):
 class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`: one prompt (text or token ids) to continue."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    # one prompt (a batch of several is refused, naming the field): text, token ids, or either in a list of one
+    prompt: str | TokenIds | Annotated[list[str], Field(max_length=MAX_PROMPT_ITEMS)] | Annotated[
+        list[TokenIds], Field(max_length=MAX_PROMPT_ITEMS)]
+    logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -122,10 +134,10 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingRequest):
     """`POST /v1/chat/completions`: a conversation, rendered by the model's chat template."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM's extra

@@ -13,14 +13,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from engine.async_llm import AsyncLLM, RequestStream
-from engine.entrypoints.openai.protocol import MAX_LOGPROBS, ErrorInfo, ErrorResponse, SamplingRequest
+from engine.async_llm import AsyncLLM, QueueFullError, RequestStream
+from engine.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
+from engine.limits import check_logprobs, check_max_tokens, check_n
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 # the engine's messages start with the field they refuse ("max_tokens: must be >= 1, got 0", "logit_bias[5]: must
 # be in [-100, 100]", "logit_bias (token id): expected int")
 _FIELD = re.compile(r"^([A-Za-z_]\w*)(?:[.\[][^:\s]*| \([^)]*\))?:")
@@ -102,12 +103,22 @@ class OpenAIServing:
         # a request must fit alone in the cache: the longest sequence the server can promise
         self.max_cache_tokens = (engine.num_kv_blocks - 1) * engine.config.block_size
         self.policy = engine.config.scheduling_policy
+        self.config = engine.config
 
     def check(self, request: SamplingRequest) -> None:
-        """The model name (404 if it is not this server's), then fields this server cannot honour as sent: refused,
-        never silently ignored."""
+        """The model name (404 if it is not this server's), the engine's limits on what needs no prompt (n,
+        logprobs: refused in microseconds, before the prompt is tokenized under the engine's lock), then fields
+        this server cannot honour as sent: refused, never silently ignored."""
         if request.model is not None and request.model != self.model_name:
             raise RequestError(404, f"The model `{request.model}` does not exist.", "model")
+        try:
+            check_n(request.n, self.config)
+            for name in ("logprobs", "top_logprobs"):
+                value = getattr(request, name, None)
+                if isinstance(value, int) and not isinstance(value, bool):  # chat's logprobs is a flag
+                    check_logprobs(name, value, self.config)
+        except ValueError as exc:
+            raise engine_refusal(exc) from None
         if request.priority != 0 and self.policy != "priority":
             raise RequestError(400, f"priority: {request.priority} given, but the server schedules "
                                f"{self.policy!r}; start it with --scheduling-policy priority", "priority")
@@ -127,8 +138,13 @@ class OpenAIServing:
         room = min(self.max_model_len, self.max_cache_tokens) - num_prompt_tokens
         if max_tokens is None:  # vLLM's default: what is left of the context (capped by an endpoint's default)
             max_tokens = max(min(room, default_max_tokens or room), 1)
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise RequestError(400, f"logprobs: must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+        else:
+            try:  # as vLLM's server: the prompt and max_tokens within max_model_len, refused past it
+                check_max_tokens(max_tokens, num_prompt_tokens, self.max_model_len)
+            except ValueError as exc:
+                raise engine_refusal(exc, field_map) from None
+        if logprobs is not None and logprobs < 0:
+            raise RequestError(400, f"logprobs: must be >= 0, got {logprobs}", "logprobs")
         logit_bias = None
         if request.logit_bias is not None:  # JSON keys are strings; the engine's are token ids
             bad = next((k for k in request.logit_bias if not k.strip().lstrip("-").isdigit()), None)
@@ -190,6 +206,8 @@ class OpenAIServing:
                                          cache_salt=request.cache_salt)
         except (ValueError, TypeError) as exc:
             raise engine_refusal(exc, field_map) from None
+        except QueueFullError as exc:  # vLLM's answer when overloaded: retry later, nothing was queued
+            raise RequestError(503, str(exc)) from None
         return request_id, stream
 
     @staticmethod

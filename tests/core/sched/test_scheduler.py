@@ -268,6 +268,32 @@ def test_priority_victim_among_equal_priorities_is_the_latest_arrival():
     assert h.scheduler.running == [early]
 
 
+def test_priority_a_request_that_preempts_itself_lets_the_higher_priority_ones_after_it_go_on():
+    # vLLM 0.33: "low" (admitted first, so first in the running list) needs a block and is itself the worst
+    # priority: it preempts itself, and "high", after it in the list, is still scheduled in the same step
+    h = SchedulerHarness(num_blocks=5, scheduling_policy="priority")
+    h.add(make_request("low", 7, max_tokens=50, priority=5, arrival_time=0.0))
+    assert h.step().num_scheduled_tokens == {"low": 7}  # blocks 1 2
+    h.add(make_request("high", 7, max_tokens=50, priority=0, arrival_time=1.0))
+    assert h.step().num_scheduled_tokens == {"low": 1, "high": 7}  # high: blocks 3 4; none free
+    out = h.step()  # low's 9th token needs a third block
+    assert out.preempted_req_ids == ["low"]
+    assert out.num_scheduled_tokens == {"high": 1} and h.sampled == ["high"]
+    assert (h.kv.get_block_ids("high"), free_ids(h.kv)) == ([3, 4], [2, 1])  # low's blocks, tail first, at the head
+
+
+def test_a_running_request_is_never_scheduled_past_max_model_len_minus_one():
+    # vLLM 0.33 caps a running request's new tokens (drafts included) at max_model_len - 1 - num_computed_tokens:
+    # the token sampled at position max_model_len - 1 is the last one the model can hold
+    h = SchedulerHarness(max_model_len=8)
+    request = make_request("r", 5, max_tokens=10)
+    h.add(request)
+    assert h.step().num_scheduled_tokens == {"r": 5}
+    request.spec_token_ids = [TOKEN] * 3  # 6 tokens + 3 drafts would reach position 8
+    out = h.scheduler.schedule()
+    assert [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [(5, 2)]
+
+
 def test_a_victim_preempted_in_the_step_it_was_scheduled_leaves_no_uncomputed_block_cached():
     h = SchedulerHarness(num_blocks=8, max_num_batched_tokens=12, long_prefill_token_threshold=8,
                          scheduling_policy="priority", enable_prefix_caching=True)

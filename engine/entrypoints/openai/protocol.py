@@ -17,7 +17,8 @@ from engine import limits
 MAX_PROMPT_ITEMS = 1 << 17
 MAX_MESSAGES = 4096
 StopString = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_STRING_CHARS)]
-TokenIds = Annotated[list[int], Field(max_length=MAX_PROMPT_ITEMS)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_ITEMS)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -81,31 +82,33 @@ class SamplingRequest(OpenAIBaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    # the ranges SamplingParams checks, stated here too so the schema says them (vLLM's ranges)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=limits.SEED_MIN, le=limits.SEED_MAX)
     stop: StopString | Annotated[list[StopString], Field(max_length=limits.MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[int] | None = Field(None, max_length=limits.MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=limits.MAX_STOP_TOKEN_IDS)
     n: int = Field(1, ge=1)  # at most the engine's max_num_seqs (checked against its config)
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = Field(None, max_length=limits.MAX_LOGIT_BIAS)  # token id (as a JSON key, a string) -> bias in [-100, 100]
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None,
+                                                                                 max_length=limits.MAX_LOGIT_BIAS)  # token id (as a JSON key, a string) -> bias in [-100, 100]
     user: str | None = None
     # vLLM's extras
-    repetition_penalty: float = 1.0
-    bad_words: list[Annotated[str, Field(max_length=limits.MAX_BAD_WORD_CHARS)]] | None = Field(
+    repetition_penalty: float = Field(1.0, gt=0)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=limits.MAX_BAD_WORD_CHARS)]] | None = Field(
         None, max_length=limits.MAX_BAD_WORDS)
-    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=limits.MAX_ALLOWED_TOKEN_IDS)
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=limits.MAX_ALLOWED_TOKEN_IDS)
     priority: int = 0
     cache_salt: str | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     request_id: str | None = None
@@ -115,8 +118,9 @@ class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`: one prompt (text or token ids) to continue."""
 
     # one prompt (a batch of several is refused, naming the field): text, token ids, or either in a list of one
-    prompt: str | TokenIds | Annotated[list[str], Field(max_length=MAX_PROMPT_ITEMS)] | Annotated[
-        list[TokenIds], Field(max_length=MAX_PROMPT_ITEMS)]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[TokenIds, Field(min_length=1)] | Annotated[
+        list[str], Field(min_length=1, max_length=MAX_PROMPT_ITEMS)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPT_ITEMS)]
     logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     echo: bool = False
     suffix: str | None = None
@@ -134,7 +138,7 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingRequest):
     """`POST /v1/chat/completions`: a conversation, rendered by the model's chat template."""
 
-    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs

@@ -244,3 +244,24 @@ def test_bench_all_runs_each_benchmark_as_its_own_command(tmp_path, monkeypatch)
     assert "<!-- bench:guided:start -->" in text and "<!-- bench:roofline:start -->" in text
     assert "`workbench bench roofline --batch-sizes 1 --steps 1" in text and "--model tiny-llama" in text
     assert (tmp_path / "bench" / "guided.json").exists() and "bench:gains" not in text  # prefix, spec not run
+
+
+def test_chaos_cuts_and_malformed_requests_are_refused_or_cut_and_nothing_is_lost(capsys):
+    """`--chaos-disconnect` / `--chaos-malformed` on the engine served in-process: a smoke run whose table says
+    what was refused and what was lost (nothing), the server empty after."""
+    argv = ["bench", "serve", "--model", "tiny-llama", "--num-kv-blocks", "256", "--num-prompts", "6",
+            "--random-input-len", "12", "--random-output-len", "12", "--chaos-disconnect", "0.34",
+            "--chaos-malformed", "0.5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cut mid-stream by the client" in out and "lost (no [DONE]" in out
+    result = serve.run_serve(num_requests=6, dataset_args={"input_len": 12, "output_len": 12},
+                             chaos_disconnect=0.34, chaos_malformed=0.5, log=lambda _: None, **TINY)
+    http = result["http"]
+    assert sum(http["requests"].values()) == 6 and set(http["requests"]) <= {"done", "cut"}
+    assert http["requests"].get("cut", 0) <= 2 and result["engine"]["completed"] == http["requests"]["done"]
+    assert sum(http["malformed"].values()) == 3 and all(status.startswith("4") for status in http["malformed"])
+    assert http["lost"] == 0 and http["health_failed"] == 0 and http["health_ok"] >= 1
+    assert http["left"] == {"running": 0, "waiting": 0, "kv_cache_usage_perc": 0}
+    with pytest.raises(ValueError, match="chaos_disconnect"):
+        serve.run_serve(num_requests=2, chaos_disconnect=1.5, log=lambda _: None, **TINY)

@@ -15,7 +15,10 @@ by transformers as it is sampled, so TTFT, ITL and latencies are defined the sam
 
 `--base-url URL` sends the same seeded arrivals over HTTP instead, streaming, to any OpenAI-compatible server (ours,
 `workbench serve`, or a real vLLM): TTFT, ITL and latency measured at the client as `benchmark_serving` does (ITL
-= gaps between chunks that carried text), output lengths from the server's usage.
+= gaps between chunks that carried text), output lengths from the server's usage (workbench/bench/http_serve.py).
+`--chaos-disconnect SHARE` / `--chaos-malformed SHARE` add a bad client to that burst (over HTTP: to --base-url, or
+to this engine served in-process): requests cut mid-stream, malformed ones among them; the table then says what was
+refused and what was lost.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import os
 import statistics
 import time
 from collections import defaultdict, deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -168,60 +172,6 @@ def run_serve_once(llm: LLM, requests: Sequence[BenchRequest], arrivals: Sequenc
         eng.unsubscribe(recorder)
     duration = clock.monotonic() - start
     return [_engine_result(eng.pop_output(ids[i]), recorder.times[ids[i]]) for i in range(len(requests))], duration
-
-
-async def _http_request(client: Any, model: str, request: BenchRequest, arrival: float,
-                        semaphore: Any) -> RequestResult:
-    """One streamed completion at its arrival time; times at the client, from that arrival."""
-    import asyncio
-
-    await asyncio.sleep(max(0.0, arrival - time.monotonic()))
-    async with semaphore:
-        # vLLM's extras: exactly output_len tokens where the dataset says so; JSON-schema requests guided
-        extra: dict[str, Any] = {"ignore_eos": request.ignore_eos}
-        if request.json_schema is not None:
-            extra["structured_outputs"] = {"json": request.json_schema}
-        start = time.monotonic()
-        chunk_times, output_len = [], 0
-        try:
-            stream = await client.completions.create(
-                model=model, prompt=request.prompt_token_ids, max_tokens=request.output_len, temperature=0.0,
-                stream=True, stream_options={"include_usage": True}, extra_body=extra)
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    chunk_times.append(time.monotonic())
-                if chunk.usage is not None:
-                    output_len = chunk.usage.completion_tokens
-        except Exception:  # a failed request counts as failed, as in benchmark_serving; the others go on
-            return RequestResult(len(request.prompt_token_ids), 0, 0.0, 0.0, [], success=False)
-        if not chunk_times:
-            return RequestResult(len(request.prompt_token_ids), 0, 0.0, 0.0, [], success=False)
-        return RequestResult(len(request.prompt_token_ids), output_len or len(chunk_times), chunk_times[0] - start,
-                             chunk_times[-1] - start, np.diff(chunk_times).tolist())
-
-
-def run_http_serve_once(base_url: str, model: str, requests: Sequence[BenchRequest], arrivals: Sequence[float],
-                        max_concurrency: int | None = None) -> tuple[list[RequestResult], float]:
-    """Send `requests` at `arrivals` to an OpenAI-compatible server at `base_url` (ending in /v1), as `model`.
-    Returns one result per request, in order, and the duration (first send to last finish, s)."""
-    import asyncio
-
-    import httpx
-    import openai
-
-    async def everyone() -> list[RequestResult]:
-        limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)
-        semaphore = asyncio.Semaphore(max_concurrency or len(requests) or 1)
-        start = time.monotonic()
-        async with openai.AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"),
-                                      max_retries=0, timeout=600,
-                                      http_client=httpx.AsyncClient(limits=limits, timeout=600)) as client:
-            return await asyncio.gather(*(_http_request(client, model, r, start + a, semaphore)
-                                          for r, a in zip(requests, arrivals)))
-
-    start = time.monotonic()
-    results = asyncio.run(everyone())
-    return results, time.monotonic() - start
 
 
 def _engine_result(out: RequestOutput, token_times: list[float]) -> RequestResult:
@@ -372,18 +322,24 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
               hf_batch_size: int = 8, result_file: str | None = None, seed: int = 0,
               max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
               log: Callable[[str], None] = print, progress: bool = True, base_url: str | None = None,
-              served_model_name: str | None = None, cb_baseline: bool = False) -> dict[str, Any]:
+              served_model_name: str | None = None, cb_baseline: bool = False, chaos_disconnect: float = 0.0,
+              chaos_malformed: float = 0.0) -> dict[str, Any]:
     """Serve one seeded workload on the engine (and on transformers `generate` if `baseline`, on transformers'
     continuous batching if `cb_baseline`); returns the settings and vLLM-style metrics per side (plus the engine's
     ratios to each); writes them as JSON to `result_file`.
     With `base_url`, the engine side is the server there, over HTTP (its model named `served_model_name`, default
-    `model`); `model` gives the tokenizer of the dataset."""
+    `model`); `model` gives the tokenizer of the dataset. With a chaos share, a bad client joins the burst
+    (http_serve.py), over HTTP to `base_url` or to this engine served in-process; `result["http"]` says what
+    became of every request."""
+    from workbench.bench.http_serve import Chaos, run_http_serve_once, served_in_process
+
     load_before = os.getloadavg()
     engine_kwargs = dict(engine_kwargs or {})
     arrivals = request_arrivals(num_requests, request_rate, burstiness, seed)
+    chaos = Chaos(chaos_disconnect, chaos_malformed, seed)
+    if (base_url is not None or chaos.active) and (baseline or cb_baseline):
+        raise ValueError("--baseline, --cb-baseline: run in-process; not with --base-url or --chaos-*")
     if base_url is not None:
-        if baseline or cb_baseline:
-            raise ValueError("--baseline, --cb-baseline: run in-process; not with --base-url")
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
@@ -393,11 +349,13 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
         tokenizer = llm.tokenizer
     requests = sample_dataset(dataset, tokenizer, num_requests, seed, **(dataset_args or {}))
     dataset_args = {**DATASET_DEFAULTS[dataset], **(dataset_args or {})}
-    if llm is None:
+    http = None
+    if llm is None or chaos.active:
         name = served_model_name or model
-        run_http_serve_once(base_url, name, requests[:2], [0.0, 0.0])  # warm-up, as in-process
-        results, duration = run_http_serve_once(base_url, name, requests, arrivals, max_concurrency)
-        log(f"server at {base_url}: {duration:.2f} s")
+        with served_in_process(llm, name) if llm is not None else nullcontext(base_url) as url:
+            run_http_serve_once(url, name, requests[:2], [0.0, 0.0])  # warm-up, as in-process
+            results, duration, http = run_http_serve_once(url, name, requests, arrivals, max_concurrency, chaos)
+        log(f"server at {base_url or 'this engine, served in-process'}: {duration:.2f} s")
     else:
         run_serve_once(llm, requests[:2], [0.0, 0.0], progress=False)  # warm-up: first calls pay for allocation
         results, duration = run_serve_once(llm, requests, arrivals, max_concurrency, progress)
@@ -408,11 +366,13 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
                      "request_rate": request_rate, "burstiness": burstiness, "max_concurrency": max_concurrency,
                      "goodput": goodput or {}, "seed": seed, "max_num_batched_tokens": max_num_batched_tokens,
                      "hf_batch_size": hf_batch_size if baseline else None, "engine_kwargs": engine_kwargs,
-                     "base_url": base_url},
+                     "base_url": base_url, "chaos_disconnect": chaos_disconnect,
+                     "chaos_malformed": chaos_malformed},
         "engine": compute_metrics(results, duration, goodput),
         "baseline": None,
         "baseline_cb": None,
         "load_average": {"before": list(load_before)},
+        "http": http.to_dict() if http is not None else None,
     }
     files = {"engine": per_request(results)}
     if baseline:
@@ -466,6 +426,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "to send the requests to over HTTP, instead of the in-process engine")
     parser.add_argument("--served-model-name", default=None, help="the model name that server expects "
                         "(default: --model)")
+    parser.add_argument("--chaos-disconnect", type=float, default=0.0, metavar="SHARE",
+                        help="a bad client: this share of the requests is cut mid-stream (over HTTP; without "
+                        "--base-url the engine is served in-process)")
+    parser.add_argument("--chaos-malformed", type=float, default=0.0, metavar="SHARE",
+                        help="malformed requests sent among them, this share of their number")
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -581,11 +546,21 @@ def _workload_values(result: dict[str, Any]) -> dict[str, str]:
             "baseline_note": (_BASELINE_NOTE if result["baseline"] else "")
             + (_CB_NOTE if result.get("baseline_cb") else ""),
             "where": _where(s),
-            "via": f"; over HTTP, streamed, to {s['base_url']} (times at the client)" if s.get("base_url") else ""}
+            "via": _via(s)}
+
+
+def _via(s: dict[str, Any]) -> str:
+    chaos = s.get("chaos_disconnect") or s.get("chaos_malformed")
+    if not s.get("base_url") and not chaos:
+        return ""
+    where = s["base_url"] or "this engine, served in-process"
+    bad = (f"; a bad client in the burst: {s['chaos_disconnect']:.0%} of the requests cut mid-stream, malformed ones "
+           f"{s['chaos_malformed']:.0%} of their number" if chaos else "")
+    return f"; over HTTP, streamed, to {where} (times at the client){bad}"
 
 
 def _where(s: dict[str, Any]) -> str:
-    if s.get("base_url"):
+    if s.get("base_url") or s.get("chaos_disconnect") or s.get("chaos_malformed"):
         return "Requests go over HTTP to the server, which steps while they arrive"
     return executor_text(s.get("engine_kwargs") or {}) or "Requests arrive in-process while the engine steps"
 
@@ -603,9 +578,28 @@ def ratio_line(result: dict[str, Any]) -> str:
     return "; ".join(lines)
 
 
+def chaos_rows(http: dict[str, Any]) -> list[list[object]]:
+    """What became of every request over HTTP: finished, cut, refused (by status), lost; the malformed ones'
+    statuses; /health's answers during the burst; what the server held once idle."""
+    requests, malformed, left = http["requests"], http["malformed"], http["left"]
+    refused = ", ".join(f"{k.split()[1]}: {n}" for k, n in sorted(requests.items()) if k.startswith("refused"))
+    return [["finished with data: [DONE]", requests.get("done", 0)],
+            ["cut mid-stream by the client", requests.get("cut", 0)],
+            ["refused (status: count)", refused or 0],
+            ["malformed sent (status: count)", ", ".join(f"{k}: {n}" for k, n in sorted(malformed.items())) or 0],
+            ["lost (no [DONE], no refusal; malformed without a 4xx)", http["lost"]],
+            ["/health answered during the burst", f"{http['health_ok']} of {http['health_ok'] + http['health_failed']}"],
+            ["left on the server once idle: running, waiting, KV usage",
+             f"{left['running']:g}, {left['waiting']:g}, {left['kv_cache_usage_perc']:.1%}"]]
+
+
 def _parts(result: dict[str, Any]) -> list[Part]:
-    return [described(result, _WORKLOAD, _DOCS, **_workload_values(result)), Table(_headers(result), _rows(result)),
-            bold(ratio_line(result)), Line(load_line(result))]
+    parts = [described(result, _WORKLOAD, _DOCS, **_workload_values(result)), Table(_headers(result), _rows(result)),
+             bold(ratio_line(result)), Line(load_line(result))]
+    if result.get("http") and (result["settings"].get("chaos_disconnect") or result["settings"].get("chaos_malformed")):
+        parts.insert(2, Table(["what became of the requests (a bad client in the burst)", "count"],
+                              chaos_rows(result["http"])))
+    return parts
 
 
 format_text, format_markdown = formatters("Serving: latency and throughput under a request rate", _parts)

@@ -48,6 +48,15 @@ def test_proposers_are_chosen_by_method_name() -> None:
         assert issubclass(cls, Proposer) and cls.method == method
 
 
+def test_min_tokens_with_speculative_decoding_is_refused_at_add_request() -> None:
+    # min_tokens is the sampler's rule (EOS and the stop ids banned before it); the verification of drafts does not
+    # apply it yet, so a request asking for it is refused rather than allowed to stop early
+    engine = LLM(model="tiny-llama", num_kv_blocks=16, speculative_config=NGRAM).engine
+    with pytest.raises(ValueError, match="min_tokens: not supported with speculative_config"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, min_tokens=2))
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))  # without it, accepted
+
+
 def test_draft_model_with_another_vocabulary_is_refused(tmp_path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 

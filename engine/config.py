@@ -170,7 +170,8 @@ class EngineConfig:
     # report while it holds requests, a records() reply) before it declares the replica dead: killed and reaped,
     # its requests failed naming it, the others serving on (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S, 60 s)
     data_parallel_replica_timeout_s: float = 60.0
-    gpu_memory_utilization: float = 0.9  # simulated executor: the share of device memory for weights, activations, KV
+    # simulated executor: the share of device memory for weights, activations and KV (vLLM 0.33: 0.92, was 0.9)
+    gpu_memory_utilization: float = 0.92
 
     def __post_init__(self) -> None:
         ints = ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",

@@ -15,7 +15,8 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life. Every status after PREEMPTED is a finished one."""
 
     WAITING = 0
-    WAITING_FOR_FSM = 1  # its grammar is still compiling
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = 1  # its grammar is still compiling (vLLM 0.33's name)
+    WAITING_FOR_FSM = 1  # the same status under the name the 2025 article (and vLLM before 0.10) gave it
     WAITING_FOR_REMOTE_KVS = 2  # its KV is being loaded from another instance
     RUNNING = 3
     PREEMPTED = 4

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from engine.events import DPLoad, DPRouted, EngineSnapshot, StepRecord
 
 WAITING, RUNNING, PREEMPTED, FINISHED = "waiting", "running", "preempted", "finished"
-# the engine's RequestStatus names, as the views group them (every other one is a finished status)
-_STATUS = {"WAITING": WAITING, "WAITING_FOR_FSM": WAITING, "WAITING_FOR_REMOTE_KVS": WAITING, "RUNNING": RUNNING,
-           "PREEMPTED": PREEMPTED}
+# the engine's RequestStatus names, as the views group them (every other one is a finished status); traces recorded
+# before vLLM 0.33's name say WAITING_FOR_FSM
+_STATUS = {"WAITING": WAITING, "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": WAITING, "WAITING_FOR_FSM": WAITING,
+           "WAITING_FOR_REMOTE_KVS": WAITING, "RUNNING": RUNNING, "PREEMPTED": PREEMPTED}
 
 
 @dataclass

@@ -28,7 +28,7 @@ from engine.entrypoints.engine_procs import EngineProcs, Instance, TokenDelta, _
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-CONNECTOR_NAMES = {"shared_storage": "SharedStorageConnector", "redis": "RedisConnector"}
+CONNECTOR_NAMES = {"shared_storage": "ExampleConnector", "redis": "RedisConnector"}
 __all__ = ["PDCluster", "TokenDelta", "Instance", "CONNECTOR_NAMES"]
 
 

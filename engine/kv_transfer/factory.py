@@ -14,8 +14,8 @@ def create_connector(config: EngineConfig, num_layers: int, num_kv_heads: int, h
                      events: EventLog) -> KVConnectorBase:
     """Build the configured connector (imported on demand: redis is needed only by the Redis one)."""
     name = config.kv_transfer.kv_connector
-    if name == "SharedStorageConnector":
-        from engine.kv_transfer.shared_storage import SharedStorageConnector as cls
+    if name == "ExampleConnector":
+        from engine.kv_transfer.shared_storage import ExampleConnector as cls
     else:
         from engine.kv_transfer.redis_connector import RedisConnector as cls
     return cls(config, num_layers, num_kv_heads, head_dim, events)

@@ -1,4 +1,4 @@
-"""SharedStorageConnector: KV in a folder any instance can reach (a local disk, or NFS across machines).
+"""ExampleConnector (vLLM 0.33's name; SharedStorageConnector before, and in the article): KV in a folder any instance can reach (a local disk, or NFS across machines).
 
 Layout: <shared_storage_path>/<namespace>/<prompt key>/ with layer_NNN.safetensors and manifest.json. A save
 writes a temporary folder and renames it into place: readers see a whole entry or none. Entries older than
@@ -20,17 +20,17 @@ from engine.kv_transfer.store_connector import KVStoreConnector
 MANIFEST = "manifest.json"
 
 
-class SharedStorageConnector(KVStoreConnector):
+class ExampleConnector(KVStoreConnector):
     """Owns the folder tree under `kv_connector_extra_config["shared_storage_path"]`."""
 
-    name: ClassVar[str] = "SharedStorageConnector"
+    name: ClassVar[str] = "ExampleConnector"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         path = self.config.kv_connector_extra_config.get("shared_storage_path")
         if not path:
             raise ValueError("kv_transfer_config.kv_connector_extra_config.shared_storage_path: required for "
-                             "SharedStorageConnector")
+                             "ExampleConnector")
         self.root = Path(path) / self.namespace
         self.root.mkdir(parents=True, exist_ok=True)
         self.ttl_s = float(self.config.kv_connector_extra_config.get("ttl_s", 600))
@@ -79,3 +79,6 @@ class SharedStorageConnector(KVStoreConnector):
             return (self.entry(key) / f"layer_{layer_index:03d}.safetensors").read_bytes()
         except FileNotFoundError:
             return None
+
+
+SharedStorageConnector = ExampleConnector  # the name vLLM gave it before 0.33, which the article uses

@@ -38,7 +38,7 @@ class StructuredOutputRequest:
 
 class StructuredOutputManager:
     """Owns the xgrammar backend (built on the first guided request), a compile thread pool, the compile
-    cache keyed by grammar, and the per-step bitmask. Requests wait in WAITING_FOR_FSM while they compile."""
+    cache keyed by grammar, and the per-step bitmask. Requests wait in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR while they compile."""
 
     def __init__(self, tokenizer, vocab_size: int, events: EventLog, max_workers: int = 1) -> None:
         self.tokenizer = tokenizer
@@ -64,7 +64,7 @@ class StructuredOutputManager:
             backend = self.backend
             self._cache[key] = self._executor.submit(backend.compile, key)
         self.requests[request.request_id] = StructuredOutputRequest(key, self._cache[key], cached)
-        request.status = RequestStatus.WAITING_FOR_FSM
+        request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 
     def check_ready(self, request: Request) -> bool:
         """True once the grammar is compiled (the request may be scheduled); a failed compile sets `error`."""

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.kv_transfer.shared_storage import SharedStorageConnector
+from engine.kv_transfer.shared_storage import ExampleConnector, SharedStorageConnector
 from engine.kv_transfer.store_connector import prompt_key
 from engine.request import Request
 
@@ -109,7 +109,7 @@ def damage(connector, key: str, layer: int, how: str) -> None:
     start, end = json.loads(blob[8:8 + header_len])["value"]["data_offsets"]
     at = 8 + header_len + start + (end - start) // 3 + 4  # a few bytes into block 1
     blob[at:at + 4] = bytes(b ^ 0xFF for b in blob[at:at + 4])
-    if isinstance(connector, SharedStorageConnector):
+    if isinstance(connector, ExampleConnector):
         path = connector.entry(key) / f"layer_{layer:03d}.safetensors"
         path.unlink() if how == "missing" else path.write_bytes(bytes(blob))
         return
@@ -145,7 +145,7 @@ def test_partial_or_corrupt_kv_goes_by_the_policy(engines, reference, how) -> No
 
 
 def _drop(connector, key: str) -> None:
-    if isinstance(connector, SharedStorageConnector):
+    if isinstance(connector, ExampleConnector):
         import shutil
 
         shutil.rmtree(connector.entry(key))
@@ -248,3 +248,12 @@ def test_a_stopped_store_fails_saves_and_loads_by_the_policy(kv_config, referenc
     (fail,) = events(records, "kv_transfer.fail")
     assert fail.failure == "save_error" and outs[0].finish_reason == "length" and outs[0].kv_transfer_params is None
     assert_no_leaks(producer, consumer)
+
+
+def test_the_article_s_connector_name_is_vllm_0_33_s_example_connector():
+    from engine.config import KVTransferConfig
+
+    for name in ("SharedStorageConnector", "ExampleConnector", "shared_storage"):
+        assert KVTransferConfig.from_dict({"kv_connector": name, "kv_role": "kv_both"}).kv_connector == \
+            "ExampleConnector"
+    assert SharedStorageConnector is ExampleConnector and ExampleConnector.name == "ExampleConnector"

@@ -312,7 +312,7 @@ def test_compiling_grammar_does_not_block_others(monkeypatch) -> None:
     for _ in range(3):
         record = engine.step()
         assert guided not in record.scheduled and plain in record.scheduled
-    assert engine.scheduler.requests[guided].status.name == "WAITING_FOR_FSM"
+    assert engine.scheduler.requests[guided].status.name == "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
     gate.set()
     records = []
     while engine.has_unfinished_requests():

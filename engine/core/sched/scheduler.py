@@ -87,7 +87,7 @@ class Scheduler:
     # ---- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.sampling_params.structured_outputs is not None:
-            self.structured.add_request(request)  # compiles off the loop; WAITING_FOR_FSM until ready
+            self.structured.add_request(request)  # compiles off the loop; WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until ready
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
 
@@ -98,12 +98,12 @@ class Scheduler:
         """Work remains, but nothing runs and every waiting request waits on something outside the step (its
         grammar, its KV load, its producer's save): the engine blocks then, rather than spin through empty steps."""
         return (self.has_unfinished_requests() and not self.running
-                and all(r.status in (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS)
+                and all(r.status in (RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
                         or r.request_id in self.awaiting_kv for r in self.waiting))
 
     def compiling(self) -> list[str]:
         """Waiting requests whose grammar was still compiling when last looked at."""
-        return [r.request_id for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM]
+        return [r.request_id for r in self.waiting if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR]
 
     @property
     def num_waiting(self) -> int:
@@ -218,7 +218,7 @@ class Scheduler:
 
     def _admission(self, request: Request, budget: int) -> Admission:
         """The seed's steps for a waiting request, in its order, until one decides: is its KV still loading, is
-        its grammar compiled (WAITING_FOR_FSM), its prefix-cache hits, the connector's external tokens, its new
+        its grammar compiled (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR), its prefix-cache hits, the connector's external tokens, its new
         tokens (chunked by the budget and the long-prefill threshold), then allocate_slots (PARK or SCHEDULE)."""
         admission = Admission(request, budget)
         for check in (self._check_remote_kvs, self._check_grammar, self._lookup_prefix_cache,
@@ -235,7 +235,7 @@ class Scheduler:
 
     def _check_grammar(self, a: Admission) -> Verdict | None:
         """A grammar still compiling holds its request back (the others go on); one that failed finishes it."""
-        if a.request.status != RequestStatus.WAITING_FOR_FSM or self.structured.check_ready(a.request):
+        if a.request.status != RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR or self.structured.check_ready(a.request):
             return None
         a.error = self.structured.error(a.request.request_id)
         return Verdict.SKIP if a.error is None else Verdict.FINISH

@@ -123,7 +123,7 @@ class CostModel:
         per_token = 2 * s.hidden_size + self.q_r + 2 * self.kv_r + self.q_r + 3 * inter
         return t * per_token * self.act_elt + max_num_seqs * s.vocab_size * LOGITS_BYTES
 
-    def kv_capacity(self, block_size: int, gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
+    def kv_capacity(self, block_size: int, gpu_memory_utilization: float = 0.92, max_num_batched_tokens: int = 2048,
                     max_num_seqs: int = 256) -> KVCapacity:
         """vLLM's split of one rank's memory (see the module docstring); ValueError if nothing is left for KV."""
         hw = self.hardware

@@ -12,11 +12,10 @@ vLLM's setting names where vLLM has one (`max_logprobs`, `max_model_len`, `max_n
 are ours (vLLM has none), generous enough for any real use and small enough that checking them each step is cheap."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.sampling_params import SamplingParams
 
 # vLLM's seed range (its protocol's Field(ge=torch.long min, le=torch.long max)): what a torch generator takes
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -29,12 +28,27 @@ MAX_BAD_WORD_CHARS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 17  # more than any vocabulary here has (SmolLM2: 49,152): a mask, not a loop
 
 
+class RequestOptions(Protocol):
+    """What the limits read of a request's options: `SamplingParams` (which imports this module, so it is named by
+    its shape here)."""
+
+    n: int
+    seed: int | None
+    stop: str | list[str] | None
+    stop_token_ids: list[int] | None
+    logprobs: int | None
+    prompt_logprobs: int | None
+    logit_bias: dict[int, float] | None
+    bad_words: list[str] | None
+    allowed_token_ids: list[int] | None
+
+
 def _at_most(field: str, count: int, limit: int, what: str) -> None:
     if count > limit:
         raise ValueError(f"{field}: at most {limit} {what}, got {count}")
 
 
-def check_static_limits(params: "SamplingParams") -> None:
+def check_static_limits(params: RequestOptions) -> None:
     """The limits that need no engine: the seed's range and the size of every list option. Called by
     `SamplingParams.__post_init__` once the types are checked."""
     if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX:
@@ -52,7 +66,7 @@ def check_static_limits(params: "SamplingParams") -> None:
     _at_most("allowed_token_ids", len(params.allowed_token_ids or []), MAX_ALLOWED_TOKEN_IDS, "token ids")
 
 
-def check_engine_limits(params: "SamplingParams", config: "EngineConfig") -> None:
+def check_engine_limits(params: RequestOptions, config: "EngineConfig") -> None:
     """The limits an engine's config sets: `n` within `max_num_seqs` (the children of one request must fit the
     engine's batch at once; more would queue a request against itself), `logprobs` and `prompt_logprobs` within
     `max_logprobs` (vLLM's check in its processor). Cheap: called before anything is tokenized or queued."""

@@ -26,11 +26,12 @@ def test_a_burst_with_cuts_and_malformed_requests_loses_nothing(served, offline)
                 for p in ids]
     chaos = Chaos(disconnect=1 / 3, malformed=0.5, seed=3)
     requests = [BenchRequest(p, 16, ignore_eos=False) for p in ids]
-    _, _, seen = run_http_serve_once(f"{served.base_url}/v1", MODEL, requests, [0.0] * NUM_STREAMS, chaos=chaos)
+    streamed, _, seen = run_http_serve_once(f"{served.base_url}/v1", MODEL, requests, [0.0] * NUM_STREAMS,
+                                            chaos=chaos)
 
     cut = chaos.cuts(NUM_STREAMS)
     assert len(cut) == 5 and seen.requests["cut"] >= 1, seen.to_dict()
-    for i, (outcome, text) in enumerate(zip(seen.each, seen.texts)):
+    for i, (outcome, text) in enumerate((s.outcome, s.text) for s in streamed):
         if i in cut and outcome == "cut":
             assert expected[i].startswith(text), i  # what it read before leaving was right
         else:  # a stream the client read to its end: [DONE], and the text of the sequential run

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 if TYPE_CHECKING:
     from engine import LLM
     from workbench.bench.datasets import BenchRequest
-    from workbench.bench.serve import RequestResult
 
 # what a bad client sends: each must be refused with a 4xx, never crash or hold the server
 MALFORMED: tuple[tuple[str, dict[str, Any] | bytes], ...] = (
@@ -79,8 +78,6 @@ class Outcomes:
     health_ok: int = 0
     health_failed: int = 0
     left: dict[str, float] = field(default_factory=dict)  # running, waiting, kv_cache_usage_perc once idle
-    texts: list[str] = field(default_factory=list)  # each request's text as streamed, in order
-    each: list[str] = field(default_factory=list)  # each request's outcome, in order
 
     @property
     def lost(self) -> int:
@@ -93,51 +90,58 @@ class Outcomes:
                 "health_failed": self.health_failed, "left": self.left, "lost": self.lost}
 
 
+@dataclass
+class Streamed:
+    """One request as the client saw it: its outcome ("done": ended with `data: [DONE]`; "cut": the client left
+    mid-stream; "refused STATUS"; "lost"), the text streamed, the output length (the server's usage, else the chunks
+    that carried text) and when each chunk with text came (s after the request was sent)."""
+
+    prompt_len: int
+    outcome: str = "lost"
+    text: str = ""
+    output_len: int = 0
+    times: list[float] = field(default_factory=list)
+
+
 def _root(base_url: str) -> str:
     return base_url[:-len("/v1")] if base_url.rstrip("/").endswith("/v1") else base_url.rstrip("/")
 
 
 async def _stream(client: Any, base_url: str, body: dict[str, Any], arrival: float, semaphore: asyncio.Semaphore,
-                  cut_after: int | None) -> tuple["RequestResult", str, str]:
-    """One streamed completion at its arrival time, read as raw SSE: its result (times at the client, from that
-    arrival), its outcome ("done": ended with `data: [DONE]`; "cut": the client left after `cut_after` chunks;
-    "refused STATUS"; "lost") and the text it streamed."""
-    from workbench.bench.serve import RequestResult
-
+                  cut_after: int | None) -> Streamed:
+    """One streamed completion at its arrival time, read as raw SSE; the client leaves after `cut_after` chunks."""
     await asyncio.sleep(max(0.0, arrival - time.monotonic()))
-    prompt_len = len(body["prompt"])
+    seen = Streamed(len(body["prompt"]))
     async with semaphore:
-        start, chunk_times, output_len, chunks, outcome, text = time.monotonic(), [], 0, 0, "lost", ""
+        start, chunks = time.monotonic(), 0
         try:
             async with client.stream("POST", f"{base_url}/completions", json=body) as response:
                 if response.status_code != 200:
                     await response.aread()
-                    return RequestResult(prompt_len, 0, 0.0, 0.0, [], success=False), \
-                        f"refused {response.status_code}", ""
+                    seen.outcome = f"refused {response.status_code}"
+                    return seen
                 async for line in response.aiter_lines():
                     if not line.startswith("data: "):
                         continue
                     if line == "data: [DONE]":
-                        outcome = "done"
+                        seen.outcome = "done"
                         break
                     chunk = json.loads(line[len("data: "):])
-                    if "error" in chunk:  # the request failed after the stream began
+                    if "error" in chunk:  # the request failed after the stream began: lost
                         break
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
-                        chunk_times.append(time.monotonic())
-                        text += chunk["choices"][0]["text"]
+                        seen.times.append(time.monotonic() - start)
+                        seen.text += chunk["choices"][0]["text"]
                     chunks += bool(chunk.get("choices"))
                     if chunk.get("usage"):
-                        output_len = chunk["usage"]["completion_tokens"]
+                        seen.output_len = chunk["usage"]["completion_tokens"]
                     if cut_after is not None and chunks >= cut_after:
-                        outcome = "cut"  # leaving the block closes the connection mid-stream: the server aborts
+                        seen.outcome = "cut"  # leaving the block closes the connection mid-stream: the server aborts
                         break
         except Exception:  # a connection that failed: lost (counted, the others go on)
-            outcome = "lost"
-    if outcome != "done" or not chunk_times:
-        return RequestResult(prompt_len, 0, 0.0, 0.0, [], success=False), outcome, text
-    return RequestResult(prompt_len, output_len or len(chunk_times), chunk_times[0] - start,
-                         chunk_times[-1] - start, [b - a for a, b in zip(chunk_times, chunk_times[1:])]), outcome, text
+            seen.outcome = "lost"
+    seen.output_len = seen.output_len or len(seen.times)
+    return seen
 
 
 async def _malformed(client: Any, base_url: str, body: dict[str, Any] | bytes, arrival: float) -> str:
@@ -195,10 +199,10 @@ def wait_idle(root: str, timeout: float = 60.0, headers: dict[str, str] | None =
 
 def run_http_serve_once(base_url: str, model: str, requests: Sequence["BenchRequest"], arrivals: Sequence[float],
                         max_concurrency: int | None = None, chaos: Chaos = Chaos()
-                        ) -> tuple[list["RequestResult"], float, Outcomes]:
+                        ) -> tuple[list[Streamed], float, Outcomes]:
     """Send `requests` at `arrivals` to an OpenAI-compatible server at `base_url` (ending in /v1), as `model`,
-    streamed, with `chaos`'s bad client among them. Returns one result per request, in order, the duration (first
-    send to last finish, s) and the outcomes (the server's load read once it is idle)."""
+    streamed, with `chaos`'s bad client among them. Returns what the client saw of each request, in order, the
+    duration (first send to last finish, s) and the outcomes (the server's load read once it is idle)."""
     import httpx
 
     cuts = chaos.cuts(len(requests))
@@ -217,7 +221,7 @@ def run_http_serve_once(base_url: str, model: str, requests: Sequence["BenchRequ
             b["structured_outputs"] = {"json": r.json_schema}
         return b
 
-    async def everyone() -> list[tuple["RequestResult", str, str]]:
+    async def everyone() -> list[Streamed]:
         cap = max_concurrency or len(requests) or 1
         limits = httpx.Limits(max_connections=cap + len(bad) + 1)
         semaphore = asyncio.Semaphore(cap)
@@ -239,11 +243,9 @@ def run_http_serve_once(base_url: str, model: str, requests: Sequence["BenchRequ
     start = time.monotonic()
     streamed = asyncio.run(everyone())
     duration = time.monotonic() - start
-    outcomes.each = [outcome for _, outcome, _ in streamed]
-    outcomes.texts = [text for _, _, text in streamed]
-    outcomes.requests.update(outcomes.each)
+    outcomes.requests.update(seen.outcome for seen in streamed)
     outcomes.left = wait_idle(_root(base_url), headers=headers)
-    return [result for result, _, _ in streamed], duration, outcomes
+    return streamed, duration, outcomes
 
 
 @contextmanager

@@ -32,7 +32,7 @@ from collections import defaultdict, deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from workbench.bench.args import (add_common_args, add_executor_args, executor_t
 from workbench.bench.datasets import DATASET_DEFAULTS, DATASETS, BenchRequest, sample_dataset
 from workbench.bench.report import Line, Part, Table, bold, described, formatters, machine_info, percentile
 from workbench.bench.throughput import HFBaseline, cold_start, load_line
+
+if TYPE_CHECKING:
+    from workbench.bench.http_serve import Streamed
 
 HELP = "online serving: requests at a rate; TTFT, TPOT, ITL, E2E, goodput (vLLM keys)"
 # `workbench bench all` runs it: (place, flags)
@@ -172,6 +175,14 @@ def run_serve_once(llm: LLM, requests: Sequence[BenchRequest], arrivals: Sequenc
         eng.unsubscribe(recorder)
     duration = clock.monotonic() - start
     return [_engine_result(eng.pop_output(ids[i]), recorder.times[ids[i]]) for i in range(len(requests))], duration
+
+
+def _http_result(seen: "Streamed") -> RequestResult:
+    """A request over HTTP as the benchmark counts it: only one that ended with [DONE]
+    succeeded; times at the client, from when it was sent."""
+    if seen.outcome != "done" or not seen.times:
+        return RequestResult(seen.prompt_len, 0, 0.0, 0.0, [], success=False)
+    return RequestResult(seen.prompt_len, seen.output_len, seen.times[0], seen.times[-1], np.diff(seen.times).tolist())
 
 
 def _engine_result(out: RequestOutput, token_times: list[float]) -> RequestResult:
@@ -354,7 +365,8 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
         name = served_model_name or model
         with served_in_process(llm, name) if llm is not None else nullcontext(base_url) as url:
             run_http_serve_once(url, name, requests[:2], [0.0, 0.0])  # warm-up, as in-process
-            results, duration, http = run_http_serve_once(url, name, requests, arrivals, max_concurrency, chaos)
+            streamed, duration, http = run_http_serve_once(url, name, requests, arrivals, max_concurrency, chaos)
+        results = [_http_result(seen) for seen in streamed]
         log(f"server at {base_url or 'this engine, served in-process'}: {duration:.2f} s")
     else:
         run_serve_once(llm, requests[:2], [0.0, 0.0], progress=False)  # warm-up: first calls pay for allocation

@@ -1,10 +1,14 @@
 """Helpers for tests that start a local server: a free loopback port, and waiting for it to answer."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -38,3 +42,18 @@ def stop(server: subprocess.Popen, timeout: float = 15) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
+
+
+def serve_cli(args: list[str], cwd: Path, timeout: float = 120) -> Iterator[str]:
+    """`workbench serve ARGS` on a free loopback port while the generator is suspended: yields its URL (ending in
+    /) once /health answers (open with or without --api-key); then the server is stopped."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--port", str(port), *args]
+    server = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        wait_for_http(f"{url}health", server, timeout=timeout, name="workbench serve")
+        yield url
+    finally:
+        stop(server)

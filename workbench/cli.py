@@ -212,10 +212,7 @@ def _add_run(commands: Any) -> None:
     engine.add_argument("--max-num-batched-tokens", type=positive_int, help="the token budget per step")
     engine.add_argument("--long-prefill-token-threshold", type=non_negative_int)
     engine.add_argument("--num-kv-blocks", type=positive_int)
-    engine.add_argument("--max-num-seqs", type=positive_int, help="also the most `n` a request may ask for")
-    engine.add_argument("--max-model-len", type=positive_int, help="prompt plus max_tokens, at most")
-    engine.add_argument("--max-logprobs", type=non_negative_int, help="the most logprobs a request may ask for "
-                        "(vLLM's; default 20)")
+    engine.add_argument("--max-num-seqs", type=positive_int)
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--data-parallel-size", type=positive_int,
@@ -323,7 +320,10 @@ def _add_serve(commands: Any) -> None:
     engine.add_argument("--long-prefill-token-threshold", type=non_negative_int)
     engine.add_argument("--num-kv-blocks", type=positive_int, default=256,
                         help="KV cache size in blocks, small so the block map reads well (default: %(default)s)")
-    engine.add_argument("--max-num-seqs", type=positive_int)
+    engine.add_argument("--max-num-seqs", type=positive_int, help="also the most `n` a request may ask for")
+    engine.add_argument("--max-model-len", type=positive_int, help="prompt plus max_tokens, at most")
+    engine.add_argument("--max-logprobs", type=non_negative_int, help="the most logprobs a request may ask for "
+                        "(vLLM's; default 20)")
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--data-parallel-size", type=positive_int,

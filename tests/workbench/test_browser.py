@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.net import free_port, stop, wait_for_http
+from tests.net import serve_cli
 
 CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,19 +42,9 @@ def _shown_step(page) -> int:
 
 @pytest.fixture
 def server_url():
-    port = free_port()
-    cmd = [sys.executable, "-m", "workbench.cli", "serve", "--port", str(port), "--model", "smollm2-135m",
-           "--num-kv-blocks", "64", "--max-tokens", "8", "--served-model-name", "smollm2",
-           "--prompt", "The capital of France is",
-           "--prompt", "A paged KV cache stores keys and values in fixed-size blocks"]
-    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        url = f"http://127.0.0.1:{port}/"
-        wait_for_http(f"{url}health", server, timeout=120, name="workbench serve")
-        yield url
-    finally:
-        stop(server)
+    yield from serve_cli(["--model", "smollm2-135m", "--num-kv-blocks", "64", "--max-tokens", "8",
+                          "--served-model-name", "smollm2", "--prompt", "The capital of France is",
+                          "--prompt", "A paged KV cache stores keys and values in fixed-size blocks"], ROOT)
 
 
 def test_step_three_times_then_serve_http_in_chromium(server_url):

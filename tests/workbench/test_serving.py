@@ -103,3 +103,38 @@ def test_the_dashboard_follows_a_data_parallel_front_end_live(tiny_model_path):
     finally:
         llm.shutdown()
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+
+
+@pytest.mark.parametrize("host, api_key, loud", [("0.0.0.0", None, True), ("127.0.0.1", None, False),
+                                                 ("0.0.0.0", "k", False)])
+def test_serving_beyond_the_loopback_without_a_key_warns_before_anything_loads(monkeypatch, capsys, host, api_key,
+                                                                               loud):
+    """The warning is printed at start, before the model loads or a port is bound (nothing is bound here: the
+    build that would follow is replaced by a stop)."""
+    import workbench.serving as serving
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped before building")
+
+    monkeypatch.setattr(serving, "build_serving_app", stop)
+    with pytest.raises(RuntimeError, match="stopped before building"):
+        serving.serve_openai(EngineConfig(model="tiny-llama"), host=host, port=1, api_key=api_key)
+    err = capsys.readouterr().err
+    assert ("anyone who can reach this port" in err and host in err) == loud, err
+
+
+def test_serve_flags_reach_the_engine_and_the_server_limits(monkeypatch):
+    """--max-num-seqs / --max-model-len / --max-logprobs to the EngineConfig; --max-waiting-requests and
+    --max-request-body-bytes to the ServerLimits (defaults where not given)."""
+    import workbench.app
+    import workbench.serving as serving
+    from workbench.cli import main
+
+    seen = {}
+    monkeypatch.setattr(workbench.app, "check_port", lambda port, host: None)
+    monkeypatch.setattr(serving, "serve_openai", lambda config, *args, limits, **kwargs: seen.update(
+        config=config, limits=limits))
+    assert main(["serve", "tiny-llama", "--max-num-seqs", "8", "--max-model-len", "512", "--max-logprobs", "5",
+                 "--max-waiting-requests", "7"]) == 0
+    assert (seen["config"].max_num_seqs, seen["config"].max_model_len, seen["config"].max_logprobs) == (8, 512, 5)
+    assert seen["limits"] == serving.ServerLimits(max_waiting_requests=7)

@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from workbench.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+CEILING_S = 600  # a bound on waits for a condition, far past what a loaded machine needs
 
 
 @pytest.fixture
@@ -149,10 +152,20 @@ def test_replay_announces_its_url_once_it_answers(readme_run):
         said = []  # the first line, printed once the port is bound, before serving
         reader = threading.Thread(target=lambda: said.append(server.stderr.readline()), daemon=True)
         reader.start()
-        reader.join(timeout=120)
-        first = said[0] if said else "(nothing within 120 s)"
+        # wait on the condition (the line, or the process ending), not on a guess of how long a loaded machine
+        # takes to import Panel and read the trace; the ceiling only keeps the loop bounded
+        deadline = time.monotonic() + CEILING_S
+        while reader.is_alive() and server.poll() is None and time.monotonic() < deadline:
+            reader.join(timeout=0.5)
+        reader.join(timeout=5)  # the process ended: its last line, if any, is being read
+        first = said[0] if said else f"(nothing; exit code {server.poll()})"
         url = f"http://127.0.0.1:{port}/"
         assert first == f"workbench: replaying {trace} at {url} (Ctrl-C stops)\n"
-        wait_for_http(url, server, timeout=60, name="workbench replay")
+        # it answers: /liveness needs no session, so it answers as soon as the loop serves, however loaded the
+        # machine (the 60 s this test gave `/` to build a whole Replay session was not enough on a busy one)
+        wait_for_http(f"{url}liveness", server, timeout=60, name="workbench replay")
+        # and the page: one request, waited for as long as the server builds it (it fails at once if it dies)
+        with urllib.request.urlopen(url, timeout=CEILING_S) as page:
+            assert page.status == 200 and b"Inference Workbench replay" in page.read()
     finally:
         stop(server)

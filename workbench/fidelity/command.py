@@ -26,6 +26,19 @@ DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BATCH = 250  # workloads per vLLM child process: a crash loses little, and memory stays flat
 
 
+RECORDED_GROUPS = ("core", "lifecycle", "lessons")  # the random groups (workload.GROUPS) and the lessons
+
+
+def golden_workloads(group: str, count: int) -> list[dict[str, Any]]:
+    """The recorded workloads of `group`: seeds 0 .. count - 1, or every lesson."""
+    from workbench.fidelity.lessons import LESSON_NAMES, make_lesson
+    from workbench.fidelity.workload import make_workload
+
+    if group == "lessons":
+        return [make_lesson(i) for i in range(len(LESSON_NAMES))]
+    return [make_workload(group, seed) for seed in range(count)]
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from workbench.fidelity.workload import GROUPS
 
@@ -34,7 +47,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                        ("record", "write vLLM's traces of the golden workloads to tests/fidelity/golden"),
                        ("check", "compare with the recorded traces (no vLLM needed)")):
         p = sub.add_parser(name, help=what)
-        p.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS), help="coverage groups")
+        groups = GROUPS if name == "run" else RECORDED_GROUPS
+        p.add_argument("--groups", nargs="+", choices=groups, default=list(groups), help="coverage groups")
         if name != "check":
             p.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON),
                            help="the reference venv's python (`make vllm-ref`; default: %(default)s)")
@@ -44,7 +58,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            help="first seed (default: %(default)s; the golden workloads use seeds from 0)")
             p.add_argument("--write-docs", action="store_true", help="put the counts in docs/FIDELITY.md")
         if name == "record":
-            p.add_argument("--workloads", type=positive_int, default=10, help="per group (default: %(default)s)")
+            p.add_argument("--workloads", type=positive_int, default=10,
+                           help="per random group (default: %(default)s; the lessons are all recorded)")
         if name != "run":
             p.add_argument("--golden-dir", default=str(GOLDEN_DIR), help="default: %(default)s")
 
@@ -93,11 +108,10 @@ def _golden_path(golden_dir: str, group: str) -> Path:
 
 def record(args: argparse.Namespace, command: str, out: Callable[[str], None] = print) -> int:
     from workbench.fidelity.compare import run_vllm, vllm_version
-    from workbench.fidelity.workload import make_workload
 
     version = vllm_version(args.vllm_python)
     for group in args.groups:
-        workloads = [make_workload(group, seed) for seed in range(args.workloads)]
+        workloads = golden_workloads(group, args.workloads)
         traces = run_vllm(workloads, args.vllm_python)
         path = _golden_path(args.golden_dir, group)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ recording at every step what vLLM's side records (tests/fidelity/vllm_driver.py)
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 from engine import LLMEngine, SamplingParams
 from engine.core.block_hash import hash_hex
@@ -42,41 +42,46 @@ def _live_requests(engine: LLMEngine) -> dict[str, dict[str, Any]]:
             for rid, r in sorted(engine.scheduler.requests.items())}
 
 
-def run_workload(workload: dict[str, Any]) -> dict[str, Any]:
-    """The workload through this engine; returns its trace: {"name", "steps": [step records], "outputs"}."""
-    engine = make_engine(workload)
+def trace_steps(workload: dict[str, Any], engine: LLMEngine) -> Iterator[dict[str, Any]]:
+    """Drive `engine` (made by make_engine) through the workload, one step at a time, and yield each step's record
+    as vLLM's side writes it; a view subscribed to the engine shows each step as it is taken."""
     if engine.eos_token_id != workload["eos_token_id"]:
         raise ValueError(f"eos_token_id: the workload's is {workload['eos_token_id']}, "
                          f"the engine's {engine.eos_token_id}")
     scheduler, pool = engine.scheduler, engine.kv_cache_manager.block_pool
-    requests: dict = {}
-    steps = []
     for step in range(workload["max_steps"]):
         for index, spec in enumerate(workload["requests"]):
             if spec["arrival_step"] == step:
                 _add(engine, spec, index)
-                requests[spec["request_id"]] = scheduler.requests[spec["request_id"]]
         for rid in workload["aborts"].get(str(step), []):  # its request.finished lands in this step's record
             if rid in scheduler.requests:
                 engine.abort(rid)
         pending = any(s["arrival_step"] > step for s in workload["requests"])
         if not engine.has_unfinished_requests() and not pending:
-            break
+            return
         was_running = {r.request_id for r in scheduler.running}
+        live = dict(scheduler.requests)
         record = engine.step()
         events = [e for e in record.events if e.step == record.step]
         admitted = [e for e in events if e.kind == "request.scheduled" and e.request_id not in was_running]
-        steps.append({
+        yield {
             "step": step,
             "scheduled": [[rid, n] for rid, n in record.scheduled.items()],
-            "new": [e.request_id for e in admitted if requests[e.request_id].num_preemptions == 0],
-            "resumed": sorted(e.request_id for e in admitted if requests[e.request_id].num_preemptions > 0),
+            "new": [e.request_id for e in admitted if live[e.request_id].num_preemptions == 0],
+            "resumed": sorted(e.request_id for e in admitted if live[e.request_id].num_preemptions > 0),
             "preempted": sorted(e.request_id for e in events if e.kind == "request.preempted"),
             "hit_tokens": dict(sorted((e.request_id, e.num_computed_tokens) for e in admitted)),
             "requests": _live_requests(engine),
             "finished": [[e.request_id, e.reason] for e in events if e.kind == "request.finished"],
             "free_blocks": pool.get_num_free_blocks(),
             "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-        })
-    outputs = {rid: list(r.output_token_ids) for rid, r in sorted(requests.items())}
+        }
+
+
+def run_workload(workload: dict[str, Any]) -> dict[str, Any]:
+    """The workload through a new engine; returns its trace: {"name", "steps": [step records], "outputs"}."""
+    engine = make_engine(workload)
+    steps = list(trace_steps(workload, engine))
+    outputs = {r["request_id"]: list(engine.get_output(r["request_id"]).token_ids)
+               for r in sorted(workload["requests"], key=lambda r: r["request_id"])}
     return {"name": workload["name"], "steps": steps, "outputs": outputs}

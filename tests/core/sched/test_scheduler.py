@@ -199,13 +199,15 @@ def test_without_the_full_sequence_gate_a_waiting_request_is_admitted_on_its_fir
     h.add(make_request("a", 8, max_tokens=20))
     assert h.step().num_scheduled_tokens == {"a": 8}  # alone: no threshold; blocks 1 2
     h.add(make_request("b", 12))
-    # b's 12 tokens need three blocks and two are free: its first chunk (4 tokens, one block) is enough here
+    # a's 9th token takes block 3, leaving block 4 free; b's 12 tokens need three blocks, but its first chunk
+    # (4 tokens: the threshold applies with two requests) needs one, and that is enough here
     assert h.step().num_scheduled_tokens == {"a": 1, "b": 4}
+    assert (h.kv.get_block_ids("a"), h.kv.get_block_ids("b")) == ([1, 2, 3], [4])
     gated = SchedulerHarness(num_blocks=5, max_num_batched_tokens=16, long_prefill_token_threshold=4)
     gated.add(make_request("a", 8, max_tokens=20))
     gated.step()
     gated.add(make_request("b", 12))
-    assert gated.step().num_scheduled_tokens == {"a": 1}  # the gate: three blocks do not fit in two
+    assert gated.step().num_scheduled_tokens == {"a": 1}  # the gate: three blocks do not fit in the one free
     assert [r.request_id for r in gated.scheduler.waiting] == ["b"]
 
 

@@ -132,6 +132,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # vLLM 0.33: admit a waiting request only if its whole sequence fits in the free blocks, not only its first chunk
     scheduler_reserve_full_isl: bool = True
+    # vLLM's AsyncScheduler (on by default in vLLM 0.33, off here: a step's record then holds its own outputs): each
+    # step schedules the next batch before the previous batch's tokens are back, with a placeholder for each
+    async_scheduling: bool = False
     max_logprobs: int = 20  # vLLM's: the most logprobs / prompt_logprobs a request may ask for (engine/limits.py)
     # model
     # None: float32 on CPU, bfloat16 on CUDA. On a CPU it is how weights and the KV cache are stored: the
@@ -184,7 +187,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name}: expected int or None, got {type(value).__name__}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "scheduler_reserve_full_isl"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "scheduler_reserve_full_isl",
+                     "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.model, str):
@@ -207,6 +211,13 @@ class EngineConfig:
             self.speculative_config)
         self.kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_dict(
             self.kv_transfer_config)
+        if self.async_scheduling:
+            for name, used in (("speculative_config", self.speculative is not None),
+                               ("kv_transfer_config", self.kv_transfer is not None),
+                               ("executor", self.executor == "multiproc"),
+                               ("data_parallel_size", self.data_parallel_size > 1)):
+                if used:
+                    raise ValueError(f"async_scheduling: not supported with {name}={getattr(self, name)!r} yet")
 
     def _check_executor(self) -> None:
         """The executor and what only it reads; a simulated engine's dtype defaults to its hardware's."""

@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.core.block_hash import hash_hex
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.phases import PhaseTracker
+from engine.core.sched.output import SchedulerOutput
 from engine.core.sched.scheduler import Scheduler
 from engine.events import (BlockSnapshot, EngineSnapshot, Event, EventLog, RequestAdded, RequestSnapshot,
                            RequestTokens, SpecVerified, StepRecord, StepTiming, Subscriber)
@@ -64,6 +65,9 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}  # every request not yet taken by pop_output
         self._parents: dict[str, ParentRequest] = {}  # requests with n > 1, by the id the user holds
         self._ids = itertools.count()
+        # async_scheduling: the batch run last step, whose outputs the scheduler takes in this one (vLLM's batch
+        # queue of two: schedule the next batch, then update from the one in flight)
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None
 
     def _eos_token_id(self) -> int | None:
         eos = self.executor.eos_token_id
@@ -180,7 +184,7 @@ class LLMEngine:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def run(self, request_ids: str | Iterable[str] | None = None, max_steps: int | None = None) -> list[StepRecord]:
         """Step until the given requests (default: every unfinished request) have finished, or `max_steps` steps
@@ -321,7 +325,9 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> StepRecord:
-        """Schedule, run the model, sample, update; return what happened as a StepRecord."""
+        """Schedule, run the model, sample, update; return what happened as a StepRecord. With async_scheduling
+        (vLLM's AsyncScheduler and batch queue of two): schedule the next batch, update from the batch in flight
+        (its tokens fill the new batch's placeholders), then run the new batch, whose outputs the next step takes."""
         self.step_count += 1
         start_ns = self.clock.time_ns()
         t0 = self.clock.perf_counter()
@@ -329,26 +335,31 @@ class LLMEngine:
             self._wait_outside()
         if self.connector is not None:
             self._finish_transfers()
-        sched_out = self.scheduler.schedule()
+        asynchronous = self.config.async_scheduling
+        sched_out = self.scheduler.schedule() if not asynchronous or self.scheduler.has_requests() else \
+            SchedulerOutput([], [], set())
         if self.connector is not None:
             self._start_load_kv(sched_out)
         # after the loads: a chunk they withdrew never runs, so it gets no phase (its recompute is the prefill)
         phases = self.phase_tracker.label(sched_out)
-        bitmask = self.structured.grammar_bitmask(
-            [(s.request_id, s.spec_token_ids) for s in sched_out.scheduled if s.samples])
         t1 = self.clock.perf_counter()
-        runner_out = self.executor.execute_model(sched_out, *bitmask)
-        for rid, entries in runner_out.prompt_logprobs.items():
-            self._requests[rid].prompt_logprobs.extend(entries)
-        if self.connector is not None:
-            self._save_kv()
-        t2 = self.clock.perf_counter()
-        appended = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids,
-                                                     runner_out.spec_token_ids)
-        self._process_outputs(appended, runner_out.logprobs)
-        t3 = self.clock.perf_counter()
-        timing = {"schedule": (t1 - t0) * 1e3, "forward": runner_out.forward_ms, "sample": runner_out.sample_ms,
-                  "update": (t3 - t2) * 1e3, "total": (t3 - t0) * 1e3}
+        if asynchronous:
+            done, self._in_flight = self._in_flight, None
+            t2 = self.clock.perf_counter()
+            appended = self._update(*done) if done is not None else {}
+            t3 = self.clock.perf_counter()
+            if sched_out.scheduled:  # what finished in that update still runs in vLLM, its output dropped: not here
+                self._in_flight = (sched_out, self._execute(
+                    replace(sched_out, scheduled=[s for s in sched_out.scheduled if not s.request.is_finished])))
+            runner_out = self._in_flight[1] if self._in_flight else None
+        else:
+            runner_out = self._execute(sched_out)
+            t2 = self.clock.perf_counter()
+            appended = self._update(sched_out, runner_out)
+            t3 = self.clock.perf_counter()
+        timing = {"schedule": (t1 - t0) * 1e3, "forward": runner_out.forward_ms if runner_out else 0.0,
+                  "sample": runner_out.sample_ms if runner_out else 0.0, "update": (t3 - t2) * 1e3,
+                  "total": (self.clock.perf_counter() - t0) * 1e3}
         self.events.emit(StepTiming, schedule_ms=timing["schedule"], forward_ms=timing["forward"],
                          sample_ms=timing["sample"], total_ms=timing["total"])
         record = StepRecord(
@@ -361,6 +372,24 @@ class LLMEngine:
         for callback in list(self._subscribers):
             callback(record)
         return record
+
+    def _execute(self, sched_out: SchedulerOutput):
+        """Run a scheduled batch (its grammars' bitmask, the model, its KV saves); returns the runner's output."""
+        bitmask = self.structured.grammar_bitmask(
+            [(s.request_id, s.spec_token_ids) for s in sched_out.scheduled if s.samples])
+        runner_out = self.executor.execute_model(sched_out, *bitmask)
+        for rid, entries in runner_out.prompt_logprobs.items():
+            self._requests[rid].prompt_logprobs.extend(entries)
+        if self.connector is not None:
+            self._save_kv()
+        return runner_out
+
+    def _update(self, sched_out: SchedulerOutput, runner_out) -> dict[str, list[int]]:
+        """The scheduler takes a batch's sampled tokens; the outputs (text, logprobs) follow."""
+        appended = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids,
+                                                     runner_out.spec_token_ids)
+        self._process_outputs(appended, runner_out.logprobs)
+        return appended
 
     def _named(self, events: list[Event]) -> list[Event]:
         """The step's events, each spec.verified with its tokens' text: the runner that verifies has no tokenizer."""

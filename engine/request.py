@@ -71,6 +71,13 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # asynchronous scheduling (vLLM's AsyncScheduler): tokens scheduled whose outputs have not come back yet
+        # (counted in num_computed_tokens), the output tokens they will add (not yet in all_token_ids), and, after a
+        # preemption, how many of the in-flight tokens' outputs will still arrive, for a request that restarted
+        self.num_in_flight_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_stale_output_tokens = 0
+        self.is_prefill_chunk = False  # its last schedule left prompt (or recomputed output) still to compute
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] for draft-model drafts

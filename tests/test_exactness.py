@@ -63,6 +63,10 @@ SETTINGS = {
     "preemption": lambda case: {"block_size": 16, "num_kv_blocks": _preempting_blocks(case),
                                 "enable_prefix_caching": False},  # shared prefixes would shrink the need
     "max_num_seqs_1": lambda case: {"max_num_seqs": 1},
+    # vLLM 0.33's default: each step scheduled before the last one's tokens are back
+    "async_scheduling": lambda case: {"async_scheduling": True, "max_num_batched_tokens": 32},
+    "async_preemption": lambda case: {"async_scheduling": True, "block_size": 16, "enable_prefix_caching": False,
+                                      "num_kv_blocks": _preempting_blocks(case)},
 }
 
 
@@ -75,7 +79,7 @@ def test_greedy_matches_transformers(case: Case, setting: str) -> None:
     for i, (out, expected) in enumerate(zip(outs, case.expected)):
         assert out.token_ids == expected, f"prompt {i} ({len(case.prompts[i])} tokens) differs under {setting}"
     kinds = [e.kind for r in records for e in r.events]
-    if setting == "preemption":
+    if setting in ("preemption", "async_preemption"):
         assert "request.preempted" in kinds
     if setting == "chunked_budget32_threshold16":
         assert any(p == "chunk" for r in records for p in r.phases.values())

@@ -160,7 +160,7 @@ class BlockPool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
-        for block in list(self.cached_block_hash_to_block.values()):
+        for block in [b for blocks in self.cached_block_hash_to_block.values() for b in blocks.values()]:
             self.uncache(block)
         self.num_cached_free = 0
         return True

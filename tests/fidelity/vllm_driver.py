@@ -43,6 +43,7 @@ _model_configs: dict = {}
 def make_scheduler(workload: dict):
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -54,7 +55,7 @@ def make_scheduler(workload: dict):
                                           dtype="float32")
     model_config = _model_configs[key]
     scheduler_config = SchedulerConfig(
-        max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=c["max_num_batched_tokens"],
+        async_scheduling=c.get("async_scheduling", False), max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=c["max_num_batched_tokens"],
         enable_chunked_prefill=c["enable_chunked_prefill"],
         long_prefill_token_threshold=c["long_prefill_token_threshold"], policy=c["scheduling_policy"],
         max_model_len=c["max_model_len"], is_encoder_decoder=False)
@@ -66,7 +67,8 @@ def make_scheduler(workload: dict):
     spec = FullAttentionSpec(block_size=c["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=c["num_blocks"], kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+    cls = AsyncScheduler if c.get("async_scheduling", False) else Scheduler
+    return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                      structured_output_manager=StructuredOutputManager(vllm_config), block_size=c["block_size"])
 
 
@@ -87,21 +89,57 @@ def _hash_hex(block) -> str | None:
     return None if block.block_hash is None else get_block_hash(block.block_hash).hex()[:16]
 
 
+def _schedule_record(out, requests: dict) -> dict:
+    """What one schedule() decided, in the harness's terms."""
+    cached = out.scheduled_cached_reqs
+    # vLLM's V2 model runner gets resumed requests among the new ones: told apart by their preemptions
+    admitted = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
+    for rid, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+        if rid in cached.resumed_req_ids:
+            admitted[rid] = num_computed
+    return {
+        "scheduled": [[rid, n] for rid, n in out.num_scheduled_tokens.items()],
+        "new": [n.req_id for n in out.scheduled_new_reqs if requests[n.req_id].num_preemptions == 0],
+        "resumed": sorted(rid for rid in admitted if requests[rid].num_preemptions > 0),
+        "preempted": sorted(out.preempted_req_ids),
+        "hit_tokens": dict(sorted(admitted.items())),
+    }
+
+
+def _runner_output(out, samples: set, requests: dict, workload: dict):
+    """The scripted tokens of a batch: one for each request that reached its sequence's end when scheduled, the
+    script's next token after what it has (EOS past the script's end)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    scripts = {r["request_id"]: r["output_token_ids"] for r in workload["requests"]}
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for rid in req_ids:
+        i = len(requests[rid].output_token_ids)
+        script = scripts[rid]
+        sampled.append([script[i] if i < len(script) else workload["eos_token_id"]] if rid in samples else [])
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                             sampled_token_ids=sampled)
+
+
 def run_workload(workload: dict) -> dict:
+    """Each step as vLLM's EngineCore takes it: `step()` (schedule, run, update) or, with async scheduling,
+    `step_with_batch_queue()` (a queue of two batches: schedule the next batch; update from the oldest when the
+    queue is full or nothing more can be scheduled)."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
     c = workload["config"]
+    asynchronous = c.get("async_scheduling", False)
     hash_fn = get_hash_fn_by_name(c["prefix_caching_hash_algo"])
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(c["block_size"], hash_fn)
     scheduler = make_scheduler(workload)
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
-    scripts = {r["request_id"]: r["output_token_ids"] for r in workload["requests"]}
     requests: dict = {}
+    queue: list = []  # (scheduler output, the requests that sample in it), oldest first
     steps = []
     for step in range(workload["max_steps"]):
         finished = []
@@ -113,40 +151,34 @@ def run_workload(workload: dict) -> dict:
             if scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED):
                 finished.append([rid, "abort"])
         pending = any(s["arrival_step"] > step for s in workload["requests"])
-        if not scheduler.get_num_unfinished_requests() and not pending:
+        # done when nothing is left to schedule and no batch with tokens is in flight (an empty batch in the queue,
+        # scheduled only to report finished ids, changes nothing when it is taken)
+        if not scheduler.get_num_unfinished_requests() and not pending \
+                and not any(out.total_num_scheduled_tokens for out, _ in queue):
             break
-        out = scheduler.schedule()
-        cached = out.scheduled_cached_reqs
-        # vLLM's V2 model runner gets resumed requests among the new ones: told apart by their preemptions
-        admitted = {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
-        for rid, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
-            if rid in cached.resumed_req_ids:
-                admitted[rid] = num_computed
-        resumed = sorted(rid for rid in admitted if requests[rid].num_preemptions > 0)
-        record = {
-            "step": step,
-            "scheduled": [[rid, n] for rid, n in out.num_scheduled_tokens.items()],
-            "new": [n.req_id for n in out.scheduled_new_reqs if requests[n.req_id].num_preemptions == 0],
-            "resumed": resumed,
-            "preempted": sorted(out.preempted_req_ids),
-            "hit_tokens": dict(sorted(admitted.items())),
-        }
-        req_ids = list(out.num_scheduled_tokens)
-        sampled = []
-        for rid in req_ids:
-            r = scheduler.requests[rid]
-            if r.num_computed_tokens >= r.num_tokens:
-                script = scripts[rid]
-                i = len(r.output_token_ids)
-                sampled.append([script[i] if i < len(script) else workload["eos_token_id"]])
+        record = {"step": step, "scheduled": [], "new": [], "resumed": [], "preempted": [], "hit_tokens": {}}
+        update = None
+        if not asynchronous or scheduler.has_requests():
+            out = scheduler.schedule()
+            record.update(_schedule_record(out, requests))
+            # a request samples when its scheduled tokens reached its sequence's end (no prompt left)
+            samples = {rid for rid in out.num_scheduled_tokens if not scheduler.requests[rid].is_prefill_chunk}
+            queue.append((out, samples))
+            if asynchronous and len(queue) < 2 and (out.total_num_scheduled_tokens > 0 or scheduler.has_requests()):
+                queue_full = False
             else:
-                sampled.append([])
-        runner_out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                                       sampled_token_ids=sampled)
-        for outputs in scheduler.update_from_output(out, runner_out).values():
-            for o in outputs.outputs:
-                if o.finish_reason is not None:
-                    finished.append([o.request_id, str(o.finish_reason)])
+                queue_full = True
+            if queue_full:
+                update = queue.pop(0)
+        elif queue:
+            update = queue.pop(0)
+        if update is not None:
+            out, samples = update
+            for outputs in scheduler.update_from_output(out, _runner_output(out, samples, requests,
+                                                                             workload)).values():
+                for o in outputs.outputs:
+                    if o.finish_reason is not None:
+                        finished.append([o.request_id, str(o.finish_reason)])
         record["requests"] = {rid: {"computed": r.num_computed_tokens, "blocks": list(kv.get_block_ids(rid)[0]),
                                     "hashes": [_hash_hex(b) for b in kv.get_blocks(rid).blocks[0]]}
                               for rid, r in sorted(scheduler.requests.items())}

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from workbench.bench.args import non_negative_int, positive_int
+from workbench.fidelity.workload import GROUPS
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = ROOT / "tests" / "fidelity" / "golden"
@@ -26,7 +27,7 @@ DEFAULT_VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BATCH = 250  # workloads per vLLM child process: a crash loses little, and memory stays flat
 
 
-RECORDED_GROUPS = ("core", "lifecycle", "lessons")  # the random groups (workload.GROUPS) and the lessons
+RECORDED_GROUPS = (*GROUPS, "lessons")  # the random groups and the hand-made lessons
 
 
 def golden_workloads(group: str, count: int) -> list[dict[str, Any]]:
@@ -40,8 +41,6 @@ def golden_workloads(group: str, count: int) -> list[dict[str, Any]]:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from workbench.fidelity.workload import GROUPS
-
     sub = parser.add_subparsers(dest="fidelity_command", required=True, metavar="{run,record,check}")
     for name, what in (("run", "compare with live vLLM on fresh seeded workloads"),
                        ("record", "write vLLM's traces of the golden workloads to tests/fidelity/golden"),

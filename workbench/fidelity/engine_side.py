@@ -25,7 +25,7 @@ def make_engine(workload: dict[str, Any]) -> LLMEngine:
         max_model_len=c["max_model_len"], enable_chunked_prefill=c["enable_chunked_prefill"],
         enable_prefix_caching=c["enable_prefix_caching"],
         long_prefill_token_threshold=c["long_prefill_token_threshold"], scheduling_policy=c["scheduling_policy"],
-        prefix_caching_hash_algo=c["prefix_caching_hash_algo"])
+        prefix_caching_hash_algo=c["prefix_caching_hash_algo"], async_scheduling=c.get("async_scheduling", False))
 
 
 def _add(engine: LLMEngine, spec: dict[str, Any], index: int) -> None:

@@ -6,14 +6,16 @@ Each coverage group draws what it covers and keeps the rest at defaults that can
 - core: FCFS and priority, chunked prefill on and off, prefix caching on and off with cache salts, the long-prefill
   threshold, max_num_seqs, pools small enough to preempt;
 - lifecycle: the same, plus aborts in every state (waiting, running, preempted, finished, before arrival), EOS,
-  stop tokens, min_tokens, ignore_eos and max_model_len reached before max_tokens.
+  stop tokens, min_tokens, ignore_eos and max_model_len reached before max_tokens;
+- async: the lifecycle group under asynchronous scheduling (vLLM's AsyncScheduler, against this engine's
+  async_scheduling): each step scheduled before the previous step's tokens are back.
 """
 from __future__ import annotations
 
 import random
 from typing import Any
 
-GROUPS = ("core", "lifecycle")
+GROUPS = ("core", "lifecycle", "async")
 EOS_TOKEN_ID = 2
 VOCAB = range(3, 500)  # script and prompt tokens: small ids, never EOS unless placed on purpose
 
@@ -91,8 +93,8 @@ def make_workload(group: str, seed: int) -> dict[str, Any]:
     if group not in GROUPS:
         raise ValueError(f"group: must be one of {GROUPS}, got {group!r}")
     rng = random.Random(f"{group}-{seed}")
-    config = _config(rng)
-    lifecycle = group == "lifecycle"
+    config = {**_config(rng), "async_scheduling": group == "async"}
+    lifecycle = group in ("lifecycle", "async")
     prefixes = [[rng.choice(VOCAB) for _ in range(config["max_model_len"])] for _ in range(rng.randint(0, 3))]
     requests = [_request(rng, i, config, prefixes, lifecycle) for i in range(rng.randint(1, 12))]
     return {"name": f"{group}-{seed}", "group": group, "seed": seed, "config": config,

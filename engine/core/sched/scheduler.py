@@ -83,6 +83,9 @@ class Scheduler:
         # room for the next drafts: the draft model writes their KV before they are scheduled
         self.num_lookahead_tokens = spec.num_speculative_tokens if spec else 0
         self.spec_method = spec.method if spec else None
+        # vLLM's AsyncScheduler: step N+1 is scheduled before step N's tokens are known, one placeholder per token
+        # a decode will sample (engine/llm_engine.py keeps one step in flight)
+        self.async_scheduling = config.async_scheduling
 
     # ---- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -93,6 +96,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self.held)
+
+    def has_requests(self) -> bool:
+        """Work for a schedule() call: unfinished requests, or finished ones the next output must still name."""
+        return self.has_unfinished_requests() or bool(self.finished_req_ids)
 
     def nothing_runnable(self) -> bool:
         """Work remains, but nothing runs and every waiting request waits on something outside the step (its
@@ -126,17 +133,27 @@ class Scheduler:
         if not preempted:  # under memory pressure, admit nobody new this step
             self._schedule_waiting(scheduled, budget)
         for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+            self._update_after_schedule(s)
         out = SchedulerOutput(scheduled, [r.request_id for r in preempted], self.finished_req_ids)
         self.finished_req_ids = set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
+    def _update_after_schedule(self, s: ScheduledRequest) -> None:
+        """A scheduled request's tokens count as computed at once (the next schedule() may already follow them);
+        asynchronously, a request that samples this step gets a placeholder for its token."""
+        request = s.request
+        request.num_computed_tokens += s.num_new_tokens
+        request.num_in_flight_tokens += s.num_new_tokens
+        request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens + request.num_output_placeholders
+        if self.async_scheduling and not request.is_prefill_chunk:
+            request.num_output_placeholders += 1 + len(s.spec_token_ids)
+
     def _num_new_tokens(self, request: Request, num_computed: int) -> int:
-        """Tokens the request has left to compute (drafts included), cut by the long-prefill threshold (which,
-        as in vLLM, cuts with chunked prefill off too)."""
-        num_new = request.num_tokens_with_spec - num_computed
+        """Tokens the request has left to compute (drafts and in-flight outputs included), cut by the long-prefill
+        threshold (which, as in vLLM, cuts with chunked prefill off too)."""
+        num_new = request.num_tokens_with_spec + request.num_output_placeholders - num_computed
         threshold = self.long_prefill_token_threshold
         return threshold if 0 < threshold < num_new else num_new
 
@@ -145,6 +162,10 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_computed = request.num_computed_tokens
+            if request.num_output_placeholders and num_computed + 2 - request.num_output_placeholders \
+                    >= request.num_prompt_tokens + request.sampling_params.max_tokens:
+                index += 1  # asynchronous: the tokens in flight already reach max_tokens; no step past them
+                continue
             # no input position past max_model_len - 1: the token sampled there is the last one the model holds
             num_new = min(self._num_new_tokens(request, num_computed), budget,
                           self.config.max_model_len - num_computed - 1)
@@ -193,6 +214,9 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # outputs still in flight come back to a request that starts over: appended, but they move no counter
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
         request.spec_token_ids = []
         request.spec_draft_probs = None
         request.num_preemptions += 1
@@ -221,7 +245,7 @@ class Scheduler:
         its grammar compiled (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR), its prefix-cache hits, the connector's external tokens, its new
         tokens (chunked by the budget and the long-prefill threshold), then allocate_slots (PARK or SCHEDULE)."""
         admission = Admission(request, budget)
-        for check in (self._check_remote_kvs, self._check_grammar, self._lookup_prefix_cache,
+        for check in (self._check_remote_kvs, self._check_grammar, self._check_stale_output, self._lookup_prefix_cache,
                       self._lookup_external_tokens, self._count_new_tokens, self._allocate_slots):
             admission.verdict = check(admission)
             if admission.verdict is not None:
@@ -239,6 +263,12 @@ class Scheduler:
             return None
         a.error = self.structured.error(a.request.request_id)
         return Verdict.SKIP if a.error is None else Verdict.FINISH
+
+    @staticmethod
+    def _check_stale_output(a: Admission) -> Verdict | None:
+        # asynchronous: a preempted request resumes only once the outputs it had in flight are back, or a resumed
+        # step could sample a position those outputs fill
+        return Verdict.SKIP if a.request.num_stale_output_tokens else None
 
     def _lookup_prefix_cache(self, a: Admission) -> Verdict | None:
         if a.request.num_computed_tokens == 0:  # else its KV came from a finished asynchronous load
@@ -332,8 +362,9 @@ class Scheduler:
             request.status = RequestStatus.WAITING
 
     def _scheduled(self, request: Request, num_new: int, num_computed: int) -> ScheduledRequest:
-        num_spec = max(0, num_computed + num_new - request.num_tokens)
-        samples = num_computed + num_new - num_spec >= request.num_tokens
+        num_known = request.num_tokens + request.num_output_placeholders  # tokens in flight are known by then
+        num_spec = max(0, num_computed + num_new - num_known)
+        samples = num_computed + num_new - num_spec >= num_known
         return ScheduledRequest(request, num_new, num_computed, self.kv.get_block_ids(request.request_id), samples,
                                 request.spec_token_ids[:num_spec])
 
@@ -363,13 +394,22 @@ class Scheduler:
         now = self.clock.monotonic()
         for s in output.scheduled:
             request = s.request
+            request.num_in_flight_tokens -= s.num_new_tokens
+            stale = request.num_stale_output_tokens > 0  # scheduled before a preemption: counters moved on
+            if stale:
+                request.num_stale_output_tokens -= s.num_new_tokens
             tokens = sampled.get(request.request_id)
             if not tokens or request.is_finished:
                 continue
             # verified k drafts, kept len(tokens) - 1 of them: the rest of the step's slots are reused later
             request.num_computed_tokens -= len(s.spec_token_ids) + 1 - len(tokens)
             request.spec_token_ids, request.spec_draft_probs = [], None
-            appended[request.request_id] = self._append(request, tokens)
+            running, had_placeholders = request.status == RequestStatus.RUNNING, request.num_output_placeholders > 0
+            appended[request.request_id], status = self._append(request, tokens, stale)
+            if not stale and running and had_placeholders:  # blocks its output filled, now that it is known
+                self.kv.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
+            if status is not None:  # freed after the caching above, as vLLM: its cached blocks go to the LRU tail
+                self.finish_request(request, status)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
@@ -377,7 +417,8 @@ class Scheduler:
                 self._set_drafts(request, *drafts[request.request_id])
         return appended
 
-    def _append(self, request: Request, tokens: list[int]) -> list[int]:
+    def _append(self, request: Request, tokens: list[int], stale: bool = False) -> tuple[list[int], RequestStatus | None]:
+        """Append sampled tokens up to a stop; returns those taken and the finished status the stop gives."""
         taken, status = [], None
         for token in tokens:
             request.append_output_token_ids(token)
@@ -385,12 +426,13 @@ class Scheduler:
             status = self._check_stop(request, token)
             if status is not None:
                 break
+        if not stale:
+            request.num_computed_tokens -= len(tokens) - len(taken)  # as vLLM: computed covers all but the stop
+            request.num_output_placeholders = max(0, request.num_output_placeholders - len(tokens))
         if self.structured is not None and self.structured.is_guided(request.request_id):
             if self.structured.accept_tokens(request, taken) and status is None:
                 status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-        if status is not None:
-            self.finish_request(request, status)
-        return taken
+        return taken, status
 
     def _set_drafts(self, request: Request, tokens: list[int], probs) -> None:
         num_proposed = len(tokens)

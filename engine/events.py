@@ -366,6 +366,9 @@ class StepRecord:
     kv: KVUsage
     timing: dict[str, float]
     events: list[Event] = field(default_factory=list)
+    # the step whose batch's sampled tokens this step's update took: this step, or with async_scheduling the one
+    # before (its batch ran while this step was scheduled), or 0 when none came back; None in traces from before
+    outputs_of_step: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("kv", "events")}

@@ -343,8 +343,10 @@ class LLMEngine:
         # after the loads: a chunk they withdrew never runs, so it gets no phase (its recompute is the prefill)
         phases = self.phase_tracker.label(sched_out)
         t1 = self.clock.perf_counter()
+        outputs_of_step = self.step_count
         if asynchronous:
             done, self._in_flight = self._in_flight, None
+            outputs_of_step = 0 if done is None else self.step_count - 1
             t2 = self.clock.perf_counter()
             appended = self._update(*done) if done is not None else {}
             t3 = self.clock.perf_counter()
@@ -367,6 +369,7 @@ class LLMEngine:
             scheduled=sched_out.num_scheduled_tokens, phases=phases,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
             kv=self.kv_cache_manager.usage(), timing=timing, events=self._named(self.events.drain()),
+            outputs_of_step=outputs_of_step,
         )
         self.events.begin(self.step_count + 1)
         for callback in list(self._subscribers):

@@ -136,6 +136,25 @@ def test_timeline_stacks_what_each_step_scheduled(run):
     assert {"prefill", "chunk", "decode"} <= set(seg["phase"])
 
 
+def test_timeline_says_when_each_step_s_tokens_came_back():
+    from engine import LLMEngine, SamplingParams
+
+    def timeline(asynchronous: bool) -> SchedulerTimeline:
+        engine = LLMEngine(executor="scripted", token_script={"r": [5, 6, 7]}, num_kv_blocks=8, block_size=4,
+                           async_scheduling=asynchronous)
+        engine.add_request([10, 11, 12], SamplingParams(max_tokens=3), request_id="r")
+        view = rendered(SchedulerTimeline())
+        view.extend(engine.run())
+        return view
+
+    sync, asynchronous = timeline(False), timeline(True)
+    assert sync.segments.source.data["back_at"] == ["step 1", "step 2", "step 3"]
+    assert "asynchronously" not in sync.tokens_figure.title.text
+    # asynchronous: the prefill of step 1 samples a token the scheduler takes in step 2, while step 2 decodes it
+    assert asynchronous.segments.source.data["back_at"] == ["step 2", "step 3", "step 4"]
+    assert "asynchronously: a step's tokens come back in the next step" in asynchronous.tokens_figure.title.text
+
+
 # ---- requests -----------------------------------------------------------------------------------------------
 def test_requests_table_text_grows_into_the_engine_output(run):
     view = rendered(RequestsView())

@@ -14,14 +14,16 @@ PHASE_COLORS = {"prefill": "#1f77b4", "chunk": "#9467bd", "decode": "#2ca02c", "
 class SchedulerTimeline(View):
     """Owns the scheduler timeline: per step, the tokens each request got, stacked and coloured by phase
     (prefill, chunk, decode, verify), the token budget in the title and as a line (clipped: the axis fits the
-    bars), and the waiting and running queue depths."""
+    bars), when each step's tokens came back (the next step's, with asynchronous scheduling), and the waiting and
+    running queue depths."""
 
     title = "Scheduler timeline"
 
     def __init__(self, state: EngineState | None = None, budget: int | None = None) -> None:
         super().__init__(state)
-        self.segments = self.buffer(["step", "bottom", "top", "request_id", "phase", "num_tokens", "color"],
-                                    name="scheduler_timeline")
+        self.segments = self.buffer(["step", "bottom", "top", "request_id", "phase", "num_tokens", "color",
+                                     "back_at"], name="scheduler_timeline")
+        self.asynchronous = False  # seen a step that took the previous step's tokens
         self.steps = self.buffer(["step", "total", "budget", "num_waiting", "num_running"], name="scheduler_steps")
         self.tokens_figure = self._tokens_figure()
         self._panel = pn.Column(pn.pane.Bokeh(self.tokens_figure), pn.pane.Bokeh(self._queues_figure()),
@@ -35,7 +37,12 @@ class SchedulerTimeline(View):
     @budget.setter
     def budget(self, budget: int | None) -> None:
         self._budget = budget
-        suffix = f" (budget {budget})" if budget else ""
+        self._retitle()
+
+    def _retitle(self) -> None:
+        suffix = f" (budget {self._budget})" if self._budget else ""
+        if self.asynchronous:
+            suffix += ", scheduled asynchronously: a step's tokens come back in the next step"
         self.tokens_figure.title.text = f"Tokens per step, by request and phase{suffix}"
 
     def _tokens_figure(self):
@@ -47,7 +54,8 @@ class SchedulerTimeline(View):
         fit_to(fig, bars)
         counts_on(fig.xaxis, fig.yaxis)
         fig.add_tools(HoverTool(renderers=[bars], tooltips=[
-            ("step", "@step"), ("request", "@request_id"), ("phase", "@phase"), ("tokens", "@num_tokens")]))
+            ("step", "@step"), ("request", "@request_id"), ("phase", "@phase"), ("tokens", "@num_tokens"),
+            ("sampled tokens back at", "@back_at")]))
         legend_above(fig)
         self._x_range = fig.x_range
         return fig
@@ -69,11 +77,17 @@ class SchedulerTimeline(View):
         return self._panel
 
     def render(self, record: StepRecord, delta: StepDelta) -> None:
+        # synchronous steps take their own batch's tokens; asynchronous ones the previous batch's (or none: 0)
+        if record.outputs_of_step not in (None, record.step) and not self.asynchronous:
+            self.asynchronous = True
+            self._retitle()
+        back_at = f"step {record.step + 1}" if self.asynchronous else f"step {record.step}"
         bottom = 0
         for rid, num_tokens in record.scheduled.items():
             phase = record.phases.get(rid, "")
             self.segments.append(step=record.step, bottom=bottom, top=bottom + num_tokens, request_id=rid,
-                                 phase=phase, num_tokens=num_tokens, color=PHASE_COLORS.get(phase, "#7f7f7f"))
+                                 phase=phase, num_tokens=num_tokens, color=PHASE_COLORS.get(phase, "#7f7f7f"),
+                                 back_at=back_at)
             bottom += num_tokens
         self.steps.append(step=record.step, total=bottom, budget=self.budget, num_waiting=record.num_waiting,
                           num_running=record.num_running)

@@ -15,16 +15,18 @@ def test_each_step_is_scheduled_before_the_last_steps_token_is_back():
     engine = scripted()
     engine.add_request([10, 11, 12, 13], SamplingParams(max_tokens=3), request_id="r")
     request = engine.scheduler.requests["r"]
-    seen = []
+    seen, came_back = [], []
     while engine.has_unfinished_requests():
         record = engine.step()
         seen.append((record.scheduled, list(request.output_token_ids), request.num_output_placeholders))
+        came_back.append(record.outputs_of_step)
     assert seen == [
         ({"r": 4}, [], 1),          # the prefill; its token is in flight: a placeholder
         ({"r": 1}, [5], 1),         # the decode of that placeholder is scheduled, then the prefill's token comes back
         ({"r": 1}, [5, 6], 1),
         ({}, [5, 6, 7], 0),         # the tokens in flight already reach max_tokens: nothing scheduled past them
     ]
+    assert came_back == [0, 1, 2, 3]  # each step's record names the step whose tokens it took (0: none yet)
     assert request.status.finish_reason == "length" and engine.kv_cache_manager.usage().used == 0
 
 

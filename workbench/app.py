@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import panel as pn
 
+from engine.async_llm import QueueFullError
 from engine.config import EngineConfig
 from engine.events import StepRecord
 from workbench.controls import EngineForm, RequestForm, Stepper
@@ -243,7 +244,7 @@ class Workbench:
             else:
                 with self.lock:
                     rid = self.engine.add_request(**kwargs)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, QueueFullError) as exc:  # a served loop's queue may be full (503 over HTTP)
             self._say(str(exc))
             return None
         self._say(f"request {rid} queued: it shows from the next step on.", "success")

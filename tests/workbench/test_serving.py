@@ -138,3 +138,21 @@ def test_serve_flags_reach_the_engine_and_the_server_limits(monkeypatch):
                  "--max-waiting-requests", "7"]) == 0
     assert (seen["config"].max_num_seqs, seen["config"].max_model_len, seen["config"].max_logprobs) == (8, 512, 5)
     assert seen["limits"] == serving.ServerLimits(max_waiting_requests=7)
+
+
+def test_the_dashboard_form_says_when_the_served_queue_is_full(tiny_model_path):
+    """The form's request goes through the serving loop's door too: past max_waiting_requests it is refused with
+    the reason shown (an HTTP client would get a 503), and nothing is queued."""
+    from workbench.app import Workbench
+    from workbench.serving import ServerLimits, build_serving_app
+
+    _, llm = build_serving_app(EngineConfig(model="tiny-llama", num_kv_blocks=64), "tiny", prompts=["Held"],
+                               params=SamplingParams(max_tokens=2), limits=ServerLimits(max_waiting_requests=1))
+    try:
+        bench = Workbench(llm.engine, serving=llm)
+        bench.layout.get_root(Document())
+        assert bench.add_request_from_form() is None
+        assert "max_waiting_requests=1" in bench.message.object and llm.stats()["num_waiting"] == 1
+        bench.close()
+    finally:
+        llm.shutdown()

@@ -181,7 +181,9 @@ def test_workbench_serve_with_data_parallelism_leaves_no_process(tiny_model_path
         expected = offline.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
         reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
         assert reply.choices[0].text == expected.text
-        page = httpx.get(f"http://127.0.0.1:{port}/dashboard")  # the front end's dashboard
+        # the front end's dashboard: one request, waited for as long as the page takes to build (httpx's default 5 s
+        # read timeout failed on a loaded machine; a dead server fails it at once)
+        page = httpx.get(f"http://127.0.0.1:{port}/dashboard", timeout=600)
         assert page.status_code == 200 and "Bokeh" in page.text
         server.send_signal(signal.SIGTERM)
         server.wait(60)

@@ -369,15 +369,18 @@ def test_bench_serve_over_http_measures_every_request_at_the_client(served):
 
     from engine import resolve_model
     from workbench.bench.datasets import sample_dataset
-    from workbench.bench.serve import compute_metrics, request_arrivals, run_http_serve_once
+    from workbench.bench.http_serve import run_http_serve_once
+    from workbench.bench.serve import compute_metrics, http_results, request_arrivals
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(MODEL))
     requests = sample_dataset("random", tokenizer, 6, 0, input_len=12, output_len=5)
-    results, duration = run_http_serve_once(f"{served.base_url}/v1", MODEL, requests,
-                                            request_arrivals(6, 50.0, seed=0), max_concurrency=4)
+    streamed, duration, _ = run_http_serve_once(f"{served.base_url}/v1", MODEL, requests,
+                                                request_arrivals(6, 50.0, seed=0), max_concurrency=4)
+    results = http_results(streamed)
     assert all(r.success for r in results) and [r.output_len for r in results] == [5] * 6
     assert all(0 < r.ttft <= r.e2el <= duration and len(r.itl) <= 4 for r in results)
     metrics = compute_metrics(results, duration)
     assert metrics["completed"] == 6 and metrics["total_output_tokens"] == 30
-    failed, _ = run_http_serve_once(f"{served.base_url}/v1", "no-such-model", requests[:1], [0.0])
-    assert not failed[0].success  # a 404 is a failed request, not a crash
+    failed, _, seen = run_http_serve_once(f"{served.base_url}/v1", "no-such-model", requests[:1], [0.0])
+    assert not http_results(failed)[0].success  # a 404 is a failed request, not a crash
+    assert seen.requests == {"refused 404": 1} and seen.lost == 0

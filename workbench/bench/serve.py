@@ -177,12 +177,12 @@ def run_serve_once(llm: LLM, requests: Sequence[BenchRequest], arrivals: Sequenc
     return [_engine_result(eng.pop_output(ids[i]), recorder.times[ids[i]]) for i in range(len(requests))], duration
 
 
-def _http_result(seen: "Streamed") -> RequestResult:
-    """A request over HTTP as the benchmark counts it: only one that ended with [DONE]
-    succeeded; times at the client, from when it was sent."""
-    if seen.outcome != "done" or not seen.times:
-        return RequestResult(seen.prompt_len, 0, 0.0, 0.0, [], success=False)
-    return RequestResult(seen.prompt_len, seen.output_len, seen.times[0], seen.times[-1], np.diff(seen.times).tolist())
+def http_results(streamed: Sequence["Streamed"]) -> list[RequestResult]:
+    """Requests over HTTP (http_serve.run_http_serve_once) as the benchmark counts them: only one that ended with
+    [DONE] succeeded; times at the client, from when it was sent."""
+    return [RequestResult(s.prompt_len, s.output_len, s.times[0], s.times[-1], np.diff(s.times).tolist())
+            if s.outcome == "done" and s.times else RequestResult(s.prompt_len, 0, 0.0, 0.0, [], success=False)
+            for s in streamed]
 
 
 def _engine_result(out: RequestOutput, token_times: list[float]) -> RequestResult:
@@ -366,7 +366,7 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
         with served_in_process(llm, name) if llm is not None else nullcontext(base_url) as url:
             run_http_serve_once(url, name, requests[:2], [0.0, 0.0])  # warm-up, as in-process
             streamed, duration, http = run_http_serve_once(url, name, requests, arrivals, max_concurrency, chaos)
-        results = [_http_result(seen) for seen in streamed]
+        results = http_results(streamed)
         log(f"server at {base_url or 'this engine, served in-process'}: {duration:.2f} s")
     else:
         run_serve_once(llm, requests[:2], [0.0, 0.0], progress=False)  # warm-up: first calls pay for allocation

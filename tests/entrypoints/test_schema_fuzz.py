@@ -28,10 +28,17 @@ seen: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module")
-def fuzzed(tiny_model_path):
+def fuzzed(tiny_model_path, tmp_path_factory):
+    from hypothesis import configuration
+
     from engine.async_llm import AsyncLLM
 
-    yield from serving(AsyncLLM(model=MODEL, max_waiting_requests=64, **FUZZ_ENGINE), api_key=KEY)
+    # hypothesis keeps its caches in ./.hypothesis by default: in a temporary folder instead, not the checkout
+    configuration.set_hypothesis_home_dir(tmp_path_factory.mktemp("hypothesis"))
+    try:
+        yield from serving(AsyncLLM(model=MODEL, max_waiting_requests=64, **FUZZ_ENGINE), api_key=KEY)
+    finally:
+        configuration.set_hypothesis_home_dir(None)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from engine.core.sched.scheduler import Scheduler
 from engine.events import (BlockSnapshot, EngineSnapshot, Event, EventLog, RequestAdded, RequestSnapshot,
                            RequestTokens, SpecVerified, StepRecord, StepTiming, Subscriber)
 from engine.executor import get_executor_class
+from engine.limits import check_engine_limits
 from engine.output_processor import IncrementalDetokenizer, make_output
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import ParentRequest
@@ -96,6 +97,7 @@ class LLMEngine:
         if arrival_time is None:  # on the engine's clock (simulated time when simulated)
             arrival_time = self.clock.monotonic()
         self._validate_length(token_ids, params)
+        check_engine_limits(params, self.config)  # n within max_num_seqs, logprobs within max_logprobs
         if params.structured_outputs is not None:  # a bad grammar is refused here; the compile stays asynchronous
             xgrammar_backend().validate_structured_outputs(params.structured_outputs)
         bad_words = self._check_logits_options(params)

@@ -157,6 +157,9 @@ def test_llm_and_async_llm_refuse_past_the_engine_limits(tiny_model_path):
             assert not served.engine.has_unfinished_requests()
 
     asyncio.run(refused())
+    with pytest.raises(ValueError, match="^n: at most 8"):  # and a bare LLMEngine, the door under both
+        llm.engine.add_request(PROMPT, SamplingParams(n=1_000_000))
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_engine_config_max_logprobs_is_checked():

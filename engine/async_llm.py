@@ -30,8 +30,9 @@ from engine.sampling_params import SamplingParams
 
 
 class QueueFullError(RuntimeError):
-    """A request refused because `max_waiting_requests` are already waiting (a server answers 503): a flood is
-    turned away at the door instead of growing the waiting queue, and the memory, without bound."""
+    """A request refused because `max_num_queued_reqs` requests are already in flight, waiting or running (vLLM's
+    setting; a server answers 503): a flood is turned away at the door instead of growing the waiting queue, and
+    the memory, without bound."""
 
 
 class _Collector:
@@ -113,17 +114,17 @@ class AsyncLLM:
     (worker and replica processes with it). Every public method is safe from any thread."""
 
     def __init__(self, engine: Any = None, *, config: EngineConfig | None = None, start_paused: bool = False,
-                 max_waiting_requests: int | None = None, **kwargs: Any) -> None:
+                 max_num_queued_reqs: int | None = None, **kwargs: Any) -> None:
         if engine is not None and (config is not None or kwargs):
             raise TypeError("AsyncLLM: pass either an engine, a config or engine keyword arguments, not several")
         if config is not None and kwargs:
             raise TypeError("AsyncLLM: pass either a config or engine keyword arguments, not both")
-        if max_waiting_requests is not None and (isinstance(max_waiting_requests, bool)
-                                                 or not isinstance(max_waiting_requests, int)
-                                                 or max_waiting_requests < 1):
-            raise ValueError(f"max_waiting_requests: must be an int >= 1 or None, got {max_waiting_requests!r}")
+        if max_num_queued_reqs is not None and (isinstance(max_num_queued_reqs, bool)
+                                                 or not isinstance(max_num_queued_reqs, int)
+                                                 or max_num_queued_reqs < 1):
+            raise ValueError(f"max_num_queued_reqs: must be an int >= 1 or None, got {max_num_queued_reqs!r}")
         # the queue bound: past it, add_request/open raise QueueFullError (None: unbounded, as an offline batch)
-        self.max_waiting_requests = max_waiting_requests
+        self.max_num_queued_reqs = max_num_queued_reqs
         self._owns_engine = engine is None
         config = engine.config if engine is not None else config or EngineConfig.from_kwargs(**kwargs)
         self.data_parallel_size = config.data_parallel_size
@@ -170,13 +171,15 @@ class AsyncLLM:
         return rid
 
     def _check_queue(self, num_new: int) -> None:
-        """Refuse (QueueFullError) a request whose sequences would take the waiting queue past its bound."""
-        if self.max_waiting_requests is None:
+        """Refuse (QueueFullError) a request whose sequences would take the requests in flight (waiting or running,
+        as vLLM counts them) past the bound."""
+        if self.max_num_queued_reqs is None:
             return
-        waiting = self.stats()["num_waiting"]
-        if waiting + num_new > self.max_waiting_requests:
-            raise QueueFullError(f"the server is overloaded: {waiting} requests are waiting (max_waiting_requests="
-                                 f"{self.max_waiting_requests}); retry later")
+        stats = self.stats()
+        in_flight = stats["num_waiting"] + stats["num_running"]
+        if in_flight + num_new > self.max_num_queued_reqs:
+            raise QueueFullError(f"the server is overloaded: {in_flight} requests are in flight (max_num_queued_reqs="
+                                 f"{self.max_num_queued_reqs}); retry later")
 
     async def open(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                    request_id: str | None = None, priority: int = 0,

@@ -309,8 +309,9 @@ def _add_serve(commands: Any) -> None:
                    "Bearer KEY` for API clients; the dashboard asks for it once (a form, or ?key=KEY) and keeps it "
                    "in a session cookie")
     # their defaults are ServerLimits' (workbench/serving.py), which the help repeats: the CLI imports no engine code
-    p.add_argument("--max-waiting-requests", type=positive_int,
-                   help="past this many waiting requests, new ones get 503 (default: 1024)")
+    p.add_argument("--max-num-queued-reqs", type=positive_int,
+                   help="vLLM's: past this many requests in flight (waiting or running), new ones get 503 "
+                   "(default: 1024)")
     p.add_argument("--max-request-body-bytes", type=positive_int,
                    help="larger request bodies get 413 (default: 4 MiB)")
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's)")
@@ -365,7 +366,7 @@ def serve(args: argparse.Namespace) -> None:
     serve_openai(config, args.host, args.port, args.api_key, args.prompt, params,
                  args.served_model_name or model,
                  announce=lambda url: _announce("serving ")(f"{url}v1 ({where.format(url=url)})"),
-                 limits=ServerLimits(**{k: getattr(args, k) for k in ("max_waiting_requests", "max_request_body_bytes")
+                 limits=ServerLimits(**{k: getattr(args, k) for k in ("max_num_queued_reqs", "max_request_body_bytes")
                                         if getattr(args, k) is not None}))
 
 

@@ -25,15 +25,16 @@ from workbench.views import ensure_extension
 
 DASHBOARD_PATH = "/dashboard"
 # the waiting queue's bound when serving (a flood past it gets 503s): four full batches of the default max_num_seqs
-DEFAULT_MAX_WAITING_REQUESTS = 1024
+DEFAULT_MAX_NUM_QUEUED_REQS = 1024
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What the server refuses at the door beyond the engine's own limits: more waiting requests than
-    `max_waiting_requests` (503, vLLM's answer when overloaded), a body past `max_request_body_bytes` (413)."""
+    """What the server refuses at the door beyond the engine's own limits: more requests in flight (waiting or
+    running) than `max_num_queued_reqs` (vLLM's setting and answer, 503; vLLM has no bound by default, this server
+    1024), a body past `max_request_body_bytes` (413)."""
 
-    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
+    max_num_queued_reqs: int | None = DEFAULT_MAX_NUM_QUEUED_REQS
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
@@ -48,7 +49,7 @@ def build_serving_app(config: EngineConfig, model_name: str | None = None, api_k
         raise ValueError(f"prompt: queued prompts wait for the dashboard's Step, which data_parallel_size="
                          f"{config.data_parallel_size} has not")
     # shutdown() closes its engine (and processes)
-    llm = AsyncLLM(config=config, start_paused=bool(prompts), max_waiting_requests=limits.max_waiting_requests)
+    llm = AsyncLLM(config=config, start_paused=bool(prompts), max_num_queued_reqs=limits.max_num_queued_reqs)
     try:  # its metrics follow every step from the first; the key guards the dashboard mounted below as well
         app = build_app(llm, model_name or config.model, api_key, max_request_body_bytes=limits.max_request_body_bytes)
     except ValueError:

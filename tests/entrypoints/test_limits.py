@@ -101,13 +101,13 @@ def test_framework_errors_are_in_openai_shape(served):
 def test_a_flood_past_the_waiting_bound_gets_503_and_nothing_is_queued(tiny_model_path):
     from engine.async_llm import AsyncLLM, QueueFullError
 
-    llm = AsyncLLM(model=MODEL, start_paused=True, max_waiting_requests=3, **ENGINE)  # paused: requests stay waiting
+    llm = AsyncLLM(model=MODEL, start_paused=True, max_num_queued_reqs=3, **ENGINE)  # paused: requests stay waiting
     server = serving(llm)
     served = next(server)
     try:
         for _ in range(2):
             llm.add_request(PROMPT, SamplingParams(max_tokens=2))
-        with pytest.raises(QueueFullError, match="max_waiting_requests=3"):
+        with pytest.raises(QueueFullError, match="max_num_queued_reqs=3"):
             llm.add_request(PROMPT, SamplingParams(max_tokens=2, n=2))  # its two children would make 4
         url, body = f"{served.base_url}/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True}
         with httpx.stream("POST", url, json=body, timeout=30) as third:  # fits: it waits in the queue
@@ -115,7 +115,7 @@ def test_a_flood_past_the_waiting_bound_gets_503_and_nothing_is_queued(tiny_mode
             with httpx.stream("POST", url, json=body, timeout=30) as fourth:
                 assert fourth.status_code == 503
                 error = json.loads(fourth.read())["error"]
-            assert error["type"] == "ServiceUnavailableError" and "max_waiting_requests" in error["message"], error
+            assert error["type"] == "ServiceUnavailableError" and "max_num_queued_reqs" in error["message"], error
             assert llm.stats()["num_waiting"] == 3
         # the third's stream was closed unread: its request is aborted; the two held ones run once resumed
         llm.resume()

@@ -36,7 +36,7 @@ def fuzzed(tiny_model_path, tmp_path_factory):
     # hypothesis keeps its caches in ./.hypothesis by default: in a temporary folder instead, not the checkout
     configuration.set_hypothesis_home_dir(tmp_path_factory.mktemp("hypothesis"))
     try:
-        yield from serving(AsyncLLM(model=MODEL, max_waiting_requests=64, **FUZZ_ENGINE), api_key=KEY)
+        yield from serving(AsyncLLM(model=MODEL, max_num_queued_reqs=64, **FUZZ_ENGINE), api_key=KEY)
     finally:
         configuration.set_hypothesis_home_dir(None)
 

@@ -124,7 +124,7 @@ def test_serving_beyond_the_loopback_without_a_key_warns_before_anything_loads(m
 
 
 def test_serve_flags_reach_the_engine_and_the_server_limits(monkeypatch):
-    """--max-num-seqs / --max-model-len / --max-logprobs to the EngineConfig; --max-waiting-requests and
+    """--max-num-seqs / --max-model-len / --max-logprobs to the EngineConfig; --max-num-queued-reqs and
     --max-request-body-bytes to the ServerLimits (defaults where not given)."""
     import workbench.app
     import workbench.serving as serving
@@ -135,24 +135,24 @@ def test_serve_flags_reach_the_engine_and_the_server_limits(monkeypatch):
     monkeypatch.setattr(serving, "serve_openai", lambda config, *args, limits, **kwargs: seen.update(
         config=config, limits=limits))
     assert main(["serve", "tiny-llama", "--max-num-seqs", "8", "--max-model-len", "512", "--max-logprobs", "5",
-                 "--max-waiting-requests", "7"]) == 0
+                 "--max-num-queued-reqs", "7"]) == 0
     assert (seen["config"].max_num_seqs, seen["config"].max_model_len, seen["config"].max_logprobs) == (8, 512, 5)
-    assert seen["limits"] == serving.ServerLimits(max_waiting_requests=7)
+    assert seen["limits"] == serving.ServerLimits(max_num_queued_reqs=7)
 
 
 def test_the_dashboard_form_says_when_the_served_queue_is_full(tiny_model_path):
-    """The form's request goes through the serving loop's door too: past max_waiting_requests it is refused with
+    """The form's request goes through the serving loop's door too: past max_num_queued_reqs it is refused with
     the reason shown (an HTTP client would get a 503), and nothing is queued."""
     from workbench.app import Workbench
     from workbench.serving import ServerLimits, build_serving_app
 
     _, llm = build_serving_app(EngineConfig(model="tiny-llama", num_kv_blocks=64), "tiny", prompts=["Held"],
-                               params=SamplingParams(max_tokens=2), limits=ServerLimits(max_waiting_requests=1))
+                               params=SamplingParams(max_tokens=2), limits=ServerLimits(max_num_queued_reqs=1))
     try:
         bench = Workbench(llm.engine, serving=llm)
         bench.layout.get_root(Document())
         assert bench.add_request_from_form() is None
-        assert "max_waiting_requests=1" in bench.message.object and llm.stats()["num_waiting"] == 1
+        assert "max_num_queued_reqs=1" in bench.message.object and llm.stats()["num_waiting"] == 1
         bench.close()
     finally:
         llm.shutdown()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
-from engine.config import check_token_script
 from engine.request import Request
 
 Script = Mapping[str, Sequence[int]] | Callable[[Request], int]
@@ -21,8 +20,7 @@ class TokenScript:
     """Owns a script and answers, for a request about to sample, which token it samples."""
 
     def __init__(self, script: Script, eos_token_id: int | None, vocab_size: int) -> None:
-        check_token_script(script)
-        self.script = script
+        self.script = script  # checked by EngineConfig (check_token_script)
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
 

@@ -4,7 +4,8 @@ No weights are loaded and no forward runs. Each step, the cost model prices the 
 hardware and tensor-parallel size, the engine's SimulatedClock advances by that time, and every request that samples
 gets a token: a random id from a generator seeded by the config's `seed`, never the model's EOS nor the request's
 `stop_token_ids`, so each request runs to its `max_tokens` (or `max_model_len`): output lengths are the workload's.
-Given a `token_script` (always, with `executor="scripted"`), the tokens come from it instead (engine/executor/scripted.py).
+Given a `token_script` (always, with `executor="scripted"`), the tokens come from it instead
+(engine/executor/scripted.py).
 Text prompts go through the model folder's tokenizer where it has one, else a byte tokenizer.
 """
 from __future__ import annotations

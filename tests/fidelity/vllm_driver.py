@@ -55,7 +55,8 @@ def make_scheduler(workload: dict):
                                           dtype="float32")
     model_config = _model_configs[key]
     scheduler_config = SchedulerConfig(
-        async_scheduling=c.get("async_scheduling", False), max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=c["max_num_batched_tokens"],
+        async_scheduling=c.get("async_scheduling", False), max_num_seqs=c["max_num_seqs"],
+        max_num_batched_tokens=c["max_num_batched_tokens"],
         enable_chunked_prefill=c["enable_chunked_prefill"],
         long_prefill_token_threshold=c["long_prefill_token_threshold"], policy=c["scheduling_policy"],
         max_model_len=c["max_model_len"], is_encoder_decoder=False)

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from engine.structured_output.manager import StructuredOutputManager
 
 
+_COMPILING = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+_BLOCKED = (_COMPILING, RequestStatus.WAITING_FOR_REMOTE_KVS)  # waiting on something outside the step
+
+
 class Verdict(enum.Enum):
     """What the waiting loop does with the request at the head of the waiting queue."""
 
@@ -86,11 +90,13 @@ class Scheduler:
         # vLLM's AsyncScheduler: step N+1 is scheduled before step N's tokens are known, one placeholder per token
         # a decode will sample (engine/llm_engine.py keeps one step in flight)
         self.async_scheduling = config.async_scheduling
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold  # this step's: 0 for a lone request
 
     # ---- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.sampling_params.structured_outputs is not None:
-            self.structured.add_request(request)  # compiles off the loop; WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until ready
+            # compiles off the loop; WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until ready
+            self.structured.add_request(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
 
@@ -105,12 +111,11 @@ class Scheduler:
         """Work remains, but nothing runs and every waiting request waits on something outside the step (its
         grammar, its KV load, its producer's save): the engine blocks then, rather than spin through empty steps."""
         return (self.has_unfinished_requests() and not self.running
-                and all(r.status in (RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
-                        or r.request_id in self.awaiting_kv for r in self.waiting))
+                and all(r.status in _BLOCKED or r.request_id in self.awaiting_kv for r in self.waiting))
 
     def compiling(self) -> list[str]:
         """Waiting requests whose grammar was still compiling when last looked at."""
-        return [r.request_id for r in self.waiting if r.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR]
+        return [r.request_id for r in self.waiting if r.status == _COMPILING]
 
     @property
     def num_waiting(self) -> int:
@@ -242,7 +247,8 @@ class Scheduler:
 
     def _admission(self, request: Request, budget: int) -> Admission:
         """The seed's steps for a waiting request, in its order, until one decides: is its KV still loading, is
-        its grammar compiled (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR), its prefix-cache hits, the connector's external tokens, its new
+        its grammar compiled (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR), its prefix-cache hits, the connector's
+        external tokens, its new
         tokens (chunked by the budget and the long-prefill threshold), then allocate_slots (PARK or SCHEDULE)."""
         admission = Admission(request, budget)
         for check in (self._check_remote_kvs, self._check_grammar, self._check_stale_output, self._lookup_prefix_cache,
@@ -259,7 +265,7 @@ class Scheduler:
 
     def _check_grammar(self, a: Admission) -> Verdict | None:
         """A grammar still compiling holds its request back (the others go on); one that failed finishes it."""
-        if a.request.status != RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR or self.structured.check_ready(a.request):
+        if a.request.status != _COMPILING or self.structured.check_ready(a.request):
             return None
         a.error = self.structured.error(a.request.request_id)
         return Verdict.SKIP if a.error is None else Verdict.FINISH
@@ -417,7 +423,8 @@ class Scheduler:
                 self._set_drafts(request, *drafts[request.request_id])
         return appended
 
-    def _append(self, request: Request, tokens: list[int], stale: bool = False) -> tuple[list[int], RequestStatus | None]:
+    def _append(self, request: Request, tokens: list[int],
+                stale: bool = False) -> tuple[list[int], RequestStatus | None]:
         """Append sampled tokens up to a stop; returns those taken and the finished status the stop gives."""
         taken, status = [], None
         for token in tokens:

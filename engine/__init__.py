@@ -1,4 +1,5 @@
 """The headless engine: a stepwise, vLLM-V1-style inference engine whose every decision is a typed event."""
+
 from __future__ import annotations
 
 import importlib
@@ -12,9 +13,14 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # The engine classes pull in the model code (and transformers): import them on first use, so that the
 # scheduler, the block pool and the CLI start fast.
-_LAZY = {"LLM": "engine.entrypoints.llm", "LLMEngine": "engine.llm_engine", "AsyncLLM": "engine.async_llm",
-         "PDCluster": "engine.entrypoints.pd_cluster",
-         "DPLBClient": "engine.entrypoints.dp_client", "resolve_model": "engine.model.loader"}
+_LAZY = {
+    "LLM": "engine.entrypoints.llm",
+    "LLMEngine": "engine.llm_engine",
+    "AsyncLLM": "engine.async_llm",
+    "PDCluster": "engine.entrypoints.pd_cluster",
+    "DPLBClient": "engine.entrypoints.dp_client",
+    "resolve_model": "engine.model.loader",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -24,7 +30,20 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "LLM", "LLMEngine", "AsyncLLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-    "CompletionOutput", "RequestStatus", "StepRecord", "KVUsage", "Event", "EngineSnapshot", "PDCluster",
-    "DPLBClient", "resolve_model",
+    "LLM",
+    "LLMEngine",
+    "AsyncLLM",
+    "EngineConfig",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestStatus",
+    "StepRecord",
+    "KVUsage",
+    "Event",
+    "EngineSnapshot",
+    "PDCluster",
+    "DPLBClient",
+    "resolve_model",
 ]

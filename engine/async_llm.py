@@ -15,12 +15,14 @@ With data_parallel_size > 1 the thread drives a DPLBClient (engine/entrypoints/d
 engine, as vLLM's AsyncLLM drives its DP client: each "step" takes what the replicas sent (their processes step on
 their own), so there is no hold; a replica that dies fails only its own requests.
 """
+
 from __future__ import annotations
 
 import asyncio
 import itertools
 import threading
-from typing import Any, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.events import StepRecord
@@ -46,6 +48,7 @@ class _Collector:
 
     def put(self, output: RequestOutput) -> None:
         """From the engine thread: hand the output over on the collector's loop (asyncio is not thread-safe)."""
+
         def deliver() -> None:
             self.output = output
             self.ready.set()
@@ -66,14 +69,14 @@ class RequestStream:
     """One request's outputs as an async iterator (each cumulative; the last finished). Closing it, or cancelling
     the task that awaits it, before the last output aborts the request."""
 
-    def __init__(self, llm: "AsyncLLM", request_id: str, collector: _Collector) -> None:
+    def __init__(self, llm: AsyncLLM, request_id: str, collector: _Collector) -> None:
         self.llm = llm
         self.request_id = request_id
         self._collector = collector
         self.finished = False
         self._closed = False
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -113,15 +116,22 @@ class AsyncLLM:
     granted while paused). An engine it built from `config` or keyword arguments it closes at `shutdown()`
     (worker and replica processes with it). Every public method is safe from any thread."""
 
-    def __init__(self, engine: Any = None, *, config: EngineConfig | None = None, start_paused: bool = False,
-                 max_num_queued_reqs: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        engine: Any = None,
+        *,
+        config: EngineConfig | None = None,
+        start_paused: bool = False,
+        max_num_queued_reqs: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         if engine is not None and (config is not None or kwargs):
             raise TypeError("AsyncLLM: pass either an engine, a config or engine keyword arguments, not several")
         if config is not None and kwargs:
             raise TypeError("AsyncLLM: pass either a config or engine keyword arguments, not both")
-        if max_num_queued_reqs is not None and (isinstance(max_num_queued_reqs, bool)
-                                                 or not isinstance(max_num_queued_reqs, int)
-                                                 or max_num_queued_reqs < 1):
+        if max_num_queued_reqs is not None and (
+            isinstance(max_num_queued_reqs, bool) or not isinstance(max_num_queued_reqs, int) or max_num_queued_reqs < 1
+        ):
             raise ValueError(f"max_num_queued_reqs: must be an int >= 1 or None, got {max_num_queued_reqs!r}")
         # the queue bound: past it, add_request/open raise QueueFullError (None: unbounded, as an offline batch)
         self.max_num_queued_reqs = max_num_queued_reqs
@@ -147,22 +157,36 @@ class AsyncLLM:
         self._thread.start()
 
     # ---- requests --------------------------------------------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
         """Queue a request whose output stays in the engine (a dashboard's form, `--prompt`); returns its id.
         Bad input raises the engine's ValueError/TypeError naming the field."""
         return self._add(prompt, params, request_id, priority, cache_salt, None)
 
-    def _add(self, prompt: Any, params: SamplingParams | None, request_id: str | None, priority: int,
-             cache_salt: str | None, collector: _Collector | None) -> str:
+    def _add(
+        self,
+        prompt: Any,
+        params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+        collector: _Collector | None,
+    ) -> str:
         if isinstance(params, SamplingParams):  # before the lock: a refusal never waits for a step to end
             check_engine_limits(params, self.engine.config)
         with self.lock:
             self._check_queue(params.n if isinstance(params, SamplingParams) else 1)
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
-            rid = self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
-                                          cache_salt=cache_salt)
+            rid = self.engine.add_request(
+                prompt, params, request_id=request_id, priority=priority, cache_salt=cache_salt
+            )
             if collector is not None:  # registered before the loop can step it: no output is missed
                 self._collectors[rid] = collector
                 for child in self.engine.child_ids(rid):
@@ -178,12 +202,19 @@ class AsyncLLM:
         stats = self.stats()
         in_flight = stats["num_waiting"] + stats["num_running"]
         if in_flight + num_new > self.max_num_queued_reqs:
-            raise QueueFullError(f"the server is overloaded: {in_flight} requests are in flight (max_num_queued_reqs="
-                                 f"{self.max_num_queued_reqs}); retry later")
+            raise QueueFullError(
+                f"the server is overloaded: {in_flight} requests are in flight (max_num_queued_reqs="
+                f"{self.max_num_queued_reqs}); retry later"
+            )
 
-    async def open(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                   request_id: str | None = None, priority: int = 0,
-                   cache_salt: str | None = None) -> "RequestStream":
+    async def open(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         """Queue a request and return the stream of its outputs. Bad input raises ValueError/TypeError here,
         before anything is streamed (a server answers 400 then)."""
         collector = _Collector(asyncio.get_running_loop())
@@ -191,9 +222,14 @@ class AsyncLLM:
         rid = await asyncio.to_thread(self._add, prompt, params, request_id, priority, cache_salt, collector)
         return RequestStream(self, rid, collector)
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its output each time it grows, the last one finished. Bad input raises
         ValueError/TypeError before anything is yielded. Closing or cancelling the iterator early aborts it."""
         stream = await self.open(prompt, params, request_id, priority, cache_salt)
@@ -217,8 +253,10 @@ class AsyncLLM:
 
     def _check_hold(self, name: str) -> None:
         if self.data_parallel_size > 1:
-            raise ValueError(f"{name}: the loop cannot be held with data_parallel_size={self.data_parallel_size} "
-                             "(each replica steps on its own process)")
+            raise ValueError(
+                f"{name}: the loop cannot be held with data_parallel_size={self.data_parallel_size} "
+                "(each replica steps on its own process)"
+            )
 
     def pause(self) -> None:
         """Hold the loop between steps: the step running finishes; requests still queue; aborts still apply.
@@ -262,8 +300,7 @@ class AsyncLLM:
     def wait_until_idle(self, timeout: float) -> bool:
         """Block until no request is unfinished and no abort is pending; False on timeout (a test's check)."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._aborts and not self.engine.has_unfinished_requests(),
-                                       timeout)
+            return self._cond.wait_for(lambda: not self._aborts and not self.engine.has_unfinished_requests(), timeout)
 
     # ---- what /metrics and a dashboard read -----------------------------------------------------------------
     def subscribe(self, callback: Callable[[StepRecord], None]) -> Callable[[StepRecord], None]:
@@ -281,9 +318,13 @@ class AsyncLLM:
             if self.data_parallel_size > 1:  # the replicas' sums, as they last reported
                 return {**self.engine.stats(), "step": self.engine.step_count, "paused": False}
             scheduler = self.engine.scheduler
-            return {"num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
-                    "kv": self.engine.kv_cache_manager.usage(), "step": self.engine.step_count,
-                    "paused": self._paused}
+            return {
+                "num_running": scheduler.num_running,
+                "num_waiting": scheduler.num_waiting,
+                "kv": self.engine.kv_cache_manager.usage(),
+                "step": self.engine.step_count,
+                "paused": self._paused,
+            }
 
     # ---- the loop -------------------------------------------------------------------------------------------
     def _notify(self) -> None:
@@ -332,8 +373,11 @@ class AsyncLLM:
                 return
             if record is None:  # the DP front end: nothing arrived from the replicas
                 return
-            touched = {self._parent_of.get(e.request_id, e.request_id) for e in record.events
-                       if e.kind in ("request.tokens", "request.finished")}
+            touched = {
+                self._parent_of.get(e.request_id, e.request_id)
+                for e in record.events
+                if e.kind in ("request.tokens", "request.finished")
+            }
             for rid in touched:
                 collector = self._collectors.get(rid)
                 if collector is None:
@@ -376,9 +420,8 @@ class AsyncLLM:
             with self.lock:
                 self.engine.close()
 
-    def __enter__(self) -> "AsyncLLM":
+    def __enter__(self) -> AsyncLLM:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-

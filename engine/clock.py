@@ -4,6 +4,7 @@ Everything that stamps a time the user reads (StepRecord.start_ns / end_ns, requ
 metrics, a serving benchmark's arrivals) asks the engine's clock, so a simulated run shows the dashboards, traces and
 serving metrics of the machine it simulates, on that machine's clock.
 """
+
 from __future__ import annotations
 
 import time

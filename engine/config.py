@@ -1,8 +1,10 @@
 """EngineConfig: one validated aggregate of every knob the engine has (cache, scheduler, model, kv transfer)."""
+
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -29,8 +31,9 @@ def check_token_script(script: object) -> None:
     if callable(script):
         return
     if not isinstance(script, Mapping):
-        raise TypeError(f"token_script: expected a dict {{request_id: [token ids]}} or a callable, "
-                        f"got {type(script).__name__}")
+        raise TypeError(
+            f"token_script: expected a dict {{request_id: [token ids]}} or a callable, got {type(script).__name__}"
+        )
     for rid, tokens in script.items():
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
             raise TypeError(f"token_script[{rid!r}]: expected a list of token ids, got {type(tokens).__name__}")
@@ -51,7 +54,7 @@ class SpeculativeConfig:
     model: str | None = None
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+    def from_dict(cls, d: dict) -> SpeculativeConfig:
         _check_keys(cls, d, "speculative_config")
         method = d.get("method")
         if method not in PROPOSERS:
@@ -61,8 +64,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens: must be an int >= 1, got {k!r}")
         cfg = cls(**d)
         if method == "ngram" and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
-            raise ValueError("speculative_config.prompt_lookup_min: must be in [1, prompt_lookup_max="
-                             f"{cfg.prompt_lookup_max}], got {cfg.prompt_lookup_min}")
+            raise ValueError(
+                "speculative_config.prompt_lookup_min: must be in [1, prompt_lookup_max="
+                f"{cfg.prompt_lookup_max}], got {cfg.prompt_lookup_min}"
+            )
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.model: a draft model name or path is required for draft_model")
         return cfg
@@ -70,8 +75,13 @@ class SpeculativeConfig:
 
 # vLLM 0.33's connector names, the name the 2025 article used (SharedStorageConnector, vLLM's before it became
 # ExampleConnector), and the short names the CLI uses
-KV_CONNECTORS = {"ExampleConnector": "ExampleConnector", "SharedStorageConnector": "ExampleConnector",
-                 "shared_storage": "ExampleConnector", "RedisConnector": "RedisConnector", "redis": "RedisConnector"}
+KV_CONNECTORS = {
+    "ExampleConnector": "ExampleConnector",
+    "SharedStorageConnector": "ExampleConnector",
+    "shared_storage": "ExampleConnector",
+    "RedisConnector": "RedisConnector",
+    "redis": "RedisConnector",
+}
 
 
 @dataclass(frozen=True)
@@ -86,19 +96,23 @@ class KVTransferConfig:
     engine_id: str | None = None
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KVTransferConfig":
+    def from_dict(cls, d: dict) -> KVTransferConfig:
         _check_keys(cls, d, "kv_transfer_config")
         name = d.get("kv_connector")
         if name not in KV_CONNECTORS:
             raise ValueError(f"kv_transfer_config.kv_connector: must be one of {sorted(KV_CONNECTORS)}, got {name!r}")
         if d.get("kv_role") not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise ValueError("kv_transfer_config.kv_role: must be 'kv_producer', 'kv_consumer' or 'kv_both', "
-                             f"got {d.get('kv_role')!r}")
+            raise ValueError(
+                "kv_transfer_config.kv_role: must be 'kv_producer', 'kv_consumer' or 'kv_both', "
+                f"got {d.get('kv_role')!r}"
+            )
         if not isinstance(d.get("kv_connector_extra_config", {}), dict):
             raise TypeError("kv_transfer_config.kv_connector_extra_config: expected dict")
         if d.get("kv_load_failure_policy", "recompute") not in ("recompute", "fail"):
-            raise ValueError("kv_transfer_config.kv_load_failure_policy: must be 'recompute' or 'fail', "
-                             f"got {d.get('kv_load_failure_policy')!r}")
+            raise ValueError(
+                "kv_transfer_config.kv_load_failure_policy: must be 'recompute' or 'fail', "
+                f"got {d.get('kv_load_failure_policy')!r}"
+            )
         return cls(**{**d, "kv_connector": KV_CONNECTORS[name]})
 
     @property
@@ -177,8 +191,15 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.92
 
     def __post_init__(self) -> None:
-        ints = ("block_size", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                "long_prefill_token_threshold", "seed", "max_logprobs")
+        ints = (
+            "block_size",
+            "kv_cache_memory",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "long_prefill_token_threshold",
+            "seed",
+            "max_logprobs",
+        )
         for name in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -187,8 +208,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TypeError(f"{name}: expected int or None, got {type(value).__name__}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "scheduler_reserve_full_isl",
-                     "async_scheduling"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "scheduler_reserve_full_isl",
+            "async_scheduling",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.model, str):
@@ -207,15 +232,19 @@ class EngineConfig:
             raise ValueError(f"quantization: must be None or 'int8', got {self.quantization!r}")
         if self.quantization is not None and self.device != "cpu":
             raise ValueError(f"quantization: {self.quantization!r} runs on a CPU only (device is {self.device!r})")
-        self.speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(
-            self.speculative_config)
-        self.kv_transfer = None if self.kv_transfer_config is None else KVTransferConfig.from_dict(
-            self.kv_transfer_config)
+        self.speculative = (
+            None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+        )
+        self.kv_transfer = (
+            None if self.kv_transfer_config is None else KVTransferConfig.from_dict(self.kv_transfer_config)
+        )
         if self.async_scheduling:
-            for name, used in (("speculative_config", self.speculative is not None),
-                               ("kv_transfer_config", self.kv_transfer is not None),
-                               ("executor", self.executor == "multiproc"),
-                               ("data_parallel_size", self.data_parallel_size > 1)):
+            for name, used in (
+                ("speculative_config", self.speculative is not None),
+                ("kv_transfer_config", self.kv_transfer is not None),
+                ("executor", self.executor == "multiproc"),
+                ("data_parallel_size", self.data_parallel_size > 1),
+            ):
                 if used:
                     raise ValueError(f"async_scheduling: not supported with {name}={getattr(self, name)!r} yet")
 
@@ -231,12 +260,15 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_data_parallel()
         if self.executor not in ("uniproc", "multiproc", "simulated", "scripted"):
-            raise ValueError("executor: must be 'uniproc', 'multiproc', 'simulated' or 'scripted', "
-                             f"got {self.executor!r}")
+            raise ValueError(
+                f"executor: must be 'uniproc', 'multiproc', 'simulated' or 'scripted', got {self.executor!r}"
+            )
         if self.executor == "scripted":
             if self.token_script is None:
-                raise ValueError("token_script: executor 'scripted' samples from a script: give token_script "
-                                 "({request_id: [token ids]} or a callable)")
+                raise ValueError(
+                    "token_script: executor 'scripted' samples from a script: give token_script "
+                    "({request_id: [token ids]} or a callable)"
+                )
             self.hardware = "cpu" if self.hardware is None else self.hardware
         if self.token_script is not None:
             check_token_script(self.token_script)
@@ -244,8 +276,9 @@ class EngineConfig:
             if self.hardware is not None:
                 raise ValueError("hardware: only the simulated executor reads it (executor='simulated')")
             if self.token_script is not None:
-                raise ValueError("token_script: only a model-free executor reads it (executor='scripted' or "
-                                 "'simulated')")
+                raise ValueError(
+                    "token_script: only a model-free executor reads it (executor='scripted' or 'simulated')"
+                )
             if self.tensor_parallel_size != 1:
                 self.executor = "multiproc"  # one process cannot hold several ranks
             self._check_nodes()
@@ -282,10 +315,11 @@ class EngineConfig:
         if dp == 1:
             return
         if self.tensor_parallel_size != 1:  # a replica's process is a daemon: it cannot start TP workers
-            raise ValueError(f"data_parallel_size: {dp} with tensor_parallel_size {self.tensor_parallel_size} is not "
-                             "supported yet (use one of them)")
-        for name, bad in (("executor", self.simulated), ("kv_transfer_config",
-                                                                        self.kv_transfer_config is not None)):
+            raise ValueError(
+                f"data_parallel_size: {dp} with tensor_parallel_size {self.tensor_parallel_size} is not "
+                "supported yet (use one of them)"
+            )
+        for name, bad in (("executor", self.simulated), ("kv_transfer_config", self.kv_transfer_config is not None)):
             if bad:
                 raise ValueError(f"data_parallel_size: {dp} with {name} {getattr(self, name)!r} is not supported")
         if self.data_parallel_routing == "prefix" and not self.enable_prefix_caching:
@@ -317,23 +351,28 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
-            raise ValueError(f"prefix_caching_hash_algo: must be one of {list(PREFIX_CACHING_HASH_ALGOS)}, "
-                             f"got {self.prefix_caching_hash_algo!r}")
+            raise ValueError(
+                f"prefix_caching_hash_algo: must be one of {list(PREFIX_CACHING_HASH_ALGOS)}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
 
     def set_max_model_len(self, model_max: int) -> None:
         """Fill `max_model_len` from the model's limit, then check what depends on it."""
         if self.max_model_len is None:
             self.max_model_len = model_max
         elif self.max_model_len > model_max:
-            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({model_max})")
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings ({model_max})"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # without chunking, a request (prompt + outputs, recomputed after preemption) must fit one step
-            raise ValueError(f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_model_len "
-                             f"({self.max_model_len}) when enable_chunked_prefill is off")
+            raise ValueError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is off"
+            )
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

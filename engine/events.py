@@ -1,10 +1,12 @@
 """Typed events: every decision the engine makes inside a step, and the StepRecord that gathers them."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
-EVENT_TYPES: dict[str, type["Event"]] = {}
+EVENT_TYPES: dict[str, type[Event]] = {}
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class Event:
         return d
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "Event":
+    def from_dict(d: dict[str, Any]) -> Event:
         d = dict(d)
         cls = EVENT_TYPES[d.pop("kind")]
         tuple_fields = {f.name for f in fields(cls) if f.type.startswith("tuple[")}
@@ -377,7 +379,7 @@ class StepRecord:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "StepRecord":
+    def from_dict(cls, d: dict[str, Any]) -> StepRecord:
         d = dict(d)
         d["kv"] = KVUsage(**d["kv"])
         d["events"] = [Event.from_dict(e) for e in d["events"]]
@@ -433,9 +435,13 @@ class EngineSnapshot:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EngineSnapshot":
-        return cls(step=d["step"], kv=KVUsage(**d["kv"]), requests=[RequestSnapshot(**r) for r in d["requests"]],
-                   blocks=[BlockSnapshot(**b) for b in d["blocks"]])
+    def from_dict(cls, d: dict[str, Any]) -> EngineSnapshot:
+        return cls(
+            step=d["step"],
+            kv=KVUsage(**d["kv"]),
+            requests=[RequestSnapshot(**r) for r in d["requests"]],
+            blocks=[BlockSnapshot(**b) for b in d["blocks"]],
+        )
 
 
 Subscriber = Callable[[StepRecord], None]

@@ -10,6 +10,7 @@ and names the limit ("n: at most 256 (max_num_seqs), got 1000000"), which the se
 
 vLLM's setting names where vLLM has one (`max_logprobs`, `max_model_len`, `max_num_seqs`); the list limits below
 are ours (vLLM has none), generous enough for any real use and small enough that checking them each step is cheap."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 # vLLM's seed range (its protocol's Field(ge=torch.long min, le=torch.long max)): what a torch generator takes
-SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 64  # stop strings are searched in the text's tail after every step: their number bounds that
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
@@ -66,7 +67,7 @@ def check_static_limits(params: RequestOptions) -> None:
     _at_most("allowed_token_ids", len(params.allowed_token_ids or []), MAX_ALLOWED_TOKEN_IDS, "token ids")
 
 
-def check_engine_limits(params: RequestOptions, config: "EngineConfig") -> None:
+def check_engine_limits(params: RequestOptions, config: EngineConfig) -> None:
     """The limits an engine's config sets: `n` within `max_num_seqs` (the children of one request must fit the
     engine's batch at once; more would queue a request against itself), `logprobs` and `prompt_logprobs` within
     `max_logprobs` (vLLM's check in its processor). Cheap: called before anything is tokenized or queued."""
@@ -75,14 +76,15 @@ def check_engine_limits(params: RequestOptions, config: "EngineConfig") -> None:
         check_logprobs(name, getattr(params, name), config)
 
 
-def check_n(n: int, config: "EngineConfig") -> None:
+def check_n(n: int, config: EngineConfig) -> None:
     """`n` within `max_num_seqs`."""
     if n > config.max_num_seqs:
-        raise ValueError(f"n: at most {config.max_num_seqs} (max_num_seqs, the sequences the engine holds at once), "
-                         f"got {n}")
+        raise ValueError(
+            f"n: at most {config.max_num_seqs} (max_num_seqs, the sequences the engine holds at once), got {n}"
+        )
 
 
-def check_logprobs(name: str, value: int | None, config: "EngineConfig") -> None:
+def check_logprobs(name: str, value: int | None, config: EngineConfig) -> None:
     """A logprobs count (`logprobs`, `prompt_logprobs`, `top_logprobs`) within `max_logprobs`."""
     if value is not None and value > config.max_logprobs:
         raise ValueError(f"{name}: at most {config.max_logprobs} (max_logprobs), got {value}")
@@ -91,7 +93,12 @@ def check_logprobs(name: str, value: int | None, config: "EngineConfig") -> None
 def check_max_tokens(max_tokens: Any, num_prompt_tokens: int, max_model_len: int, field: str = "max_tokens") -> None:
     """vLLM's serving check: the prompt and `max_tokens` together within `max_model_len` (the offline engine, as
     vLLM's, stops such a request at max_model_len with finish_reason "length" instead)."""
-    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) \
-            and max_tokens > max_model_len - num_prompt_tokens:
-        raise ValueError(f"{field}: at most {max(max_model_len - num_prompt_tokens, 0)} (max_model_len "
-                         f"{max_model_len} minus the prompt's {num_prompt_tokens} tokens), got {max_tokens}")
+    if (
+        isinstance(max_tokens, int)
+        and not isinstance(max_tokens, bool)
+        and max_tokens > max_model_len - num_prompt_tokens
+    ):
+        raise ValueError(
+            f"{field}: at most {max(max_model_len - num_prompt_tokens, 0)} (max_model_len "
+            f"{max_model_len} minus the prompt's {num_prompt_tokens} tokens), got {max_tokens}"
+        )

@@ -1,19 +1,32 @@
 """LLMEngine: add_request / step / abort over the scheduler, KV cache manager and model runner."""
+
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from engine.clock import Clock, SimulatedClock
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_hex
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.sched.phases import PhaseTracker
 from engine.core.sched.output import SchedulerOutput
+from engine.core.sched.phases import PhaseTracker
 from engine.core.sched.scheduler import Scheduler
-from engine.events import (BlockSnapshot, EngineSnapshot, Event, EventLog, RequestAdded, RequestSnapshot,
-                           RequestTokens, SpecVerified, StepRecord, StepTiming, Subscriber)
+from engine.events import (
+    BlockSnapshot,
+    EngineSnapshot,
+    Event,
+    EventLog,
+    RequestAdded,
+    RequestSnapshot,
+    RequestTokens,
+    SpecVerified,
+    StepRecord,
+    StepTiming,
+    Subscriber,
+)
 from engine.executor import get_executor_class
 from engine.limits import check_engine_limits
 from engine.output_processor import IncrementalDetokenizer, make_output
@@ -47,18 +60,22 @@ class LLMEngine:
         self.tokenizer = self.executor.load_tokenizer()
         self.eos_token_id = self._eos_token_id()
         self.kv_cache_manager = KVCacheManager(
-            self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
-            config.prefix_caching_hash_algo, self.events, max_model_len=config.max_model_len,
+            self.executor.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.prefix_caching_hash_algo,
+            self.events,
+            max_model_len=config.max_model_len,
         )
         self.structured = StructuredOutputManager(self.tokenizer, self.executor.vocab_size, self.events)
         self.connector = None
         if config.kv_transfer is not None:
             from engine.kv_transfer.factory import create_connector
 
-            self.connector = create_connector(config, shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                                              self.events)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.events, self.structured, self.connector,
-                                   clock=self.clock)
+            self.connector = create_connector(config, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.events)
+        self.scheduler = Scheduler(
+            config, self.kv_cache_manager, self.events, self.structured, self.connector, clock=self.clock
+        )
         self.phase_tracker = PhaseTracker(self.events)  # names what each scheduled request does, for the StepRecord
         self.step_count = 0
         self._subscribers: list[Subscriber] = []
@@ -77,9 +94,16 @@ class LLMEngine:
         return eos if eos is not None else self.tokenizer.eos_token_id
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None, kv_transfer_params: dict | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> str:
         """Validate and queue a request; returns its id. Bad input raises ValueError/TypeError naming the field.
         `kv_transfer_params` (vLLM's names): do_remote_decode on a prefill instance, or what a prefill
         instance returned (do_remote_prefill, remote_request_id, ...) on a decode instance."""
@@ -116,15 +140,29 @@ class LLMEngine:
             self._parents[rid] = parent
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids[:200])
         for child_id, child_params in zip(ids, children):
-            request = Request(child_id, token_ids, child_params, self.eos_token_id, priority, cache_salt,
-                              arrival_time, kv_transfer_params)
+            request = Request(
+                child_id,
+                token_ids,
+                child_params,
+                self.eos_token_id,
+                priority,
+                cache_salt,
+                arrival_time,
+                kv_transfer_params,
+            )
             request.bad_words_token_ids = bad_words
             self._requests[child_id] = request
             self._detokenizers[child_id] = IncrementalDetokenizer(self.tokenizer, request)
             self.scheduler.add_request(request)
-            self.events.emit(RequestAdded, request_id=child_id, num_prompt_tokens=len(token_ids),
-                             max_tokens=params.max_tokens, priority=priority, arrival_ns=self.clock.time_ns(),
-                             prompt=text[:200])
+            self.events.emit(
+                RequestAdded,
+                request_id=child_id,
+                num_prompt_tokens=len(token_ids),
+                max_tokens=params.max_tokens,
+                priority=priority,
+                arrival_ns=self.clock.time_ns(),
+                prompt=text[:200],
+            )
         return rid
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -141,8 +179,9 @@ class LLMEngine:
             return []
         if self.config.speculative is not None:
             # drafts are verified against the plain distribution: the options would be ignored there
-            raise ValueError("penalties, logit_bias, bad_words and allowed_token_ids: not supported with "
-                             "speculative_config yet")
+            raise ValueError(
+                "penalties, logit_bias, bad_words and allowed_token_ids: not supported with speculative_config yet"
+            )
         check_token_ids(params, self.executor.vocab_size)
         return bad_words_token_ids(params.bad_words or [], self.tokenizer, self.executor.vocab_size)
 
@@ -167,15 +206,19 @@ class LLMEngine:
     def _validate_length(self, token_ids: list[int], params: SamplingParams) -> None:
         cfg = self.config
         if len(token_ids) >= cfg.max_model_len:
-            raise ValueError(f"prompt: {len(token_ids)} tokens, but max_model_len is {cfg.max_model_len} "
-                             "(the prompt must leave room for at least one output token)")
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens, but max_model_len is {cfg.max_model_len} "
+                "(the prompt must leave room for at least one output token)"
+            )
         # a request must fit alone in the cache, its last output token included
         max_len = min(len(token_ids) + params.max_tokens, cfg.max_model_len)
         blocks = -(-max_len // cfg.block_size)
         usable = self.kv_cache_manager.num_usable_blocks
         if blocks > usable:
-            raise ValueError(f"prompt: with max_tokens={params.max_tokens} it needs {blocks} KV blocks, "
-                             f"but the cache has only {usable} (num_kv_blocks/kv_cache_memory)")
+            raise ValueError(
+                f"prompt: with max_tokens={params.max_tokens} it needs {blocks} KV blocks, "
+                f"but the cache has only {usable} (num_kv_blocks/kv_cache_memory)"
+            )
 
     def abort(self, request_id: str) -> None:
         """Finish a request (every child of one with n > 1) in whatever state it is, freeing its blocks. Unknown or
@@ -216,8 +259,9 @@ class LLMEngine:
         try:
             ids = list(request_ids)
         except TypeError:
-            raise TypeError("request_ids: expected a request id, an iterable of them, or None, "
-                            f"got {type(request_ids).__name__}") from None
+            raise TypeError(
+                f"request_ids: expected a request id, an iterable of them, or None, got {type(request_ids).__name__}"
+            ) from None
         bad = next((rid for rid in ids if not isinstance(rid, str)), None)
         if bad is not None:
             raise TypeError(f"request_ids: ids are str, got {type(bad).__name__} ({bad!r})")
@@ -258,7 +302,7 @@ class LLMEngine:
         """Release what the executor holds (the tensor-parallel worker processes); idempotent."""
         self.executor.shutdown()
 
-    def __enter__(self) -> "LLMEngine":
+    def __enter__(self) -> LLMEngine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -291,11 +335,14 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id: expected str, got {type(request_id).__name__}")
         if request_id in self._parents:
-            raise ValueError(f"request_id: {request_id!r} samples n={len(self.child_ids(request_id))} sequences, "
-                             f"each with its own block table: ask for one of {self.child_ids(request_id)}")
+            raise ValueError(
+                f"request_id: {request_id!r} samples n={len(self.child_ids(request_id))} sequences, "
+                f"each with its own block table: ask for one of {self.child_ids(request_id)}"
+            )
         if request_id not in self._requests:
-            raise ValueError(f"request_id: {request_id!r} not held by this engine "
-                             "(never added, or taken by pop_output)")
+            raise ValueError(
+                f"request_id: {request_id!r} not held by this engine (never added, or taken by pop_output)"
+            )
         return self.kv_cache_manager.get_block_ids(request_id)
 
     @property
@@ -310,20 +357,30 @@ class LLMEngine:
         """The state a view attached now starts from (the next StepRecord follows on from it)."""
         wall_minus_mono = self.clock.time_ns() - round(self.clock.monotonic() * 1e9)
         requests = [self._request_snapshot(r, wall_minus_mono) for r in self._requests.values()]
-        blocks = [BlockSnapshot(b.block_id, hash_hex(b.block_hash), hash_hex(b.parent_hash))
-                  for b in self.kv_cache_manager.block_pool.blocks
-                  if not b.is_null and (b.ref_cnt or b.block_hash is not None)]
+        blocks = [
+            BlockSnapshot(b.block_id, hash_hex(b.block_hash), hash_hex(b.parent_hash))
+            for b in self.kv_cache_manager.block_pool.blocks
+            if not b.is_null and (b.ref_cnt or b.block_hash is not None)
+        ]
         return EngineSnapshot(self.step_count, self.kv_cache_manager.usage(), requests, blocks)
 
     def _request_snapshot(self, r: Request, wall_minus_mono: int) -> RequestSnapshot:
         return RequestSnapshot(
-            request_id=r.request_id, prompt=self.tokenizer.decode(r.prompt_token_ids[:200])[:200],
-            num_prompt_tokens=r.num_prompt_tokens, max_tokens=r.sampling_params.max_tokens, priority=r.priority,
-            arrival_ns=int(r.arrival_time * 1e9) + wall_minus_mono, status=r.status.name,
-            num_output_tokens=r.num_output_tokens, num_cached_tokens=max(r.num_cached_tokens, 0),
-            num_preemptions=r.num_preemptions, text=self._detokenizers[r.request_id].text,
-            finish_reason=r.status.finish_reason, error=r.error,
-            block_ids=self.kv_cache_manager.get_block_ids(r.request_id))
+            request_id=r.request_id,
+            prompt=self.tokenizer.decode(r.prompt_token_ids[:200])[:200],
+            num_prompt_tokens=r.num_prompt_tokens,
+            max_tokens=r.sampling_params.max_tokens,
+            priority=r.priority,
+            arrival_ns=int(r.arrival_time * 1e9) + wall_minus_mono,
+            status=r.status.name,
+            num_output_tokens=r.num_output_tokens,
+            num_cached_tokens=max(r.num_cached_tokens, 0),
+            num_preemptions=r.num_preemptions,
+            text=self._detokenizers[r.request_id].text,
+            finish_reason=r.status.finish_reason,
+            error=r.error,
+            block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+        )
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> StepRecord:
@@ -338,8 +395,11 @@ class LLMEngine:
         if self.connector is not None:
             self._finish_transfers()
         asynchronous = self.config.async_scheduling
-        sched_out = self.scheduler.schedule() if not asynchronous or self.scheduler.has_requests() else \
-            SchedulerOutput([], [], set())
+        sched_out = (
+            self.scheduler.schedule()
+            if not asynchronous or self.scheduler.has_requests()
+            else SchedulerOutput([], [], set())
+        )
         if self.connector is not None:
             self._start_load_kv(sched_out)
         # after the loads: a chunk they withdrew never runs, so it gets no phase (its recompute is the prefill)
@@ -350,27 +410,47 @@ class LLMEngine:
             done, self._in_flight = self._in_flight, None
             outputs_of_step = 0 if done is None else self.step_count - 1
             t2 = self.clock.perf_counter()
-            appended = self._update(*done) if done is not None else {}
+            if done is not None:
+                self._update(*done)
             t3 = self.clock.perf_counter()
             if sched_out.scheduled:  # what finished in that update still runs in vLLM, its output dropped: not here
-                self._in_flight = (sched_out, self._execute(
-                    replace(sched_out, scheduled=[s for s in sched_out.scheduled if not s.request.is_finished])))
+                self._in_flight = (
+                    sched_out,
+                    self._execute(
+                        replace(sched_out, scheduled=[s for s in sched_out.scheduled if not s.request.is_finished])
+                    ),
+                )
             runner_out = self._in_flight[1] if self._in_flight else None
         else:
             runner_out = self._execute(sched_out)
             t2 = self.clock.perf_counter()
-            appended = self._update(sched_out, runner_out)
+            self._update(sched_out, runner_out)
             t3 = self.clock.perf_counter()
-        timing = {"schedule": (t1 - t0) * 1e3, "forward": runner_out.forward_ms if runner_out else 0.0,
-                  "sample": runner_out.sample_ms if runner_out else 0.0, "update": (t3 - t2) * 1e3,
-                  "total": (self.clock.perf_counter() - t0) * 1e3}
-        self.events.emit(StepTiming, schedule_ms=timing["schedule"], forward_ms=timing["forward"],
-                         sample_ms=timing["sample"], total_ms=timing["total"])
+        timing = {
+            "schedule": (t1 - t0) * 1e3,
+            "forward": runner_out.forward_ms if runner_out else 0.0,
+            "sample": runner_out.sample_ms if runner_out else 0.0,
+            "update": (t3 - t2) * 1e3,
+            "total": (self.clock.perf_counter() - t0) * 1e3,
+        }
+        self.events.emit(
+            StepTiming,
+            schedule_ms=timing["schedule"],
+            forward_ms=timing["forward"],
+            sample_ms=timing["sample"],
+            total_ms=timing["total"],
+        )
         record = StepRecord(
-            step=self.step_count, start_ns=start_ns, end_ns=self.clock.time_ns(),
-            scheduled=sched_out.num_scheduled_tokens, phases=phases,
-            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
-            kv=self.kv_cache_manager.usage(), timing=timing, events=self._named(self.events.drain()),
+            step=self.step_count,
+            start_ns=start_ns,
+            end_ns=self.clock.time_ns(),
+            scheduled=sched_out.num_scheduled_tokens,
+            phases=phases,
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            kv=self.kv_cache_manager.usage(),
+            timing=timing,
+            events=self._named(self.events.drain()),
             outputs_of_step=outputs_of_step,
         )
         self.events.begin(self.step_count + 1)
@@ -381,7 +461,8 @@ class LLMEngine:
     def _execute(self, sched_out: SchedulerOutput):
         """Run a scheduled batch (its grammars' bitmask, the model, its KV saves); returns the runner's output."""
         bitmask = self.structured.grammar_bitmask(
-            [(s.request_id, s.spec_token_ids) for s in sched_out.scheduled if s.samples])
+            [(s.request_id, s.spec_token_ids) for s in sched_out.scheduled if s.samples]
+        )
         runner_out = self.executor.execute_model(sched_out, *bitmask)
         for rid, entries in runner_out.prompt_logprobs.items():
             self._requests[rid].prompt_logprobs.extend(entries)
@@ -391,8 +472,7 @@ class LLMEngine:
 
     def _update(self, sched_out: SchedulerOutput, runner_out) -> dict[str, list[int]]:
         """The scheduler takes a batch's sampled tokens; the outputs (text, logprobs) follow."""
-        appended = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids,
-                                                     runner_out.spec_token_ids)
+        appended = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids, runner_out.spec_token_ids)
         self._process_outputs(appended, runner_out.logprobs)
         return appended
 
@@ -401,8 +481,14 @@ class LLMEngine:
         if self.config.speculative is None:
             return events
         decode = self.tokenizer.decode
-        return [replace(e, draft_texts=tuple(decode([t]) for t in e.draft_token_ids),
-                        emitted_text=decode([e.emitted_token])) if isinstance(e, SpecVerified) else e for e in events]
+        return [
+            replace(
+                e, draft_texts=tuple(decode([t]) for t in e.draft_token_ids), emitted_text=decode([e.emitted_token])
+            )
+            if isinstance(e, SpecVerified)
+            else e
+            for e in events
+        ]
 
     def _wait_outside(self) -> None:
         """Nothing can run: block on what the requests wait for (a grammar, a KV transfer) instead of spinning."""
@@ -442,8 +528,14 @@ class LLMEngine:
             before = len(detok.text)
             stop = detok.update(request.output_token_ids)
             offset = min(before, len(detok.text))
-            self.events.emit(RequestTokens, request_id=rid, token_ids=tuple(tokens), text=detok.text[offset:],
-                             text_offset=offset, num_output_tokens=request.num_output_tokens)
+            self.events.emit(
+                RequestTokens,
+                request_id=rid,
+                token_ids=tuple(tokens),
+                text=detok.text[offset:],
+                text_offset=offset,
+                num_output_tokens=request.num_output_tokens,
+            )
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)

@@ -1,34 +1,107 @@
 """Prometheus metrics of a serving engine under vLLM's names (`vllm/v1/metrics/loggers.py`), so dashboards built
 for vLLM read them: counters and histograms computed from the StepRecords alone, gauges from the engine's state at
 scrape time (an abort between steps changes the state without a step to record it)."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.events import StepRecord
 
 # vLLM's buckets (loggers.py), so histograms line up with a real vLLM's
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 HISTOGRAMS = {  # attribute: vLLM's name, its help, its buckets
     "request_prompt_tokens": ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS),
-    "request_generation_tokens": ("vllm:request_generation_tokens", "Number of generation tokens processed.",
-                                  TOKEN_BUCKETS),
+    "request_generation_tokens": (
+        "vllm:request_generation_tokens",
+        "Number of generation tokens processed.",
+        TOKEN_BUCKETS,
+    ),
     "ttft": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
     "itl": ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
-    "e2e": ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS),
-    "queue_time": ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                   REQUEST_LATENCY_BUCKETS),
+    "e2e": (
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    "queue_time": (
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
 }
 
 
@@ -47,8 +120,9 @@ class PrometheusStatLogger:
     """Owns the Prometheus registry of one served model and the per-request times the histograms need. Call it
     with every StepRecord (it is an engine subscriber); `render()` gives the text exposition format."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]],
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, model_name: str, stats: Callable[[], dict[str, Any]], registry: CollectorRegistry | None = None
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self._stats = stats
         self._requests: dict[str, _RequestTimes] = {}
@@ -61,26 +135,38 @@ class PrometheusStatLogger:
             return metric if extra else metric.labels(**labels)
 
         self._labels = labels
-        self.num_requests_running = make(Gauge, "vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.num_requests_waiting = make(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.num_requests_running = make(
+            Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.num_requests_waiting = make(
+            Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
         self.kv_cache_usage = make(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_cache_queries = make(Counter, "vllm:prefix_cache_queries",
-                                         "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_cache_hits = make(Counter, "vllm:prefix_cache_hits",
-                                      "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_cache_queries = make(
+            Counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = make(
+            Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.num_preemptions = make(Counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = make(Counter, "vllm:generation_tokens", "Number of generation tokens processed.")
-        self.request_success = make(Counter, "vllm:request_success", "Count of successfully processed requests.",
-                                    extra=["finished_reason"])
+        self.request_success = make(
+            Counter, "vllm:request_success", "Count of successfully processed requests.", extra=["finished_reason"]
+        )
         for attr, (name, doc, buckets) in HISTOGRAMS.items():
             setattr(self, attr, make(Histogram, name, doc, buckets=buckets))
         self.spec_num_drafts = make(Counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_num_draft_tokens = make(Counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
-        self.spec_num_accepted_tokens = make(Counter, "vllm:spec_decode_num_accepted_tokens",
-                                             "Number of accepted tokens.")
-        self.spec_accepted_per_pos = make(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
-                                          "Accepted tokens per draft position.", extra=["position"])
+        self.spec_num_accepted_tokens = make(
+            Counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self.spec_accepted_per_pos = make(
+            Counter,
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            extra=["position"],
+        )
         for reason in FINISH_REASONS:  # present at 0 from the start, as vLLM's are
             self.request_success.labels(**labels, finished_reason=reason)
 
@@ -144,9 +230,15 @@ class PrometheusStatLogger:
         for position in range(prefix):
             self.spec_accepted_per_pos.labels(**self._labels, position=str(position)).inc()
 
-    _HANDLERS = {"request.added": _added, "request.scheduled": _scheduled, "prefix.lookup": _lookup,
-                 "request.tokens": _tokens, "request.finished": _finished, "request.preempted": _preempted,
-                 "spec.verified": _verified}
+    _HANDLERS = {
+        "request.added": _added,
+        "request.scheduled": _scheduled,
+        "prefix.lookup": _lookup,
+        "request.tokens": _tokens,
+        "request.finished": _finished,
+        "request.preempted": _preempted,
+        "spec.verified": _verified,
+    }
 
     # ---- at scrape time ------------------------------------------------------------------------------------
     def render(self) -> bytes:

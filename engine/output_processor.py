@@ -1,4 +1,5 @@
 """Incremental detokenization, stop strings, and RequestOutputs: the engine's text side."""
+
 from __future__ import annotations
 
 from engine.outputs import CompletionOutput, RequestOutput
@@ -24,11 +25,13 @@ class IncrementalDetokenizer:
     def update(self, output_token_ids: list[int]) -> str | None:
         """Decode what is new; return the stop string that ended the request, if one appeared."""
         skip = self.params.skip_special_tokens
-        prefix = self.tokenizer.decode(output_token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(output_token_ids[self.prefix_offset:], skip_special_tokens=skip)
+        prefix = self.tokenizer.decode(
+            output_token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip
+        )
+        full = self.tokenizer.decode(output_token_ids[self.prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
-        new_text = full[len(prefix):]
+        new_text = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(output_token_ids)
         self.text += new_text
         return self._check_stop_strings(len(new_text)) if self._max_stop_len else None
@@ -59,7 +62,15 @@ def make_output(request: Request, text: str) -> RequestOutput:
         error=request.error,
         logprobs=request.logprobs,
         prompt_logprobs=request.prompt_logprobs,
-        outputs=[CompletionOutput(0, text, list(request.output_token_ids), request.status.finish_reason,
-                                  request.stop_reason, request.logprobs)],
+        outputs=[
+            CompletionOutput(
+                0,
+                text,
+                list(request.output_token_ids),
+                request.status.finish_reason,
+                request.stop_reason,
+                request.logprobs,
+            )
+        ],
         metrics=request.metrics,
     )

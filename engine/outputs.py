@@ -1,5 +1,6 @@
 """What a user gets back for a request: its tokens, text, finish reason and timings (and, with n > 1, every
 sampled sequence)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

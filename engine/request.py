@@ -1,4 +1,5 @@
 """The engine's state for one request (Request) and where it is in its life (RequestStatus)."""
+
 from __future__ import annotations
 
 import enum
@@ -88,7 +89,8 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         # vLLM's layout: None for the first prompt token (nothing predicts it), then one dict per prompt token
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
-            [None] if sampling_params.prompt_logprobs is not None else None)
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
         self.generator: torch.Generator | None = None
         self.bad_words_token_ids: list[list[int]] = []  # sampling_params.bad_words, tokenized at add_request
         self.kv_transfer_params = kv_transfer_params  # vLLM's names: do_remote_prefill, remote_request_id, ...
@@ -122,7 +124,7 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def __lt__(self, other: "Request") -> bool:
+    def __lt__(self, other: Request) -> bool:
         # Priority queue order: lower priority value first, then earlier arrival, then id for a total order.
         return (self.priority, self.arrival_time, self.request_id) < (
             other.priority,

@@ -1,4 +1,5 @@
 """What a user asks of one request: how to sample its tokens, when to stop, and what its output must follow."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

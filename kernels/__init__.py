@@ -67,9 +67,7 @@ def fused_add_rms_norm(
     return _impl("fused_add_rms_norm", x.device.type)(x, residual, weight, eps)
 
 
-def rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of ``q`` and ``k`` ``[T, H, D]`` by ``cos``/``sin`` ``[T, D]``."""
     return _impl("rotary", q.device.type)(q, k, cos, sin)
 
@@ -100,13 +98,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[T, Hq, D]`` over the paged cache; see ``kernels.reference``."""
-    return _impl("paged_attention", q.device.type)(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
-    )
+    return _impl("paged_attention", q.device.type)(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
-def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            dtype: torch.dtype) -> int:
+def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> int:
     """Compile now what paged attention will compile while requests run (on CUDA: one Triton variant per split
     count); returns how many variants ran, 0 where nothing is compiled (the CPU ops are built ahead)."""
     if k_cache.device.type != "cuda":
@@ -129,8 +124,15 @@ def rejection_sample(
 ) -> torch.Tensor:
     """Speculative decoding's accept/recover/bonus step, ``[B, max_spec_len + 1]``; see ``kernels.reference``."""
     return _impl("rejection_sample", target_probs.device.type)(
-        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids, is_greedy,
-        uniform_probs, recovery_noise, max_spec_len,
+        draft_token_ids,
+        cu_num_draft_tokens,
+        draft_probs,
+        target_probs,
+        bonus_token_ids,
+        is_greedy,
+        uniform_probs,
+        recovery_noise,
+        max_spec_len,
     )
 
 

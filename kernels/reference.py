@@ -41,9 +41,7 @@ def fused_add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
-def rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's rotate-half RoPE of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` by each token's
     ``cos``/``sin`` ``[T, D]``."""
     return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)

@@ -38,8 +38,11 @@ def tests_leave_tracked_files_alone():
     before = stamps()
     yield
     shots = os.environ.get("WORKBENCH_SCREENSHOTS")  # `make screenshots` writes the README's images there
-    changed = sorted(p for p, stamp in stamps().items()
-                     if before.get(p) != stamp and not (shots and (root / p).parent == Path(shots)))
+    changed = sorted(
+        p
+        for p, stamp in stamps().items()
+        if before.get(p) != stamp and not (shots and (root / p).parent == Path(shots))
+    )
     assert not changed, f"tests wrote into tracked files: {changed}"
 
 
@@ -76,14 +79,19 @@ def machine_line() -> str:
 
     model = platform.processor()
     try:
-        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name"))
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     flags = cpu_flags()
     vector = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
-    return (f"machine: {model}, {os.cpu_count()} cores, {' '.join(vector) or 'no AVX2'}, "
-            f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return (
+        f"machine: {model}, {os.cpu_count()} cores, {' '.join(vector) or 'no AVX2'}, "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
 
 
 def pytest_sessionstart(session) -> None:

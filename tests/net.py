@@ -1,4 +1,5 @@
 """Helpers for tests that start a local server: a free loopback port, and waiting for it to answer."""
+
 from __future__ import annotations
 
 import os
@@ -7,8 +8,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -49,8 +50,14 @@ def serve_cli(args: list[str], cwd: Path, timeout: float = 120) -> Iterator[str]
     /) once /health answers (open with or without --api-key); then the server is stopped."""
     port = free_port()
     cmd = [sys.executable, "-m", "workbench.cli", "serve", "--port", str(port), *args]
-    server = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         url = f"http://127.0.0.1:{port}/"
         wait_for_http(f"{url}health", server, timeout=timeout, name="workbench serve")

@@ -1,4 +1,5 @@
 """Reference outputs from Hugging Face transformers on the same weights, cached per process."""
+
 from __future__ import annotations
 
 import functools
@@ -19,9 +20,14 @@ def _greedy_one(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tupl
     model = hf_model(path)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=model.generation_config.eos_token_id)
-    return tuple(out[0, len(prompt):].tolist())
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=model.generation_config.eos_token_id,
+        )
+    return tuple(out[0, len(prompt) :].tolist())
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

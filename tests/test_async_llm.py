@@ -1,6 +1,7 @@
 """AsyncLLM on tiny-llama: generate() yields growing outputs ending in the offline engine's; leaving the iterator
 early aborts the request and frees its blocks before any further step; add_request and abort from many threads
 leak nothing; a refused request leaves the others untouched; the hold (pause, step exactly n, resume)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,7 +45,7 @@ def test_generate_yields_growing_outputs_that_end_in_the_offline_ones(llm, offli
         lengths = [len(o.token_ids) for o in seen]
         assert lengths == sorted(lengths) and lengths[-1] == 8
         assert seen[-1].token_ids == expected.token_ids and seen[-1].text == expected.text
-        assert all(expected.token_ids[:len(o.token_ids)] == o.token_ids for o in seen)
+        assert all(expected.token_ids[: len(o.token_ids)] == o.token_ids for o in seen)
     assert llm.wait_until_idle(10) and _used_blocks(llm) == 0
 
 

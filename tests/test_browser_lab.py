@@ -3,6 +3,7 @@ Kernel > Restart Kernel and Run All Cells, then a click on the dashboard's `Step
 holds (Bokeh data sources, the requests table, `step N`) must equal what the kernel's dashboard holds, and that
 must equal the StepRecords it was drawn from. The repository's notebook is never opened, so JupyterLab cannot
 save outputs into it. With WORKBENCH_SCREENSHOTS=DIR (`make screenshots`), a screenshot goes to DIR/tour.png."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,16 @@ CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[1]
 TOUR = ROOT / "notebooks" / "00_tour.ipynb"
 SCREENSHOT_DIR = os.environ.get("WORKBENCH_SCREENSHOTS")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 RUN_ALL_TIMEOUT_MS = 240_000  # the tour's cells on 2 busy CPU cores
 KERNEL_IDLE = re.compile(r"^Python 3 \(ipykernel\) \| Idle$")  # the status bar, once the kernel is connected
 RUNNING_PROMPT = re.compile(r"^\[(\*|\d+)\]:$")  # a code cell's prompt once it is queued or has run
@@ -30,8 +39,10 @@ RUNNING_PROMPT = re.compile(r"^\[(\*|\d+)\]:$")  # a code cell's prompt once it 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.slow,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: `apt-get install -y chromium` "
-                       "(CI installs it) to run the real-browser test"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason=f"{CHROMIUM} is missing: `apt-get install -y chromium` (CI installs it) to run the real-browser test",
+    ),
 ]
 
 
@@ -40,25 +51,52 @@ def lab_url(tmp_path):
     """JupyterLab over a temp folder holding a copy of the tour; its settings and workspaces live there too."""
     notebook = json.loads(TOUR.read_text(encoding="utf-8"))
     source = DUMP_CELL.format(path=str(tmp_path / "dashboard.json"), columns=SOURCE_COLUMNS)
-    notebook["cells"].append({"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
-                              "source": source.strip().splitlines(keepends=True)})
+    notebook["cells"].append(
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "outputs": [],
+            "execution_count": None,
+            "source": source.strip().splitlines(keepends=True),
+        }
+    )
     (tmp_path / TOUR.name).write_text(json.dumps(notebook), encoding="utf-8")
     home = tmp_path / ".jupyter"
     # JupyterLab 4 renders only the cells in view by default: the test reads cells anywhere in the notebook.
     # And no news toast over the screenshot (nor a request for news, offline).
-    settings = {("notebook-extension", "tracker"): {"windowingMode": "none"},
-                ("apputils-extension", "notification"): {"fetchNews": "false"}}
+    settings = {
+        ("notebook-extension", "tracker"): {"windowingMode": "none"},
+        ("apputils-extension", "notification"): {"fetchNews": "false"},
+    }
     for (extension, plugin), values in settings.items():
         path = home / "settings" / "@jupyterlab" / extension / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
     port = free_port()
-    env = {**os.environ, "PANEL_INLINE": "true", "JUPYTER_CONFIG_DIR": str(home / "config"),
-           "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
-           # the "python3" kernel is this interpreter's (jupyter_client maps a `python` argv to sys.executable)
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip", "127.0.0.1", "--port", str(port),
-           "--IdentityProvider.token=", "--allow-root", "--ServerApp.root_dir", str(tmp_path)]
+    env = {
+        **os.environ,
+        "PANEL_INLINE": "true",
+        "JUPYTER_CONFIG_DIR": str(home / "config"),
+        "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
+        # the "python3" kernel is this interpreter's (jupyter_client maps a `python` argv to sys.executable)
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        "--no-browser",
+        "--ip",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--IdentityProvider.token=",
+        "--allow-root",
+        "--ServerApp.root_dir",
+        str(tmp_path),
+    ]
     log = open(tmp_path / "lab.log", "w")
     server = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -153,8 +191,10 @@ def _differences(kernel: dict, browser: dict) -> list[str]:
         out.append(f"kernel dashboard running {steps['num_running']} vs records")
     kinds = kernel["sources"]["kv_block_map"]["kind"]
     if (kinds.count("used"), kinds.count("cached")) != (records[-1]["used"], records[-1]["cached_free"]):
-        out.append(f"kernel block map used/cached {kinds.count('used')}/{kinds.count('cached')} vs the last "
-                   f"record's {records[-1]['used']}/{records[-1]['cached_free']}")
+        out.append(
+            f"kernel block map used/cached {kinds.count('used')}/{kinds.count('cached')} vs the last "
+            f"record's {records[-1]['used']}/{records[-1]['cached_free']}"
+        )
     if kernel["step_text"] != f"step {records[-1]['step']}":
         out.append(f"kernel step text {kernel['step_text']!r}, last record {records[-1]['step']}")
     if browser["step_text"] != kernel["step_text"]:
@@ -226,6 +266,7 @@ def test_run_all_then_step_shows_exactly_what_the_kernel_drew(lab_url, tmp_path)
             _restart_and_run_all(page)
             page.get_by_text(re.compile(r"^dashboard dumped at step \d+")).wait_for(timeout=RUN_ALL_TIMEOUT_MS)
             page.get_by_text(KERNEL_IDLE).wait_for(timeout=60_000)
+
             def same(timeout_s: float, min_step: int = 0) -> dict:
                 return _wait_until_same(page, dump, timeout_s, min_step, console)
 

@@ -1,4 +1,5 @@
 """The engine's public API on the tiny model: bad input, isolation of failures, seeds, stops, events."""
+
 from __future__ import annotations
 
 import json
@@ -21,30 +22,36 @@ def _drain(engine: LLMEngine) -> list[StepRecord]:
 
 
 # ---- bad input ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, exc, field", [
-    ({"max_tokens": 0}, ValueError, "max_tokens"),
-    ({"temperature": -0.5}, ValueError, "temperature"),
-    ({"top_p": 0.0}, ValueError, "top_p"),
-    ({"top_p": 1.5}, ValueError, "top_p"),
-    ({"top_k": -3}, ValueError, "top_k"),
-    ({"min_p": 2.0}, ValueError, "min_p"),
-    ({"max_tokens": "8"}, TypeError, "max_tokens"),
-    ({"min_tokens": 9, "max_tokens": 4}, ValueError, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, field",
+    [
+        ({"max_tokens": 0}, ValueError, "max_tokens"),
+        ({"temperature": -0.5}, ValueError, "temperature"),
+        ({"top_p": 0.0}, ValueError, "top_p"),
+        ({"top_p": 1.5}, ValueError, "top_p"),
+        ({"top_k": -3}, ValueError, "top_k"),
+        ({"min_p": 2.0}, ValueError, "min_p"),
+        ({"max_tokens": "8"}, TypeError, "max_tokens"),
+        ({"min_tokens": 9, "max_tokens": 4}, ValueError, "min_tokens"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(kwargs, exc, field) -> None:
     with pytest.raises(exc, match=field):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, exc, field", [
-    ({"block_size": 12}, ValueError, "block_size"),
-    ({"max_num_batched_tokens": 0}, ValueError, "max_num_batched_tokens"),
-    ({"scheduling_policy": "lifo"}, ValueError, "scheduling_policy"),
-    ({"prefix_caching_hash_algo": "md5"}, ValueError, "prefix_caching_hash_algo"),
-    ({"max_num_seqs": 1.5}, TypeError, "max_num_seqs"),
-    ({"num_kv_blocks": 1}, ValueError, "num_kv_blocks"),
-    ({"no_such_knob": 1}, TypeError, "no_such_knob"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, field",
+    [
+        ({"block_size": 12}, ValueError, "block_size"),
+        ({"max_num_batched_tokens": 0}, ValueError, "max_num_batched_tokens"),
+        ({"scheduling_policy": "lifo"}, ValueError, "scheduling_policy"),
+        ({"prefix_caching_hash_algo": "md5"}, ValueError, "prefix_caching_hash_algo"),
+        ({"max_num_seqs": 1.5}, TypeError, "max_num_seqs"),
+        ({"num_kv_blocks": 1}, ValueError, "num_kv_blocks"),
+        ({"no_such_knob": 1}, TypeError, "no_such_knob"),
+    ],
+)
 def test_bad_config_names_the_field(kwargs, exc, field) -> None:
     with pytest.raises(exc, match=field):
         EngineConfig.from_kwargs(**kwargs)
@@ -57,15 +64,18 @@ def test_unknown_model_is_refused() -> None:
         LLM(model="/nonexistent/folder")
 
 
-@pytest.mark.parametrize("prompt, exc, field", [
-    ("", ValueError, "prompt: must not be empty"),
-    ([], ValueError, "prompt: must not be empty"),
-    ([1, 2, "x"], TypeError, "prompt: token ids must be int"),
-    ([1, 2.5], TypeError, "prompt: token ids must be int"),
-    ([1, 10**9], ValueError, "outside the vocabulary"),
-    (list(range(3, 600)), ValueError, "max_model_len is 512"),
-    (12, TypeError, "prompt"),
-])
+@pytest.mark.parametrize(
+    "prompt, exc, field",
+    [
+        ("", ValueError, "prompt: must not be empty"),
+        ([], ValueError, "prompt: must not be empty"),
+        ([1, 2, "x"], TypeError, "prompt: token ids must be int"),
+        ([1, 2.5], TypeError, "prompt: token ids must be int"),
+        ([1, 10**9], ValueError, "outside the vocabulary"),
+        (list(range(3, 600)), ValueError, "max_model_len is 512"),
+        (12, TypeError, "prompt"),
+    ],
+)
 def test_bad_prompt_is_refused_and_others_go_on(llm: LLM, prompt, exc, field) -> None:
     engine = llm.engine
     ok = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
@@ -99,8 +109,9 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm: LLM) -> 
     assert crowd[1].token_ids == alone
     first = llm.generate([[11, 12, 13, 14], [5] * 3], [seeded, other], use_tqdm=False)[0].token_ids
     assert first == alone
-    different = llm.generate([[11, 12, 13, 14]], SamplingParams(temperature=1.0, seed=99, max_tokens=12,
-                                                               ignore_eos=True), use_tqdm=False)
+    different = llm.generate(
+        [[11, 12, 13, 14]], SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
     assert different[0].token_ids != alone
 
 
@@ -114,8 +125,9 @@ def test_logprobs_of_sampled_tokens(llm: LLM) -> None:
 
 # ---- stops -------------------------------------------------------------------------------------
 def _greedy_tokens(llm: LLM, prompt: list[int], n: int) -> list[int]:
-    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                        use_tqdm=False)[0].token_ids
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[
+        0
+    ].token_ids
 
 
 def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
@@ -123,13 +135,17 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     free = _greedy_tokens(llm, prompt, 10)
     stop_at = free[3]
     first = free.index(stop_at)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
-    assert out.token_ids == free[:first + 1]
+    assert out.token_ids == free[: first + 1]
     later = [i for i, t in enumerate(free) if t == stop_at and i + 1 > first + 1]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at],
-                                                min_tokens=first + 2), use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at], min_tokens=first + 2),
+        use_tqdm=False,
+    )[0]
     assert len(out.token_ids) == (later[0] + 1 if later else 10)
 
 
@@ -139,30 +155,34 @@ def test_eos_stops_unless_ignored() -> None:
     free = _greedy_tokens(llm, prompt, 6)
     llm.engine.eos_token_id = free[2]  # make the third greedy token the EOS of this engine
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
-    assert out.finish_reason == "stop" and out.token_ids == free[:free.index(free[2]) + 1]
+    assert out.finish_reason == "stop" and out.token_ids == free[: free.index(free[2]) + 1]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and out.token_ids == free
 
 
 def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
     prompt = [40, 41, 42]
-    text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), f"pick a visible stop string from {text!r}"
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True), use_tqdm=False
+    )[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == text[:text.index(stop)]
-    kept = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=stop, ignore_eos=True,
-                                                 include_stop_str_in_output=True), use_tqdm=False)[0]
-    assert kept.text == text[:text.index(stop) + len(stop)]
+    assert out.text == text[: text.index(stop)]
+    kept = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=12, stop=stop, ignore_eos=True, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
 
 
 def test_max_model_len_caps_the_output() -> None:
     llm = LLM(model="tiny-llama", num_kv_blocks=16, max_model_len=20)
-    out = llm.generate([list(range(3, 18))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [list(range(3, 18))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False
+    )[0]
     assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 20
 
 
@@ -189,7 +209,11 @@ def test_abort_in_every_state_frees_everything() -> None:
     finished = [e for r in records for e in r.of_kind("request.finished")]
     # aborts between steps are reported by the step that follows them
     assert [(e.request_id, e.reason) for e in finished] == [
-        (decoding, "abort"), (mid_prefill, "abort"), (queued, "abort"), (keep, "length")]
+        (decoding, "abort"),
+        (mid_prefill, "abort"),
+        (queued, "abort"),
+        (keep, "length"),
+    ]
     assert engine.kv_cache_manager.usage().used == 0
 
 
@@ -220,8 +244,7 @@ def test_step_records_tell_the_story(llm: LLM) -> None:
 
 def test_chat_goes_through_the_chat_template(llm: LLM) -> None:
     messages = [{"role": "user", "content": "Say hi."}]
-    expected = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+    expected = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     outs = llm.chat(messages, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(outs) == 1 and outs[0].prompt_token_ids == list(expected)
     assert outs[0].prompt_token_ids[0] == 1  # <|im_start|>
@@ -235,7 +258,7 @@ def test_request_tokens_events_rebuild_the_text(llm: LLM) -> None:
     text, tokens = "", []
     for record in _drain(engine):
         for e in record.of_kind("request.tokens"):
-            text = text[:e.text_offset] + e.text
+            text = text[: e.text_offset] + e.text
             tokens.extend(e.token_ids)
     out = engine.pop_output(rid)
     assert text == out.text and tokens == out.token_ids
@@ -263,15 +286,18 @@ def test_run_finishes_exactly_the_given_requests(llm: LLM) -> None:
     assert engine.run() == []
 
 
-@pytest.mark.parametrize("kwargs, exc, field", [
-    ({"request_ids": ["nope"]}, ValueError, "request_ids: \\['nope'\\] not held"),
-    ({"request_ids": "nope"}, ValueError, "request_ids"),
-    ({"request_ids": [0]}, TypeError, "request_ids: ids are str"),
-    ({"request_ids": 3}, TypeError, "request_ids"),
-    ({"max_steps": 0}, ValueError, "max_steps"),
-    ({"max_steps": 1.5}, TypeError, "max_steps"),
-    ({"max_steps": True}, TypeError, "max_steps"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, field",
+    [
+        ({"request_ids": ["nope"]}, ValueError, "request_ids: \\['nope'\\] not held"),
+        ({"request_ids": "nope"}, ValueError, "request_ids"),
+        ({"request_ids": [0]}, TypeError, "request_ids: ids are str"),
+        ({"request_ids": 3}, TypeError, "request_ids"),
+        ({"max_steps": 0}, ValueError, "max_steps"),
+        ({"max_steps": 1.5}, TypeError, "max_steps"),
+        ({"max_steps": True}, TypeError, "max_steps"),
+    ],
+)
 def test_run_refuses_bad_arguments_naming_the_field(llm: LLM, kwargs, exc, field) -> None:
     engine = llm.engine
     rid = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=2))

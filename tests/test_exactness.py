@@ -1,4 +1,5 @@
 """Greedy token ids equal transformers' greedy `generate` on the same weights, under every scheduler setting."""
+
 from __future__ import annotations
 
 import random
@@ -11,8 +12,10 @@ from engine import LLM, SamplingParams
 from engine.model import resolve_model
 from tests.reference import hf_greedy
 
-TEXT = ("Paged attention stores the key and value vectors of every token in fixed-size blocks, so that "
-        "memory is allocated on demand and shared between requests with a common prefix. ")
+TEXT = (
+    "Paged attention stores the key and value vectors of every token in fixed-size blocks, so that "
+    "memory is allocated on demand and shared between requests with a common prefix. "
+)
 
 
 @dataclass
@@ -32,8 +35,14 @@ def _smollm2_prompts(path: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    texts = ["Hi", "The capital of France is", "Write a short poem about the sea.\n",
-             TEXT, TEXT * 3 + "In one sentence:", TEXT * 6 + "Summary:"]
+    texts = [
+        "Hi",
+        "The capital of France is",
+        "Write a short poem about the sea.\n",
+        TEXT,
+        TEXT * 3 + "In one sentence:",
+        TEXT * 6 + "Summary:",
+    ]
     return [tok.encode(t) for t in texts]
 
 
@@ -60,13 +69,20 @@ SETTINGS = {
     "block16_no_prefix_cache": lambda case: {"block_size": 16, "enable_prefix_caching": False},
     "block32": lambda case: {"block_size": 32},
     "chunked_budget32_threshold16": lambda case: {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 16},
-    "preemption": lambda case: {"block_size": 16, "num_kv_blocks": _preempting_blocks(case),
-                                "enable_prefix_caching": False},  # shared prefixes would shrink the need
+    "preemption": lambda case: {
+        "block_size": 16,
+        "num_kv_blocks": _preempting_blocks(case),
+        "enable_prefix_caching": False,
+    },  # shared prefixes would shrink the need
     "max_num_seqs_1": lambda case: {"max_num_seqs": 1},
     # vLLM 0.33's default: each step scheduled before the last one's tokens are back
     "async_scheduling": lambda case: {"async_scheduling": True, "max_num_batched_tokens": 32},
-    "async_preemption": lambda case: {"async_scheduling": True, "block_size": 16, "enable_prefix_caching": False,
-                                      "num_kv_blocks": _preempting_blocks(case)},
+    "async_preemption": lambda case: {
+        "async_scheduling": True,
+        "block_size": 16,
+        "enable_prefix_caching": False,
+        "num_kv_blocks": _preempting_blocks(case),
+    },
 }
 
 
@@ -98,8 +114,14 @@ def test_prefix_caching_changes_nothing_but_the_work() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12)
     cached = {}
     for enable in (True, False):
-        llm = LLM(model=str(path), block_size=16, max_num_batched_tokens=64, long_prefill_token_threshold=32,
-                  num_kv_blocks=20, enable_prefix_caching=enable)
+        llm = LLM(
+            model=str(path),
+            block_size=16,
+            max_num_batched_tokens=64,
+            long_prefill_token_threshold=32,
+            num_kv_blocks=20,
+            enable_prefix_caching=enable,
+        )
         records = []
         llm.engine.subscribe(records.append)
         outs = llm.generate(prompts, params, use_tqdm=False)

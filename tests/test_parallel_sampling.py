@@ -42,8 +42,9 @@ def test_children_share_the_prompts_blocks_and_output_together(llm):
     assert out.token_ids == out.outputs[0].token_ids and all(len(c.token_ids) == 5 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # sampled, not copied
     # child i is the request with seed + i, alone
-    alone = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=8, max_tokens=5, ignore_eos=True),
-                         use_tqdm=False)[0]
+    alone = llm.generate(
+        [PROMPT], SamplingParams(temperature=1.0, seed=8, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0]
     assert alone.token_ids == out.outputs[1].token_ids
     assert not eng.has_unfinished_requests()
 
@@ -58,8 +59,9 @@ def test_first_tokens_follow_the_models_distribution(llm, tiny_model_path):
     temperature = float((values[0] - values[-1]) / math.log(10))
     target = (values / temperature).softmax(-1).tolist()
     n = 400
-    out = llm.generate([PROMPT], SamplingParams(n=n, temperature=temperature, max_tokens=1,
-                                                allowed_token_ids=allowed), use_tqdm=False)[0]
+    out = llm.generate(
+        [PROMPT], SamplingParams(n=n, temperature=temperature, max_tokens=1, allowed_token_ids=allowed), use_tqdm=False
+    )[0]
     assert len(out.outputs) == n
     firsts = [c.token_ids[0] for c in out.outputs]
     counts = [firsts.count(t) for t in allowed]

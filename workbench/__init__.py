@@ -1,6 +1,7 @@
 """The workbench: what sits on top of the headless engine: the Panel dashboards (`Workbench`, `Replay`), step
 traces, benchmarks and the `workbench` CLI. Panel is imported on first use of the dashboards, so the CLI
 starts fast."""
+
 from __future__ import annotations
 
 import importlib

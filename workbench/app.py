@@ -8,12 +8,14 @@ notebook, to the kernel's event loop, where cells run (a button's callback, whic
 a comm subshell thread, posts its work there too); elsewhere (a script, a test) they are drawn where they
 arrive. Draws are atomic, and in a notebook every draw reaches the browser once and in order, whatever the
 timing of display, steps and clicks (workbench.views.sync)."""
+
 from __future__ import annotations
 
 import asyncio
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import panel as pn
 
@@ -36,8 +38,9 @@ def _step_label(step: int) -> str:
 
 def _step_text() -> pn.pane.Markdown:
     """The `step N` text (its CSS class lets a browser test find it)."""
-    return pn.pane.Markdown(_step_label(0), name="step_text", css_classes=["workbench-step"],
-                            styles={"font-size": "1.3em"}, margin=(0, 15))
+    return pn.pane.Markdown(
+        _step_label(0), name="step_text", css_classes=["workbench-step"], styles={"font-size": "1.3em"}, margin=(0, 15)
+    )
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -48,10 +51,12 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-DATA_PARALLEL = ("Data parallelism: {n} replicas, each a whole engine stepping on its own behind the front end "
-                 "followed here. Requests come from HTTP or the form; Step, Play and Pause are off (no single loop "
-                 "to hold); the Parallelism tab shows each replica's load and every routing decision, and the "
-                 "views of one engine's steps or blocks say they are per replica.")
+DATA_PARALLEL = (
+    "Data parallelism: {n} replicas, each a whole engine stepping on its own behind the front end "
+    "followed here. Requests come from HTTP or the form; Step, Play and Pause are off (no single loop "
+    "to hold); the Parallelism tab shows each replica's load and every routing decision, and the "
+    "views of one engine's steps or blocks say they are per replica."
+)
 
 
 class Workbench:
@@ -59,7 +64,7 @@ class Workbench:
     the controls (Step, Run N, Play, Pause, Reset, the add-request form, the engine knobs), the `step N`
     text, the message line for errors, and the layout (`layout`, `__panel__`, `servable()`)."""
 
-    def __init__(self, engine: "LLMEngine", play_delay_s: float = 0.1, serving: "AsyncLLM | None" = None) -> None:
+    def __init__(self, engine: LLMEngine, play_delay_s: float = 0.1, serving: AsyncLLM | None = None) -> None:
         ensure_extension()
         self.engine = engine
         # a served engine is stepped by its AsyncLLM's loop: the buttons hold and release that loop, and every
@@ -92,20 +97,33 @@ class Workbench:
         self.message = pn.pane.Alert("", alert_type="danger", visible=False, sizing_mode="stretch_width")
         self.request_form = RequestForm()
         self.engine_form = EngineForm(self.engine.config)
-        for button, action in ((self.step_button, lambda: self.step(1)),
-                               (self.run_button, lambda: self.step(self.run_steps.value or 0)),
-                               (self.play_button, self.play), (self.pause_button, self.pause),
-                               (self.reset_button, self.reset), (self.request_form.button, self.add_request_from_form),
-                               (self.engine_form.button, self.rebuild_from_form)):
+        for button, action in (
+            (self.step_button, lambda: self.step(1)),
+            (self.run_button, lambda: self.step(self.run_steps.value or 0)),
+            (self.play_button, self.play),
+            (self.pause_button, self.pause),
+            (self.reset_button, self.reset),
+            (self.request_form.button, self.add_request_from_form),
+            (self.engine_form.button, self.rebuild_from_form),
+        ):
             # a notebook may call widget callbacks on a comm subshell thread: the work runs on the UI's
             button.on_click(lambda event, action=action: self._post(action) or action())
 
     def _build_layout(self) -> pn.Row:
-        controls = pn.Row(self.step_button, self.run_button, self.run_steps, self.play_button, self.pause_button,
-                          self.reset_button, self.step_text, align="center")
+        controls = pn.Row(
+            self.step_button,
+            self.run_button,
+            self.run_steps,
+            self.play_button,
+            self.pause_button,
+            self.reset_button,
+            self.step_text,
+            align="center",
+        )
         self.title = pn.pane.Markdown(self._title(), margin=(0, 10))
-        sidebar = pn.Column("### Add a request", self.request_form.panel, "### Engine", self.engine_form.panel,
-                            width=290)
+        sidebar = pn.Column(
+            "### Add a request", self.request_form.panel, "### Engine", self.engine_form.panel, width=290
+        )
         main = pn.Column(self.title, controls, self.message, self.dashboard.tabs(), sizing_mode="stretch_width")
         return pn.Row(sidebar, main, sizing_mode="stretch_width")
 
@@ -116,17 +134,29 @@ class Workbench:
 
     def _title(self) -> str:
         c = self.engine.config
-        dp = (f" · data parallel: {c.data_parallel_size} replicas, routing by {self.engine.routing}"
-              if self.data_parallel_size > 1 else "")
-        return (f"## Inference Workbench · `{c.model}` · block size {c.block_size} · budget "
-                f"{c.max_num_batched_tokens} tokens · prefix caching {'on' if c.enable_prefix_caching else 'off'}{dp}")
+        dp = (
+            f" · data parallel: {c.data_parallel_size} replicas, routing by {self.engine.routing}"
+            if self.data_parallel_size > 1
+            else ""
+        )
+        return (
+            f"## Inference Workbench · `{c.model}` · block size {c.block_size} · budget "
+            f"{c.max_num_batched_tokens} tokens · prefix caching {'on' if c.enable_prefix_caching else 'off'}{dp}"
+        )
 
     def _enable_controls(self) -> None:
         """A data-parallel front end has no loop to hold and no steps of its own: Step, Run, Play, Pause, Reset
         and the engine knobs are off (requests still come from the form)."""
         off = self.data_parallel_size > 1
-        for widget in (self.step_button, self.run_button, self.run_steps, self.play_button, self.pause_button,
-                       self.reset_button, self.engine_form.button):
+        for widget in (
+            self.step_button,
+            self.run_button,
+            self.run_steps,
+            self.play_button,
+            self.pause_button,
+            self.reset_button,
+            self.engine_form.button,
+        ):
             widget.disabled = off
 
     def __panel__(self) -> pn.Row:
@@ -267,8 +297,9 @@ class Workbench:
         from engine.llm_engine import LLMEngine
 
         if self.serving is not None:
-            self._say("This engine is shared with the HTTP server: restart `workbench serve` with other flags to "
-                      "change it.")
+            self._say(
+                "This engine is shared with the HTTP server: restart `workbench serve` with other flags to change it."
+            )
             return
         self.stepper.pause()
         self.stepper.join(timeout=60)
@@ -281,10 +312,13 @@ class Workbench:
             self.engine.unsubscribe(self._on_record)
             self.engine = engine
         self._attach(engine)
-        self._say(f"{done}: {config.model}, {engine.kv_cache_manager.num_usable_blocks} KV blocks of "
-                  f"{config.block_size} tokens.", "success")
+        self._say(
+            f"{done}: {config.model}, {engine.kv_cache_manager.num_usable_blocks} KV blocks of "
+            f"{config.block_size} tokens.",
+            "success",
+        )
 
-    def _attach(self, engine: "LLMEngine") -> None:
+    def _attach(self, engine: LLMEngine) -> None:
         """Follow `engine` from its state now: a snapshot, then every record after it (none missed or drawn twice)."""
         with self.lock:
             snapshot = engine.snapshot()
@@ -293,8 +327,11 @@ class Workbench:
             engine.subscribe(self._on_record)
 
         def start() -> None:
-            self.dashboard.reset(engine.config.max_num_batched_tokens, snapshot=snapshot,
-                                 data_parallel_size=getattr(engine.config, "data_parallel_size", 1))
+            self.dashboard.reset(
+                engine.config.max_num_batched_tokens,
+                snapshot=snapshot,
+                data_parallel_size=getattr(engine.config, "data_parallel_size", 1),
+            )
             self.step_text.object = _step_label(snapshot.step)
             self.engine_form.show(engine.config)
             self.title.object = self._title()
@@ -304,7 +341,7 @@ class Workbench:
 
     # ---- replay ------------------------------------------------------------------------------------------
     @classmethod
-    def from_trace(cls, path: str | os.PathLike) -> "Replay":
+    def from_trace(cls, path: str | os.PathLike) -> Replay:
         """The same dashboards over a recorded trace, with a step slider; no model needed."""
         from workbench.trace import read_trace
 
@@ -316,7 +353,7 @@ class Replay:
     (`title`, else the trace's model and date) and the controls that move through it: a step slider and a
     `Step` button (one step on). Going back redraws from the first record; going on draws only the new ones."""
 
-    def __init__(self, trace: "Trace", title: str | None = None) -> None:
+    def __init__(self, trace: Trace, title: str | None = None) -> None:
         ensure_extension()
         self.trace = trace
         self.records: list[StepRecord] = trace.records
@@ -329,20 +366,25 @@ class Replay:
         self.dashboard.show_data_parallel(self.data_parallel_size)
         self._shown = 0
         n = len(self.records)
-        self.slider = pn.widgets.IntSlider(label="records shown", start=0, end=max(n, 1), value=0, disabled=not n,
-                                           sizing_mode="stretch_width")
+        self.slider = pn.widgets.IntSlider(
+            label="records shown", start=0, end=max(n, 1), value=0, disabled=not n, sizing_mode="stretch_width"
+        )
         self.step_button = pn.widgets.Button(label="Step", color="primary", width=80)
         self.step_text = _step_text()
         self.slider.param.watch(lambda e: self.show(e.new), "value")
         self.step_button.on_click(lambda e: self._step_on())
         model, created = trace.header.get("model") or {}, trace.header.get("created", "?")
         title = title or f"Replay · `{model.get('name', '?')}` · {n} steps · recorded {created}"
-        self.layout = pn.Column(f"## {title}", pn.Row(self.step_button, self.step_text, self.slider, align="center"),
-                                self.dashboard.tabs(), sizing_mode="stretch_width")
+        self.layout = pn.Column(
+            f"## {title}",
+            pn.Row(self.step_button, self.step_text, self.slider, align="center"),
+            self.dashboard.tabs(),
+            sizing_mode="stretch_width",
+        )
         self.slider.value = n
 
     @classmethod
-    def from_records(cls, records: Sequence[StepRecord], title: str) -> "Replay":
+    def from_records(cls, records: Sequence[StepRecord], title: str) -> Replay:
         """The same dashboards over StepRecords held in memory (one instance's list from a PDCluster's
         `records()`, say), headed `title`; no trace file."""
         from workbench.trace import Trace
@@ -371,7 +413,7 @@ class Replay:
             if num_records < self._shown or self._shown == 0:
                 self.dashboard.reset(self.budget, self.num_blocks, self.snapshot, self.data_parallel_size)
                 self._shown = 0
-            self.dashboard.extend(self.records[self._shown:num_records])
+            self.dashboard.extend(self.records[self._shown : num_records])
             self._shown = num_records
             first = self.snapshot.step if self.snapshot else 0
             self.step_text.object = _step_label(self.records[num_records - 1].step if num_records else first)
@@ -379,8 +421,10 @@ class Replay:
 
 # ---- servers -----------------------------------------------------------------------------------------------
 def _port_taken(port: int, exc: OSError, host: str = "127.0.0.1") -> OSError:
-    return OSError(f"cannot serve on {host}:{port} ({exc.strerror or exc}): another server may hold it; "
-                   "pass --port to use another port")
+    return OSError(
+        f"cannot serve on {host}:{port} ({exc.strerror or exc}): another server may hold it; "
+        "pass --port to use another port"
+    )
 
 
 def check_port(port: int, host: str = "127.0.0.1") -> None:
@@ -397,15 +441,25 @@ def check_port(port: int, host: str = "127.0.0.1") -> None:
             raise _port_taken(port, exc, host) from None
 
 
-def _server(app: Callable[[], Any], port: int, title: str, start: bool,
-            announce: Callable[[str], Any] | None = None) -> Any:
+def _server(
+    app: Callable[[], Any], port: int, title: str, start: bool, announce: Callable[[str], Any] | None = None
+) -> Any:
     """A Panel server on 127.0.0.1 only, its JavaScript inline (offline), no browser opened. `announce(url)` is
     called once the port is bound, before serving: a port another server holds fails first, with nothing said."""
     ensure_extension()
     origins = [f"127.0.0.1:{port}", f"localhost:{port}"]
     try:  # start=False: Bokeh binds the port here and serves nothing yet
-        server = pn.serve({"/": app}, port=port, address="127.0.0.1", websocket_origin=origins, show=False,
-                          start=False, title=title, verbose=False, liveness=True)  # /liveness: up, no session
+        server = pn.serve(
+            {"/": app},
+            port=port,
+            address="127.0.0.1",
+            websocket_origin=origins,
+            show=False,
+            start=False,
+            title=title,
+            verbose=False,
+            liveness=True,
+        )  # /liveness: up, no session
     except OSError as exc:  # EADDRINUSE above all: taken since check_port
         raise _port_taken(port, exc) from None
     if announce is not None:
@@ -419,8 +473,9 @@ def _server(app: Callable[[], Any], port: int, title: str, start: bool,
     return server
 
 
-def serve_replay(path: str | os.PathLike, port: int, start: bool = True,
-                 announce: Callable[[str], Any] | None = None) -> Any:
+def serve_replay(
+    path: str | os.PathLike, port: int, start: bool = True, announce: Callable[[str], Any] | None = None
+) -> Any:
     """Serve the Replay of a trace; the trace is read here, so a bad file fails before the server starts (an
     OSError or ValueError that names the file); `announce(url)` once it listens."""
     from workbench.trace import read_trace

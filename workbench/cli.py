@@ -8,6 +8,7 @@ trace for Perfetto.
 `workbench pd` runs prompts through prefill and decode engine processes that move KV through a connector;
 `workbench train-draft` self-distils an EAGLE or Medusa head for a target model.
 `workbench fidelity` checks the engine's decisions against vLLM 0.33.0's own scheduler, step by step."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,9 +16,10 @@ import ast
 import importlib
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from workbench.bench.args import DEFAULT_MODEL, add_common_args, non_negative_int, positive_int
 from workbench.bench.report import DEFAULT_DOCS_PATH
@@ -51,8 +53,9 @@ def _literals(tree: ast.Module, names: tuple[str, ...]) -> dict[str, Any]:
     for node in tree.body:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            found.update({t.id: ast.literal_eval(node.value) for t in targets
-                          if isinstance(t, ast.Name) and t.id in names})
+            found.update(
+                {t.id: ast.literal_eval(node.value) for t in targets if isinstance(t, ast.Name) and t.id in names}
+            )
     return found
 
 
@@ -136,9 +139,12 @@ def run_all(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
     """`workbench bench all`: run each of ALL_BENCHES as its own command would (the same flags, recorded in the
     docs with --write-docs), one after the other."""
     shared = []  # the settings given to `all` that differ from the defaults pass on to each benchmark
-    for flag, value, default in (("--model", args.model, DEFAULT_MODEL), ("--seed", args.seed, 0),
-                                 ("--num-kv-blocks", args.num_kv_blocks, None),
-                                 ("--docs-path", args.docs_path, str(DEFAULT_DOCS_PATH))):
+    for flag, value, default in (
+        ("--model", args.model, DEFAULT_MODEL),
+        ("--seed", args.seed, 0),
+        ("--num-kv-blocks", args.num_kv_blocks, None),
+        ("--docs-path", args.docs_path, str(DEFAULT_DOCS_PATH)),
+    ):
         if value != default:
             shared += [flag, str(value)]
     parser = build_parser()
@@ -165,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_BenchParser)
     _add_bench(commands)
     # `workbench tune`: the benchmark module workbench/bench/tune.py (also `workbench bench tune`), flags on first use
-    commands.add_parser("tune", help="search the engine's knobs for the most goodput under latency SLOs",
-                        module="workbench.bench.tune").set_defaults(bench="tune")
+    commands.add_parser(
+        "tune", help="search the engine's knobs for the most goodput under latency SLOs", module="workbench.bench.tune"
+    ).set_defaults(bench="tune")
     _add_run(commands)
     _add_export(commands)
     _add_serve(commands)
@@ -174,8 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pd(commands)
     _add_train_draft(commands)
     # `workbench fidelity run|record|check`: this engine against vLLM 0.33.0's own scheduler (workbench/fidelity/)
-    commands.add_parser("fidelity", help="check the engine's decisions against vLLM's own scheduler, step by step",
-                        module="workbench.fidelity.command")
+    commands.add_parser(
+        "fidelity",
+        help="check the engine's decisions against vLLM's own scheduler, step by step",
+        module="workbench.fidelity.command",
+    )
     return parser
 
 
@@ -186,19 +196,21 @@ def _add_train_draft(commands: Any) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="the target (default: %(default)s)")
     p.add_argument("--out", help="the head folder to write (default: the cache's draft_heads/MODEL/METHOD)")
     for flag, kind, default, what in (
-            ("--num-prompts", positive_int, None, "the first N bundled prompts (default: all)"),
-            ("--max-tokens", positive_int, 128, "answer length"),
-            ("--temperature", float, 0.0, "the answers' temperature (0: greedy, as bench spec decodes)"),
-            ("--epochs", positive_int, 4, "epochs"),
-            ("--batch-size", positive_int, 8, "sequences per step"), ("--lr", float, 2e-3, "peak learning rate"),
-            ("--seed", int, 0, "seed of the answers and the training"),
-            ("--draft-vocab-size", positive_int, 4096, "tokens the head may draft"),
-            ("--intermediate-size", positive_int, 768, "EAGLE's MLP width"),
-            ("--num-heads", positive_int, 4, "Medusa's heads"),
-            ("--num-hidden-layers", positive_int, 1, "Medusa's residual layers per head"),
-            ("--unroll", positive_int, 3, "EAGLE draft steps unrolled in training, each reading the head's own state"),
-            ("--ce-weight", float, 0.1, "EAGLE's weight of the token cross-entropy beside feature regression"),
-            ("--check-prompts", non_negative_int, 8, "held-out prompts run through the engine with the head (0: skip)")):
+        ("--num-prompts", positive_int, None, "the first N bundled prompts (default: all)"),
+        ("--max-tokens", positive_int, 128, "answer length"),
+        ("--temperature", float, 0.0, "the answers' temperature (0: greedy, as bench spec decodes)"),
+        ("--epochs", positive_int, 4, "epochs"),
+        ("--batch-size", positive_int, 8, "sequences per step"),
+        ("--lr", float, 2e-3, "peak learning rate"),
+        ("--seed", int, 0, "seed of the answers and the training"),
+        ("--draft-vocab-size", positive_int, 4096, "tokens the head may draft"),
+        ("--intermediate-size", positive_int, 768, "EAGLE's MLP width"),
+        ("--num-heads", positive_int, 4, "Medusa's heads"),
+        ("--num-hidden-layers", positive_int, 1, "Medusa's residual layers per head"),
+        ("--unroll", positive_int, 3, "EAGLE draft steps unrolled in training, each reading the head's own state"),
+        ("--ce-weight", float, 0.1, "EAGLE's weight of the token cross-entropy beside feature regression"),
+        ("--check-prompts", non_negative_int, 8, "held-out prompts run through the engine with the head (0: skip)"),
+    ):
         p.add_argument(flag, type=kind, default=default, help=f"{what} (default: %(default)s)")
 
 
@@ -215,9 +227,12 @@ def _add_run(commands: Any) -> None:
     engine.add_argument("--max-num-seqs", type=positive_int)
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--data-parallel-size", type=positive_int,
-                        help="engine replicas in processes behind the load balancer; the trace is then the front "
-                        "end's (routing, per-replica load, tokens)")
+    engine.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        help="engine replicas in processes behind the load balancer; the trace is then the front "
+        "end's (routing, per-replica load, tokens)",
+    )
     sampling = p.add_argument_group("sampling, for every prompt (default: SamplingParams')")
     sampling.add_argument("--temperature", type=float)
     sampling.add_argument("--top-p", type=float)
@@ -228,8 +243,15 @@ def _add_run(commands: Any) -> None:
     sampling.add_argument("--ignore-eos", action="store_true")
 
 
-_RUN_ENGINE_FLAGS = ("block_size", "max_num_batched_tokens", "long_prefill_token_threshold", "num_kv_blocks",
-                     "max_num_seqs", "scheduling_policy", "data_parallel_size")
+_RUN_ENGINE_FLAGS = (
+    "block_size",
+    "max_num_batched_tokens",
+    "long_prefill_token_threshold",
+    "num_kv_blocks",
+    "max_num_seqs",
+    "scheduling_policy",
+    "data_parallel_size",
+)
 _RUN_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")
 
 
@@ -253,10 +275,14 @@ def run_prompts(args: argparse.Namespace, out: Callable[[str], None] = print) ->
     from workbench.trace import TraceWriter
 
     prompts = _read_prompts(args.prompts)
-    config = EngineConfig(model=args.model, enable_prefix_caching=not args.no_prefix_caching,
-                          **{k: getattr(args, k) for k in _RUN_ENGINE_FLAGS if getattr(args, k) is not None})
-    params = SamplingParams(ignore_eos=args.ignore_eos,
-                            **{k: getattr(args, k) for k in _RUN_SAMPLING_FLAGS if getattr(args, k) is not None})
+    config = EngineConfig(
+        model=args.model,
+        enable_prefix_caching=not args.no_prefix_caching,
+        **{k: getattr(args, k) for k in _RUN_ENGINE_FLAGS if getattr(args, k) is not None},
+    )
+    params = SamplingParams(
+        ignore_eos=args.ignore_eos, **{k: getattr(args, k) for k in _RUN_SAMPLING_FLAGS if getattr(args, k) is not None}
+    )
     engine = build_engine(config)
     try:
         ids = [engine.add_request(prompt, params) for prompt in prompts]  # refused before the trace is opened
@@ -273,15 +299,21 @@ def run_prompts(args: argparse.Namespace, out: Callable[[str], None] = print) ->
         out(f"[{o.request_id}] {o.finish_reason}, {len(o.token_ids)} tokens: {json.dumps(o.text, ensure_ascii=False)}")
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_output = sum(len(o.token_ids) for o in outputs)
-    out(f"{len(outputs)} requests, {writer.num_records} steps, {num_prompt} prompt + {num_output} output tokens "
-        f"in {elapsed:.2f} s ({num_output / max(elapsed, 1e-9):.1f} output tok/s); trace: {args.trace}")
+    out(
+        f"{len(outputs)} requests, {writer.num_records} steps, {num_prompt} prompt + {num_output} output tokens "
+        f"in {elapsed:.2f} s ({num_output / max(elapsed, 1e-9):.1f} output tok/s); trace: {args.trace}"
+    )
     return writer.num_records
 
 
 def _add_export(commands: Any) -> None:
     p = commands.add_parser("export", help="convert step traces to a Chrome trace for ui.perfetto.dev")
-    p.add_argument("traces", nargs="+", metavar="TRACE",
-                   help="a JSONL step trace (several: the instances of one run, one process each)")
+    p.add_argument(
+        "traces",
+        nargs="+",
+        metavar="TRACE",
+        help="a JSONL step trace (several: the instances of one run, one process each)",
+    )
     p.add_argument("--chrome", required=True, metavar="OUT.json", help="the Chrome trace JSON to write")
 
 
@@ -293,46 +325,67 @@ def export_trace(args: argparse.Namespace, out: Callable[[str], None] = print) -
     traces = [read_trace(path) for path in args.traces]
     result = export_chrome_trace(traces, args.chrome)
     steps = sum(len(t.records) for t in traces)
-    out(f"wrote {len(result['traceEvents'])} events ({steps} steps) to {args.chrome}; "
-        "open it in https://ui.perfetto.dev or chrome://tracing")
+    out(
+        f"wrote {len(result['traceEvents'])} events ({steps} steps) to {args.chrome}; "
+        "open it in https://ui.perfetto.dev or chrome://tracing"
+    )
     return result
 
 
 def _add_serve(commands: Any) -> None:
-    p = commands.add_parser("serve", help="serve the OpenAI-compatible API of one engine and its live dashboard "
-                            "at /dashboard (127.0.0.1 by default)")
+    p = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API of one engine and its live dashboard "
+        "at /dashboard (127.0.0.1 by default)",
+    )
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="as vLLM's `vllm serve MODEL` (default: --model)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
-    p.add_argument("--api-key", help="require the key on every route but /health and /metrics: `Authorization: "
-                   "Bearer KEY` for API clients; the dashboard asks for it once (a form, or ?key=KEY) and keeps it "
-                   "in a session cookie")
+    p.add_argument(
+        "--api-key",
+        help="require the key on every route but /health and /metrics: `Authorization: "
+        "Bearer KEY` for API clients; the dashboard asks for it once (a form, or ?key=KEY) and keeps it "
+        "in a session cookie",
+    )
     # their defaults are ServerLimits' (workbench/serving.py), which the help repeats: the CLI imports no engine code
-    p.add_argument("--max-num-queued-reqs", type=positive_int,
-                   help="vLLM's: past this many requests in flight (waiting or running), new ones get 503 "
-                   "(default: 1024)")
-    p.add_argument("--max-request-body-bytes", type=positive_int,
-                   help="larger request bodies get 413 (default: 4 MiB)")
+    p.add_argument(
+        "--max-num-queued-reqs",
+        type=positive_int,
+        help="vLLM's: past this many requests in flight (waiting or running), new ones get 503 (default: 1024)",
+    )
+    p.add_argument("--max-request-body-bytes", type=positive_int, help="larger request bodies get 413 (default: 4 MiB)")
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's)")
     engine = p.add_argument_group("engine (default: EngineConfig's)")
     engine.add_argument("--block-size", type=positive_int)
     engine.add_argument("--max-num-batched-tokens", type=positive_int, help="the token budget per step")
     engine.add_argument("--long-prefill-token-threshold", type=non_negative_int)
-    engine.add_argument("--num-kv-blocks", type=positive_int, default=256,
-                        help="KV cache size in blocks, small so the block map reads well (default: %(default)s)")
+    engine.add_argument(
+        "--num-kv-blocks",
+        type=positive_int,
+        default=256,
+        help="KV cache size in blocks, small so the block map reads well (default: %(default)s)",
+    )
     engine.add_argument("--max-num-seqs", type=positive_int, help="also the most `n` a request may ask for")
     engine.add_argument("--max-model-len", type=positive_int, help="prompt plus max_tokens, at most")
-    engine.add_argument("--max-logprobs", type=non_negative_int, help="the most logprobs a request may ask for "
-                        "(vLLM's; default 20)")
+    engine.add_argument(
+        "--max-logprobs", type=non_negative_int, help="the most logprobs a request may ask for (vLLM's; default 20)"
+    )
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--data-parallel-size", type=positive_int,
-                        help="engine replicas in processes behind vLLM's load balancer (the dashboard then follows the "
-                        "front end: routing and each replica's load)")
+    engine.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        help="engine replicas in processes behind vLLM's load balancer (the dashboard then follows the "
+        "front end: routing and each replica's load)",
+    )
     queued = p.add_argument_group("requests queued before any HTTP request; the loop then starts paused")
-    queued.add_argument("--prompt", action="append", default=[],
-                        help="a prompt to queue, held until Step or Play on the dashboard (repeatable)")
+    queued.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="a prompt to queue, held until Step or Play on the dashboard (repeatable)",
+    )
     queued.add_argument("--max-tokens", type=positive_int, default=32, help="(default: %(default)s)")
     queued.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s)")
 
@@ -358,16 +411,34 @@ def serve(args: argparse.Namespace) -> None:
     from workbench.serving import ServerLimits, serve_openai
 
     model = args.model_tag or args.model
-    config = EngineConfig(model=model, enable_prefix_caching=not args.no_prefix_caching,
-                          **{k: getattr(args, k) for k in (*_RUN_ENGINE_FLAGS, "max_model_len", "max_logprobs")
-                             if getattr(args, k) is not None})
+    config = EngineConfig(
+        model=model,
+        enable_prefix_caching=not args.no_prefix_caching,
+        **{
+            k: getattr(args, k)
+            for k in (*_RUN_ENGINE_FLAGS, "max_model_len", "max_logprobs")
+            if getattr(args, k) is not None
+        },
+    )
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     where = "dashboard: {url}dashboard" + (" of the data-parallel front end" if config.data_parallel_size > 1 else "")
-    serve_openai(config, args.host, args.port, args.api_key, args.prompt, params,
-                 args.served_model_name or model,
-                 announce=lambda url: _announce("serving ")(f"{url}v1 ({where.format(url=url)})"),
-                 limits=ServerLimits(**{k: getattr(args, k) for k in ("max_num_queued_reqs", "max_request_body_bytes")
-                                        if getattr(args, k) is not None}))
+    serve_openai(
+        config,
+        args.host,
+        args.port,
+        args.api_key,
+        args.prompt,
+        params,
+        args.served_model_name or model,
+        announce=lambda url: _announce("serving ")(f"{url}v1 ({where.format(url=url)})"),
+        limits=ServerLimits(
+            **{
+                k: getattr(args, k)
+                for k in ("max_num_queued_reqs", "max_request_body_bytes")
+                if getattr(args, k) is not None
+            }
+        ),
+    )
 
 
 def replay(args: argparse.Namespace) -> None:

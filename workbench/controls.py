@@ -1,11 +1,13 @@
 """The Workbench's controls (not views: they draw no record): the add-request form, the engine knobs, and the
 worker that steps the engine (Play)."""
+
 from __future__ import annotations
 
 import json
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import panel as pn
 
@@ -31,8 +33,9 @@ class RequestForm:
     shows."""
 
     def __init__(self) -> None:
-        self.prompt = pn.widgets.TextAreaInput(label="Prompt", value="The capital of France is", height=70,
-                                               sizing_mode="stretch_width")
+        self.prompt = pn.widgets.TextAreaInput(
+            label="Prompt", value="The capital of France is", height=70, sizing_mode="stretch_width"
+        )
         self.max_tokens = pn.widgets.IntInput(label="Max tokens", value=32, width=120)
         self.temperature = pn.widgets.FloatInput(label="Temperature", value=0.0, step=0.1, width=120)
         self.seed = pn.widgets.IntInput(label="Seed (empty: none)", value=None, width=120)
@@ -44,12 +47,23 @@ class RequestForm:
             _follow_value(text)
         self.button = pn.widgets.Button(label="Add request", color="primary")
         self.panel = pn.Column(
-            self.prompt, pn.Row(self.max_tokens, self.temperature), pn.Row(self.seed, self.priority),
-            self.guide_kind, self.guide, self.cache_salt, self.button, sizing_mode="stretch_width")
+            self.prompt,
+            pn.Row(self.max_tokens, self.temperature),
+            pn.Row(self.seed, self.priority),
+            self.guide_kind,
+            self.guide,
+            self.cache_salt,
+            self.button,
+            sizing_mode="stretch_width",
+        )
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature.value, seed=self.seed.value,
-                              max_tokens=self.max_tokens.value, structured_outputs=self._structured())
+        return SamplingParams(
+            temperature=self.temperature.value,
+            seed=self.seed.value,
+            max_tokens=self.max_tokens.value,
+            structured_outputs=self._structured(),
+        )
 
     def _structured(self) -> StructuredOutputsParams | None:
         kind, text = self.guide_kind.value, self.guide.value_input.strip()
@@ -66,8 +80,12 @@ class RequestForm:
 
     def add_request_args(self) -> dict[str, Any]:
         """The keyword arguments of LLMEngine.add_request that the form describes."""
-        return {"prompt": self.prompt.value_input, "params": self.sampling_params(), "priority": self.priority.value,
-                "cache_salt": self.cache_salt.value_input or None}
+        return {
+            "prompt": self.prompt.value_input,
+            "params": self.sampling_params(),
+            "priority": self.priority.value,
+            "cache_salt": self.cache_salt.value_input or None,
+        }
 
 
 class EngineForm:
@@ -84,9 +102,14 @@ class EngineForm:
         self.spec_k = pn.widgets.IntInput(label="Draft tokens k", value=3, width=120)
         self.button = pn.widgets.Button(label="Rebuild engine", color="warning")
         self.show(config)
-        self.panel = pn.Column(pn.Row(self.block_size, self.budget), pn.Row(self.long_prefill, self.num_kv_blocks),
-                               self.prefix_caching, pn.Row(self.spec_method, self.spec_k), self.button,
-                               sizing_mode="stretch_width")
+        self.panel = pn.Column(
+            pn.Row(self.block_size, self.budget),
+            pn.Row(self.long_prefill, self.num_kv_blocks),
+            self.prefix_caching,
+            pn.Row(self.spec_method, self.spec_k),
+            self.button,
+            sizing_mode="stretch_width",
+        )
 
     def show(self, config: EngineConfig) -> None:
         """Set the knobs to a config's values."""
@@ -104,10 +127,17 @@ class EngineForm:
         spec = None
         if self.spec_method.value != NO_SPEC:
             spec = {"method": self.spec_method.value, "num_speculative_tokens": self.spec_k.value}
-        return EngineConfig(**{
-            **base.to_dict(), "block_size": self.block_size.value, "max_num_batched_tokens": self.budget.value,
-            "long_prefill_token_threshold": self.long_prefill.value, "num_kv_blocks": self.num_kv_blocks.value,
-            "enable_prefix_caching": self.prefix_caching.value, "speculative_config": spec})
+        return EngineConfig(
+            **{
+                **base.to_dict(),
+                "block_size": self.block_size.value,
+                "max_num_batched_tokens": self.budget.value,
+                "long_prefill_token_threshold": self.long_prefill.value,
+                "num_kv_blocks": self.num_kv_blocks.value,
+                "enable_prefix_caching": self.prefix_caching.value,
+                "speculative_config": spec,
+            }
+        )
 
 
 class Stepper:

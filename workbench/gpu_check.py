@@ -8,6 +8,7 @@ which GPU sections it skipped. With one (``TRITON_INTERPRET`` unset) it adds the
 Run it as ``python -m workbench.gpu_check`` (``make gpu-check``). It imports the engine and the kernels only, never
 Panel, so it runs on a bare GPU image with torch, triton and transformers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,12 +91,15 @@ def engine_workloads() -> Iterator[tuple[str, Any, list[list[int]], list[Any]]]:
     base = dict(model="tiny-llama", device="cpu", block_size=16, seed=0)
     lens = [17, 60, 130, 300, 520, 1100]
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in lens]
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + 6 * (len(lens) - i), ignore_eos=True)
-              for i in range(len(lens))]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4 + 6 * (len(lens) - i), ignore_eos=True) for i in range(len(lens))
+    ]
     yield "chunked prefill, contexts of every size", LLM(**base, max_num_batched_tokens=256), prompts, params
     prompts = [torch.randint(3, 49152, (12,), generator=gen).tolist() for _ in range(2)]
-    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, seed=2, max_tokens=12, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=2, max_tokens=12, ignore_eos=True),
+    ]
     llm = LLM(**base, speculative_config={"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 3})
     yield "draft-model speculation", llm, prompts, params
 
@@ -209,8 +213,10 @@ def _section(name: str, fn: Callable[[], Any], report: dict[str, Any]) -> Any:
     except Exception:  # noqa: BLE001 - one broken section must not hide what the others found
         report["sections"][name] = {"ok": False, "s": time.perf_counter() - start, "error": traceback.format_exc()}
         value = None
-    print(f"[gpu] {name}: {'ok' if report['sections'][name]['ok'] else 'FAILED'} "
-          f"({report['sections'][name]['s']:.1f} s)", flush=True)
+    print(
+        f"[gpu] {name}: {'ok' if report['sections'][name]['ok'] else 'FAILED'} ({report['sections'][name]['s']:.1f} s)",
+        flush=True,
+    )
     if not report["sections"][name]["ok"]:
         print(report["sections"][name]["error"], flush=True)
     return value
@@ -227,10 +233,15 @@ def gpu_versions() -> dict[str, Any]:
 
     if not isinstance(attention._unified_attention_kernel, JITFunction):
         raise RuntimeError("kernels.triton runs under the interpreter: unset TRITON_INTERPRET")
-    return {"device": torch.cuda.get_device_name(), "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-            "sms": torch.cuda.get_device_properties(0).multi_processor_count, "python": sys.version.split()[0],
-            "torch": torch.__version__, "triton": triton.__version__,
-            "transformers": importlib.metadata.version("transformers")}
+    return {
+        "device": torch.cuda.get_device_name(),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": importlib.metadata.version("transformers"),
+    }
 
 
 def gpu_rejection() -> list[dict[str, Any]]:
@@ -259,24 +270,35 @@ def gpu_attention() -> list[dict[str, Any]]:
     from kernels import triton as kt
     from workbench.bench.kernels import AttentionShape, paged_case
 
-    mixes = {"decodes at block boundaries": ([1] * 6, [1, 15, 16, 17, 32, 4097]),
-             "chunk over cached context": ([1, 256, 1], [40, 1024, 16]),
-             "verification (k=4) + decode": ([5, 5, 1], [133, 16, 2000]),
-             "whole prefill": ([300], [300])}
+    mixes = {
+        "decodes at block boundaries": ([1] * 6, [1, 15, 16, 17, 32, 4097]),
+        "chunk over cached context": ([1, 256, 1], [40, 1024, 16]),
+        "verification (k=4) + decode": ([5, 5, 1], [133, 16, 2000]),
+        "whole prefill": ([300], [300]),
+    }
     rows = []
     for heads, kv_heads, dim in HEAD_LAYOUTS:
         shape = AttentionShape(f"{heads}/{kv_heads} x {dim}", heads, kv_heads, dim)
         for mix, (q_lens, seq_lens) in mixes.items():
             case = paged_case(q_lens, seq_lens, shape, CUDA_DTYPE)
-            ref = reference.paged_attention(**{k: v.float() if k in ("q", "k_cache", "v_cache") else v
-                                               for k, v in case.items()})
+            ref = reference.paged_attention(
+                **{k: v.float() if k in ("q", "k_cache", "v_cache") else v for k, v in case.items()}
+            )
             decode = all(n == 1 for n in q_lens)
             for splits in (*kt.attention.KV_SPLIT_COUNTS, None) if decode else (1, None):
-                out = (kt.paged_attention(**case) if splits is None
-                       else kt.attention.unified_attention(**case, num_kv_splits=splits))
+                out = (
+                    kt.paged_attention(**case)
+                    if splits is None
+                    else kt.attention.unified_attention(**case, num_kv_splits=splits)
+                )
                 err = float((out.float() - ref).abs().max() / ref.abs().max())
-                rows.append({"case": f"{shape.name}, {mix}, splits {splits or 'chosen'}", "error": err,
-                             "ok": err <= BF16_REL_ERROR})
+                rows.append(
+                    {
+                        "case": f"{shape.name}, {mix}, splits {splits or 'chosen'}",
+                        "error": err,
+                        "ok": err <= BF16_REL_ERROR,
+                    }
+                )
     bad = [r for r in rows if not r["ok"]]
     if bad:
         raise AssertionError(f"attention beyond {BF16_REL_ERROR}: {bad}")
@@ -297,16 +319,26 @@ def gpu_large_cache() -> dict[str, Any]:
     slots = (blocks.long()[:, None] * bs + torch.arange(bs, device="cuda")).flatten()[:n]
     key, value = (torch.randn(n, kv_heads, dim, dtype=CUDA_DTYPE, device="cuda") for _ in range(2))
     kt.store_kvcache(key, value, k_cache, v_cache, slots)
-    if not (torch.equal(k_cache.view(-1, kv_heads, dim)[slots], key)
-            and torch.equal(v_cache.view(-1, kv_heads, dim)[slots], value)):
+    if not (
+        torch.equal(k_cache.view(-1, kv_heads, dim)[slots], key)
+        and torch.equal(v_cache.view(-1, kv_heads, dim)[slots], value)
+    ):
         raise AssertionError("store_kvcache past 2**31 elements wrote the wrong place")
     q = torch.randn(1, 32, dim, dtype=CUDA_DTYPE, device="cuda")
-    meta = dict(block_tables=blocks[None], seq_lens=torch.tensor([n], dtype=torch.int32, device="cuda"),
-                query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device="cuda"), scale=dim ** -0.5)
+    meta = dict(
+        block_tables=blocks[None],
+        seq_lens=torch.tensor([n], dtype=torch.int32, device="cuda"),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+        scale=dim**-0.5,
+    )
     out = kt.paged_attention(q, k_cache, v_cache, **meta)
-    small = torch.stack([k_cache[num_blocks - 3:], v_cache[num_blocks - 3:]]).float()
-    ref = reference.paged_attention(q.float(), small[0], small[1], **{**meta, "block_tables": torch.arange(
-        3, device="cuda", dtype=torch.int32)[None]})
+    small = torch.stack([k_cache[num_blocks - 3 :], v_cache[num_blocks - 3 :]]).float()
+    ref = reference.paged_attention(
+        q.float(),
+        small[0],
+        small[1],
+        **{**meta, "block_tables": torch.arange(3, device="cuda", dtype=torch.int32)[None]},
+    )
     err = float((out.float() - ref).abs().max() / ref.abs().max())
     del k_cache, v_cache
     torch.cuda.empty_cache()
@@ -319,11 +351,13 @@ def _jit_variants() -> dict[str, int]:
     """Compiled variants per kernel, from the JIT's own cache (triton 3.x: device_caches[device][0])."""
     from kernels.triton import attention, cache, rejection
 
-    kernels = {"_unified_attention_kernel": attention._unified_attention_kernel,
-               "_reduce_splits_kernel": attention._reduce_splits_kernel,
-               "_store_kvcache_kernel": cache._store_kvcache_kernel,
-               "_recovered_tokens_kernel": rejection._recovered_tokens_kernel,
-               "_rejection_sample_kernel": rejection._rejection_sample_kernel}
+    kernels = {
+        "_unified_attention_kernel": attention._unified_attention_kernel,
+        "_reduce_splits_kernel": attention._reduce_splits_kernel,
+        "_store_kvcache_kernel": cache._store_kvcache_kernel,
+        "_recovered_tokens_kernel": rejection._recovered_tokens_kernel,
+        "_rejection_sample_kernel": rejection._rejection_sample_kernel,
+    }
     dev = torch.cuda.current_device()
     return {name: len(fn.device_caches[dev][0]) for name, fn in kernels.items()}
 
@@ -344,10 +378,11 @@ def gpu_engine(model: str) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 40, 300, 900)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    setups = {"chunked prefill": dict(max_num_batched_tokens=128),
-              "n-gram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
-              "draft model": dict(speculative_config={"method": "draft_model", "model": model,
-                                                      "num_speculative_tokens": 3})}
+    setups = {
+        "chunked prefill": dict(max_num_batched_tokens=128),
+        "n-gram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
+        "draft model": dict(speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3}),
+    }
     rows = []
     for dtype in ("float32", "bfloat16"):
         for name, extra in setups.items():
@@ -360,8 +395,7 @@ def gpu_engine(model: str) -> dict[str, Any]:
             rows.append({"dtype": dtype, "setup": name, "tokens_equal": same, "ok": same == 1.0 or dtype != "float32"})
     before = _jit_variants()
     llm = LLM(model=model, device="cuda", seed=0)
-    llm.generate([prompts[0]] * 8, SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate([prompts[0]] * 8, SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True), use_tqdm=False)
     grown = {k: v - before[k] for k, v in _jit_variants().items()}
     # Host wall time per step (synchronised) against the GPU's kernel time in the same steps (the profiler's
     # device time): with 60-90 launches per step and no CUDA graph, the gap is launch overhead.
@@ -376,8 +410,11 @@ def gpu_engine(model: str) -> dict[str, Any]:
             host.append((time.perf_counter() - t0) * 1e3)
     gpu_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / len(host)
     host.sort()
-    result = {"runs": rows, "new_variants_over_decode_loop": grown,
-              "step_ms": {"host_wall_median": host[len(host) // 2], "gpu_kernels_mean": gpu_ms}}
+    result = {
+        "runs": rows,
+        "new_variants_over_decode_loop": grown,
+        "step_ms": {"host_wall_median": host[len(host) // 2], "gpu_kernels_mean": gpu_ms},
+    }
     if not all(r["ok"] for r in rows) or grown["_unified_attention_kernel"] > len(KV_SPLIT_COUNTS):
         raise AssertionError(json.dumps(result, default=str))
     return result
@@ -413,30 +450,51 @@ def markdown(report: dict[str, Any]) -> str:
     """The docs section: what ran, what passed, what was skipped and why, the timings."""
     from workbench.bench.report import markdown_table
 
-    lines = ["## GPU check (`make gpu-check`)", "",
-             "One script for the first GPU run: the sm_90 compile check (also in `make test`), then on a GPU the "
-             "kernels against their references, the engine end to end, and timings. Machine: "
-             + ", ".join(f"{k} {v}" for k, v in report["machine"].items()) + ".", ""]
+    lines = [
+        "## GPU check (`make gpu-check`)",
+        "",
+        "One script for the first GPU run: the sm_90 compile check (also in `make test`), then on a GPU the "
+        "kernels against their references, the engine end to end, and timings. Machine: "
+        + ", ".join(f"{k} {v}" for k, v in report["machine"].items())
+        + ".",
+        "",
+    ]
     comp = report["compile"]
-    lines += [f"Compiled for sm_90: {sum(sum(w['variants'].values()) for w in comp['workloads'].values())} variants, "
-              f"{len(comp['failures'])} failures, {comp['compile_s']:.1f} s compiling.", ""]
+    lines += [
+        f"Compiled for sm_90: {sum(sum(w['variants'].values()) for w in comp['workloads'].values())} variants, "
+        f"{len(comp['failures'])} failures, {comp['compile_s']:.1f} s compiling.",
+        "",
+    ]
     for name, sec in report["sections"].items():
         lines.append(f"- **{name}**: {'passed' if sec['ok'] else 'FAILED'} ({sec['s']:.1f} s)")
     for skipped in report["skipped"]:
         lines.append(f"- skipped: {skipped}")
     timings = report["sections"].get("timings (do_bench medians)", {}).get("result")
     if timings:
-        lines += ["", markdown_table(("kernel", "workload", "median ms", "achieved", "torch reference ms"),
-                                     [[t["kernel"], t["workload"], f"{t['ms']:.3f}", t["achieved"],
-                                       f"{t['torch_ms']:.3f}"] for t in timings])]
+        lines += [
+            "",
+            markdown_table(
+                ("kernel", "workload", "median ms", "achieved", "torch reference ms"),
+                [
+                    [t["kernel"], t["workload"], f"{t['ms']:.3f}", t["achieved"], f"{t['torch_ms']:.3f}"]
+                    for t in timings
+                ],
+            ),
+        ]
     engine = report["sections"].get("engine end to end vs torch references", {}).get("result")
     if engine:
-        lines += ["", markdown_table(("dtype", "setup", "greedy tokens equal to the references' run"),
-                                     [[r["dtype"], r["setup"], f"{r['tokens_equal']:.1%}"] for r in engine["runs"]]),
-                  "", f"Attention variants compiled over a growing-context decode loop: "
-                      f"{engine['new_variants_over_decode_loop']}; per step: host wall (median) "
-                      f"{engine['step_ms']['host_wall_median']:.2f} ms, GPU kernels (mean) "
-                      f"{engine['step_ms']['gpu_kernels_mean']:.2f} ms."]
+        lines += [
+            "",
+            markdown_table(
+                ("dtype", "setup", "greedy tokens equal to the references' run"),
+                [[r["dtype"], r["setup"], f"{r['tokens_equal']:.1%}"] for r in engine["runs"]],
+            ),
+            "",
+            f"Attention variants compiled over a growing-context decode loop: "
+            f"{engine['new_variants_over_decode_loop']}; per step: host wall (median) "
+            f"{engine['step_ms']['host_wall_median']:.2f} ms, GPU kernels (mean) "
+            f"{engine['step_ms']['gpu_kernels_mean']:.2f} ms.",
+        ]
     return "\n".join(lines)
 
 
@@ -449,15 +507,27 @@ def _write_docs(report: dict[str, Any]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbench.gpu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--compile-only", choices=COMPILE_PARTS + ("all",),
-                        help="only the sm_90 compile check, or one part of it (no GPU needed)")
-    parser.add_argument("--out", metavar="DIR", default=os.environ.get("OUT") or CARRY_DIR,
-                        help="where result.json and gpu-check.md go (default: $OUT, what a device run brings back, "
-                             "else %(default)s)")
-    parser.add_argument("--write-docs", action="store_true",
-                        help="rewrite the gpu-check section of docs/BENCHMARKS.md (only after a run on a GPU)")
-    parser.add_argument("--docs-from", metavar="RESULT_JSON",
-                        help="only rewrite that section from a GPU run's result.json brought back from the machine")
+    parser.add_argument(
+        "--compile-only",
+        choices=COMPILE_PARTS + ("all",),
+        help="only the sm_90 compile check, or one part of it (no GPU needed)",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default=os.environ.get("OUT") or CARRY_DIR,
+        help="where result.json and gpu-check.md go (default: $OUT, what a device run brings back, else %(default)s)",
+    )
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="rewrite the gpu-check section of docs/BENCHMARKS.md (only after a run on a GPU)",
+    )
+    parser.add_argument(
+        "--docs-from",
+        metavar="RESULT_JSON",
+        help="only rewrite that section from a GPU run's result.json brought back from the machine",
+    )
     args = parser.parse_args(argv)
     if args.docs_from:
         return _write_docs(json.loads(open(args.docs_from, encoding="utf-8").read()))

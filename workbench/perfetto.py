@@ -7,14 +7,15 @@ One process per trace (several traces: the instances of a prefill/decode pair, o
 - counters: KV blocks (used, cached_free, free), queues (waiting, running), tokens per step by phase.
 Flow arrows follow a request's KV: prefill step -> save -> load (on the decode side) -> the step that used it.
 Timestamps are microseconds from the earliest instant in the traces."""
+
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from engine.events import Event, StepRecord
 from workbench.trace import Trace
@@ -58,8 +59,16 @@ class _RequestSpans:
 
     def _event(self, ph: str, rid: str, name: str, ts_ns: int, args: dict[str, Any] | None = None) -> None:
         # ids are made unique per process: the same request id may live in two instances
-        self.emit(ph=ph, ts_ns=ts_ns, pid=self.pid, tid=ENGINE_TID, name=name, cat=REQUEST_CAT,
-                  id=f"{self.pid}:{rid}", args=args or {})
+        self.emit(
+            ph=ph,
+            ts_ns=ts_ns,
+            pid=self.pid,
+            tid=ENGINE_TID,
+            name=name,
+            cat=REQUEST_CAT,
+            id=f"{self.pid}:{rid}",
+            args=args or {},
+        )
 
     def start(self, rid: str, ts_ns: int, args: dict[str, Any]) -> None:
         self._event("b", rid, f"request {rid}", ts_ns, args)
@@ -103,8 +112,7 @@ class _ChromeTraceBuilder:
     def emit(self, ph: str, ts_ns: int, pid: int, tid: int, **fields: Any) -> None:
         self.events.append({"ph": ph, "ts": self.us(ts_ns), "pid": pid, "tid": tid, **fields})
 
-    def slice(self, pid: int, tid: int, name: str, cat: str, start_ns: int, end_ns: int,
-              args: dict[str, Any]) -> None:
+    def slice(self, pid: int, tid: int, name: str, cat: str, start_ns: int, end_ns: int, args: dict[str, Any]) -> None:
         self.emit("X", start_ns, pid, tid, dur=round((end_ns - start_ns) / 1000, 3), name=name, cat=cat, args=args)
 
     def metadata(self, pid: int, name: str, threads: dict[int, str]) -> None:
@@ -148,10 +156,22 @@ class _ChromeTraceBuilder:
             tokens[phase] = tokens.get(phase, 0) + n
         self.emit("C", record.start_ns, pid, ENGINE_TID, name="tokens per step", args=tokens)
         kv = record.kv
-        self.emit("C", record.end_ns, pid, ENGINE_TID, name="KV blocks",
-                  args={"used": kv.used, "cached_free": kv.cached_free, "free": kv.free})
-        self.emit("C", record.end_ns, pid, ENGINE_TID, name="queues",
-                  args={"waiting": record.num_waiting, "running": record.num_running})
+        self.emit(
+            "C",
+            record.end_ns,
+            pid,
+            ENGINE_TID,
+            name="KV blocks",
+            args={"used": kv.used, "cached_free": kv.cached_free, "free": kv.free},
+        )
+        self.emit(
+            "C",
+            record.end_ns,
+            pid,
+            ENGINE_TID,
+            name="queues",
+            args={"waiting": record.num_waiting, "running": record.num_running},
+        )
 
     def request_event(self, spans: _RequestSpans, record: StepRecord, event: Event) -> None:
         if not event.kind.startswith("request.") or event.request_id in spans.done:
@@ -199,8 +219,17 @@ class _ChromeTraceBuilder:
             for i, a in enumerate(anchors):
                 ph = "s" if i == 0 else "f" if i == len(anchors) - 1 else "t"
                 extra = {} if ph == "s" else {"bp": "e"}  # bind to the enclosing slice, not the next one
-                self.emit(ph, a.ts_ns, a.pid, a.tid, id=flow_id, cat=FLOW_CAT, name="kv transfer",
-                          args={"request_id": rid}, **extra)
+                self.emit(
+                    ph,
+                    a.ts_ns,
+                    a.pid,
+                    a.tid,
+                    id=flow_id,
+                    cat=FLOW_CAT,
+                    name="kv transfer",
+                    args={"request_id": rid},
+                    **extra,
+                )
 
     def result(self) -> dict[str, Any]:
         # metadata first, then by time; the sort is stable, so a parent slice stays before its children

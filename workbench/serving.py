@@ -6,11 +6,13 @@ app, so the dashboard's sessions and the API run on uvicorn's one event loop and
 engine the HTTP requests run on (a Bokeh server beside it would need a second port, or a proxy for its websocket).
 Every browser session gets its own Workbench over the shared AsyncLLM: its Pause / Step / Play hold and release
 the serving loop for everyone, which is the point (watch a step of real traffic, then the next)."""
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import panel as pn
 from fastapi import FastAPI
@@ -38,16 +40,24 @@ class ServerLimits:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
-def build_serving_app(config: EngineConfig, model_name: str | None = None, api_key: str | None = None,
-                      prompts: Sequence[str] = (), params: SamplingParams | None = None,
-                      port: int = 8000, limits: ServerLimits = ServerLimits()) -> tuple[FastAPI, AsyncLLM]:
+def build_serving_app(
+    config: EngineConfig,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    prompts: Sequence[str] = (),
+    params: SamplingParams | None = None,
+    port: int = 8000,
+    limits: ServerLimits = ServerLimits(),
+) -> tuple[FastAPI, AsyncLLM]:
     """The API and the dashboard over one new engine. With `prompts`, they are queued first and the loop starts
     paused: they wait for Step or Play (HTTP requests queue behind them meanwhile). With data_parallel_size > 1,
     the dashboard follows the data-parallel front end (its records: routing, each replica's load, the requests'
     tokens; no Step, Play or Pause, which need one engine's loop), and `prompts` are refused."""
     if prompts and config.data_parallel_size > 1:
-        raise ValueError(f"prompt: queued prompts wait for the dashboard's Step, which data_parallel_size="
-                         f"{config.data_parallel_size} has not")
+        raise ValueError(
+            f"prompt: queued prompts wait for the dashboard's Step, which data_parallel_size="
+            f"{config.data_parallel_size} has not"
+        )
     # shutdown() closes its engine (and processes)
     llm = AsyncLLM(config=config, start_paused=bool(prompts), max_num_queued_reqs=limits.max_num_queued_reqs)
     try:  # its metrics follow every step from the first; the key guards the dashboard mounted below as well
@@ -80,9 +90,17 @@ def mount_dashboard(app: FastAPI, llm: AsyncLLM, port: int) -> None:
         return RedirectResponse(DASHBOARD_PATH)
 
 
-def serve_openai(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 prompts: Sequence[str] = (), params: SamplingParams | None = None, model_name: str | None = None,
-                 announce: Callable[[str], Any] | None = None, limits: ServerLimits = ServerLimits()) -> None:
+def serve_openai(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    prompts: Sequence[str] = (),
+    params: SamplingParams | None = None,
+    model_name: str | None = None,
+    announce: Callable[[str], Any] | None = None,
+    limits: ServerLimits = ServerLimits(),
+) -> None:
     """Build the engine (a bad model or config fails here, before any port is bound), then serve until
     interrupted; `announce(url)` once the port is bound. The engine loop stops with the server. Beyond the
     loopback without a key, a loud warning first (warn_if_exposed)."""

@@ -2,6 +2,7 @@
 requests with their timings and text, which request holds which KV block and what hash it carries, and what the
 grammar, speculative-decoding, KV-transfer, prefix-cache and per-rank events told. Each event is handled once,
 here; the views read this state and each record's StepDelta, never the events."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,8 +12,14 @@ from engine.events import DPLoad, DPRouted, EngineSnapshot, StepRecord
 WAITING, RUNNING, PREEMPTED, FINISHED = "waiting", "running", "preempted", "finished"
 # the engine's RequestStatus names, as the views group them (every other one is a finished status); traces recorded
 # before vLLM 0.33's name say WAITING_FOR_FSM
-_STATUS = {"WAITING": WAITING, "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": WAITING, "WAITING_FOR_FSM": WAITING,
-           "WAITING_FOR_REMOTE_KVS": WAITING, "RUNNING": RUNNING, "PREEMPTED": PREEMPTED}
+_STATUS = {
+    "WAITING": WAITING,
+    "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR": WAITING,
+    "WAITING_FOR_FSM": WAITING,
+    "WAITING_FOR_REMOTE_KVS": WAITING,
+    "RUNNING": RUNNING,
+    "PREEMPTED": PREEMPTED,
+}
 
 
 @dataclass
@@ -68,7 +75,7 @@ class BlockState:
 
     @property
     def kind(self) -> str:
-        """"used" (held), "cached" (free but still hittable by its hash) or "free"."""
+        """ "used" (held), "cached" (free but still hittable by its hash) or "free"."""
         if self.holders:
             return "used"
         return "cached" if self.block_hash is not None else "free"
@@ -149,11 +156,19 @@ class Verification:
     def positions(self) -> list[DraftPosition]:
         """Each draft position with its numbers and outcome."""
         num_accepted = sum(self.accepted)  # a prefix
-        return [DraftPosition(
-            i, token, _at(self.draft_texts, i, ""), _at(self.p_draft, i, None), self.p_target[i],
-            _at(self.target_argmax, i, None), _at(self.uniform_probs, i, None),
-            ACCEPTED if i < num_accepted else REJECTED if i == num_accepted else NOT_REACHED)
-            for i, token in enumerate(self.draft_token_ids)]
+        return [
+            DraftPosition(
+                i,
+                token,
+                _at(self.draft_texts, i, ""),
+                _at(self.p_draft, i, None),
+                self.p_target[i],
+                _at(self.target_argmax, i, None),
+                _at(self.uniform_probs, i, None),
+                ACCEPTED if i < num_accepted else REJECTED if i == num_accepted else NOT_REACHED,
+            )
+            for i, token in enumerate(self.draft_token_ids)
+        ]
 
 
 def _at(values: tuple | None, i: int, default):
@@ -310,14 +325,23 @@ class ParallelState:
 def _rank_step(rank: dict) -> RankStep:
     collectives = rank["collectives"]
     comm_ms = sum(c["ms"] for c in collectives.values())
-    return RankStep(rank["rank"], max(rank["forward_ms"] - comm_ms, 0.0), comm_ms, rank["sample_ms"],
-                    {k: c["count"] for k, c in collectives.items()}, {k: c["bytes"] for k, c in collectives.items()})
+    return RankStep(
+        rank["rank"],
+        max(rank["forward_ms"] - comm_ms, 0.0),
+        comm_ms,
+        rank["sample_ms"],
+        {k: c["count"] for k, c in collectives.items()},
+        {k: c["bytes"] for k, c in collectives.items()},
+    )
 
 
 def _chains(blocks: dict[int, BlockState]) -> dict[str, ChainNode]:
     """The hashes the blocks hold as chain nodes, by block id, each after its ancestors (a snapshot's cache)."""
-    cached = {b.block_hash: ChainNode(b.block_hash, b.parent_hash, block_id) for block_id, b in blocks.items()
-              if b.block_hash is not None}
+    cached = {
+        b.block_hash: ChainNode(b.block_hash, b.parent_hash, block_id)
+        for block_id, b in blocks.items()
+        if b.block_hash is not None
+    }
     chains: dict[str, ChainNode] = {}
     walked: set[str] = set()
     for block_hash in sorted(cached, key=lambda h: cached[h].block_id):
@@ -388,10 +412,21 @@ class EngineState:
         for b in snapshot.blocks:
             self.blocks[b.block_id] = BlockState(block_hash=b.block_hash, parent_hash=b.parent_hash)
         for r in snapshot.requests:
-            req = RequestState(r.request_id, r.prompt, r.num_prompt_tokens, r.max_tokens, r.priority, r.arrival_ns,
-                               status=_STATUS.get(r.status, FINISHED), num_output_tokens=r.num_output_tokens,
-                               num_cached_tokens=r.num_cached_tokens, num_preemptions=r.num_preemptions,
-                               text=r.text, finish_reason=r.finish_reason, error=r.error)
+            req = RequestState(
+                r.request_id,
+                r.prompt,
+                r.num_prompt_tokens,
+                r.max_tokens,
+                r.priority,
+                r.arrival_ns,
+                status=_STATUS.get(r.status, FINISHED),
+                num_output_tokens=r.num_output_tokens,
+                num_cached_tokens=r.num_cached_tokens,
+                num_preemptions=r.num_preemptions,
+                text=r.text,
+                finish_reason=r.finish_reason,
+                error=r.error,
+            )
             self.requests[r.request_id] = req
             self.block_tables[r.request_id] = tuple(r.block_ids)
             for block_id in r.block_ids:
@@ -428,8 +463,9 @@ class EngineState:
     def _added(self, e, record: StepRecord, delta: StepDelta) -> None:
         if e.request_id in self.requests:  # a snapshot taken after its add_request holds it already
             return
-        self.requests[e.request_id] = RequestState(e.request_id, e.prompt, e.num_prompt_tokens, e.max_tokens,
-                                                   e.priority, e.arrival_ns)
+        self.requests[e.request_id] = RequestState(
+            e.request_id, e.prompt, e.num_prompt_tokens, e.max_tokens, e.priority, e.arrival_ns
+        )
         delta.added.append(e.request_id)
 
     def _scheduled(self, e, record: StepRecord, delta: StepDelta) -> None:
@@ -458,7 +494,7 @@ class EngineState:
         req = self._touch(e.request_id, delta)
         if req is None:
             return
-        req.text = req.text[:e.text_offset] + e.text
+        req.text = req.text[: e.text_offset] + e.text
         req.num_output_tokens = e.num_output_tokens
         if req.first_token_ns is None:
             req.first_token_ns = record.end_ns
@@ -491,8 +527,13 @@ class EngineState:
         req = self._touch(e.request_id, delta)
         if req is not None:
             req.num_queried_tokens = req.num_tokens  # events apply in order: this step's tokens come later
-        lookup = Lookup(e.request_id, e.num_hit_tokens, req.num_queried_tokens if req is not None else 0,
-                        e.num_hit_blocks, e.num_queried_blocks)
+        lookup = Lookup(
+            e.request_id,
+            e.num_hit_tokens,
+            req.num_queried_tokens if req is not None else 0,
+            e.num_hit_blocks,
+            e.num_queried_blocks,
+        )
         self.prefix.lookups[e.request_id] = lookup
         self.prefix.hit_tokens += lookup.hit_tokens
         self.prefix.queried_tokens += lookup.queried_tokens
@@ -526,8 +567,11 @@ class EngineState:
 
     def _grammar_step(self, e, record: StepRecord, delta: StepDelta) -> None:
         positions = self.grammar.positions.setdefault(e.request_id, [])
-        positions.append(GrammarPosition(e.request_id, len(positions), e.num_allowed_tokens, e.sampled_token,
-                                         e.terminated, e.jump_forward))
+        positions.append(
+            GrammarPosition(
+                e.request_id, len(positions), e.num_allowed_tokens, e.sampled_token, e.terminated, e.jump_forward
+            )
+        )
         delta.grammar_steps.append(positions[-1])
 
     def _spec_proposed(self, e, record: StepRecord, delta: StepDelta) -> None:
@@ -537,9 +581,21 @@ class EngineState:
 
     def _spec_verified(self, e, record: StepRecord, delta: StepDelta) -> None:
         spec = self.spec
-        verification = Verification(record.step, e.request_id, e.draft_token_ids, e.accepted, e.p_target, e.p_draft,
-                                    e.emitted_token, e.bonus, e.rule, e.target_argmax, e.uniform_probs, e.draft_texts,
-                                    e.emitted_text)
+        verification = Verification(
+            record.step,
+            e.request_id,
+            e.draft_token_ids,
+            e.accepted,
+            e.p_target,
+            e.p_draft,
+            e.emitted_token,
+            e.bonus,
+            e.rule,
+            e.target_argmax,
+            e.uniform_probs,
+            e.draft_texts,
+            e.emitted_text,
+        )
         for position, ok in enumerate(verification.accepted):
             if position == len(spec.proposed):
                 spec.proposed.append(0)
@@ -557,8 +613,15 @@ class EngineState:
         outcome = _transfer_outcome(e)
         mb = moved.mb_by_instance.get(e.instance, 0.0) + outcome["num_bytes"] / 1e6
         moved.mb_by_instance[e.instance] = mb
-        transfer = Transfer(kind=e.kind, request_id=e.request_id, instance=e.instance, connector=e.connector,
-                            end_ns=record.end_ns, instance_mb=mb, **outcome)
+        transfer = Transfer(
+            kind=e.kind,
+            request_id=e.request_id,
+            instance=e.instance,
+            connector=e.connector,
+            end_ns=record.end_ns,
+            instance_mb=mb,
+            **outcome,
+        )
         moved.transfers.append(transfer)
         delta.transfers.append(transfer)
 
@@ -613,8 +676,15 @@ class EngineState:
 def _transfer_outcome(e) -> dict:
     """What a kv_transfer.* event moved, or, for a failure, nothing and why."""
     if e.kind == "kv_transfer.fail":
-        return dict(num_tokens=0, num_bytes=0, ms=0.0, mb_per_s=0.0, failure=e.failure,
-                    policy_action=e.policy_action, num_recomputed_tokens=e.num_recomputed_tokens)
+        return dict(
+            num_tokens=0,
+            num_bytes=0,
+            ms=0.0,
+            mb_per_s=0.0,
+            failure=e.failure,
+            policy_action=e.policy_action,
+            num_recomputed_tokens=e.num_recomputed_tokens,
+        )
     return dict(num_tokens=e.num_tokens, num_bytes=e.num_bytes, ms=e.ms, mb_per_s=e.mb_per_s)
 
 

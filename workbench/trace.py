@@ -1,13 +1,14 @@
 """Step traces: an engine's StepRecords as JSON Lines. The first line is a header (schema version, config,
 model, creation time); each further line is one StepRecord's `to_dict()`. Every line is flushed as it is
 written, so a run that dies leaves a trace that reads up to its last complete step."""
+
 from __future__ import annotations
 
 import importlib.metadata
 import json
 import os
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ def _package_version() -> str | None:
         return None
 
 
-def trace_header(engine: "LLMEngine") -> dict[str, Any]:
+def trace_header(engine: LLMEngine) -> dict[str, Any]:
     """The header line of a trace of `engine`: schema version, config, model (name and folder), creation time,
     and the engine's state when the trace begins (a replay starts from it: a trace may begin mid-run); a data-
     parallel front end's (DPLBClient) holds its requests and the replicas' summed KV usage, no blocks."""
@@ -41,7 +42,7 @@ def trace_header(engine: "LLMEngine") -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "config": engine.config.to_dict(),
         "model": {"name": engine.config.model, "path": str(engine.model_path)},
-        "created": datetime.now(timezone.utc).isoformat(),
+        "created": datetime.now(UTC).isoformat(),
         "engine_version": _package_version(),
         "snapshot": snapshot().to_dict() if snapshot is not None else None,
     }
@@ -52,7 +53,7 @@ class TraceWriter:
     flushed line per StepRecord it is called with. Use `engine.subscribe(TraceWriter(path, engine))`,
     then `close()` (or use it as a context manager)."""
 
-    def __init__(self, path: str | os.PathLike, engine: "LLMEngine") -> None:
+    def __init__(self, path: str | os.PathLike, engine: LLMEngine) -> None:
         self.path = Path(path)
         self.num_records = 0
         self._file: IO[str] = open(self.path, "w", encoding="utf-8")
@@ -69,7 +70,7 @@ class TraceWriter:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "TraceWriter":
+    def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,19 +18,20 @@
 5. The head folder (fp16 safetensors, config, manifest with the command, seed, data, steps, loss and held-out
    acceptance), then the acceptance the engine really gets with it on held-out prompts (greedy).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import math
 import random
-import shlex
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,60 +48,335 @@ METHODS = ("eagle", "medusa")
 
 # The bundled prompt set: every kind of request about every topic. Held out for the acceptance estimate: every
 # tenth prompt. The spec benchmark's chat prompts, and their topics, are not among them.
-_TOPICS = ("the ocean", "volcanoes", "the Roman Empire", "photosynthesis", "jazz music", "chess", "a rainy city",
-           "the moon landing", "coffee", "friendship", "a lighthouse keeper", "electric cars", "mountain climbing",
-           "the printing press", "dinosaurs", "a small bakery", "learning a language", "the internet", "gardening",
-           "a robot", "the desert", "ancient Egypt", "football", "a dragon", "recycling", "the human heart",
-           "a train journey", "winter", "saving money", "the solar system", "a detective", "bread", "birds",
-           "a haunted house", "Python programming", "sleep", "music lessons", "rivers", "a space station", "honesty",
-           "glaciers", "the Olympic Games", "vaccines", "a pirate ship", "chocolate", "earthquakes", "a village market",
-           "the Great Wall of China", "cooking pasta", "a lost dog", "wind energy", "the Renaissance", "kindness",
-           "a hospital nurse", "tornadoes", "the stock market", "a magic school", "rainforests", "bicycles",
-           "the Vikings", "a birthday party", "clouds", "running a marathon", "smartphones", "an old library",
-           "whales", "time management", "the Industrial Revolution", "a snowstorm", "painting", "a farmer",
-           "the immune system", "a city at night", "board games", "volunteering",
-           "submarines", "a county fair", "the Silk Road", "penguins", "a jazz club", "origami", "thunderstorms",
-           "a bookshop owner", "the periodic table", "camping", "the Moon", "a family dinner", "solar panels",
-           "the Aztecs", "a ballet dancer", "coral reefs", "a first job", "microscopes", "a castle", "hiking boots",
-           "the French Revolution", "a science fair", "octopuses", "a carpenter", "public libraries", "skateboarding",
-           "the water cycle", "a market in Marrakesh", "cheese", "a mountain village", "airplanes", "recycling paper",
-           "the Amazon river", "a violin", "the Stone Age", "elephants", "a museum at night", "cybersecurity",
-           "a lemonade stand", "the northern lights", "knitting", "a fire station", "Mars", "the Ice Age",
-           "a wedding", "photography", "a ferry crossing", "the Samurai", "mushrooms", "an old clock",
-           "climate change", "a chess club", "sailing", "the telephone", "a street musician", "wolves",
-           "spices", "the Eiffel Tower", "a school trip", "bridges", "a tailor", "robots in factories",
-           "a quiet morning", "the Pyramids of Giza", "video games", "a night train", "yoga", "the brain",
-           "a flower shop", "snow leopards", "a team project", "kites", "the Arctic",
-           "a radio station", "ice cream",
-           "gravity", "electricity", "magnets", "atoms", "DNA", "evolution", "bacteria", "viruses",
-           "the speed of sound", "stars", "galaxies", "comets", "the Sun", "ocean tides", "the four seasons",
-           "plate tectonics", "fossils", "chemical reactions", "batteries", "the human skeleton", "blood", "the lungs",
-           "digestion", "muscles", "the eye", "hearing", "memory", "dreams", "fungi", "ants", "butterflies", "frogs",
-           "sharks", "dolphins", "owls", "horses", "spiders", "cactus plants", "seeds", "soil", "hurricanes",
-           "lightning", "fog", "computers", "artificial intelligence", "email", "3D printing", "satellites", "GPS",
-           "rockets", "nuclear power", "steam engines", "the light bulb", "refrigerators", "cameras", "television",
-           "radio waves", "self-driving cars", "drones", "the compass", "ancient Greece", "the Middle Ages", "knights",
-           "the Maya", "the Incas", "the Cold War", "the American Revolution", "the Ottoman Empire",
-           "the Mongol Empire", "the Titanic", "explorers", "the Wright brothers", "Marie Curie", "Leonardo da Vinci",
-           "Shakespeare", "Mozart", "Cleopatra", "breakfast", "moving to a new city", "a job interview",
-           "public transport", "traffic", "grocery shopping", "a birthday cake", "doing laundry", "a power outage",
-           "a road trip", "a picnic", "a summer holiday", "homework", "neighbours", "pets", "a houseplant",
-           "hot chocolate", "rice", "soup", "pizza", "apples", "sushi", "salt", "vegetables", "a doctor",
-           "a firefighter", "an astronaut", "a pilot", "a chef", "a librarian", "an architect", "a fisherman",
-           "a journalist", "a judge", "a mechanic", "a zookeeper", "an artist", "a football coach", "happiness",
-           "courage", "patience", "curiosity", "creativity", "failure", "success", "trust", "gratitude", "leadership",
-           "teamwork", "stress", "motivation", "habits", "fear", "hope", "Paris", "Tokyo", "New York", "the Sahara",
-           "the Himalayas", "Antarctica", "a tropical island", "a small town", "an airport", "a beach", "a waterfall",
-           "a cave", "a zoo", "an amusement park", "swimming", "dancing", "fishing", "singing", "reading books",
-           "keeping a diary", "baking cookies", "playing the piano", "learning math", "meditation", "tennis",
-           "basketball")
-_KINDS = ("Tell me about {}.", "Write a short story about {}.", "Explain {} to a child.",
-          "Give me three interesting facts about {}.", "Write a short poem about {}.", "What is the history of {}?",
-          "Describe {} in a few sentences.", "What are the pros and cons of {}?", "Why do people care about {}?",
-          "Write a letter to a friend about {}.", "What should a beginner know about {}?",
-          "Summarize what you know about {} in one paragraph.", "How does {} work?", "Why is {} important?",
-          "Give me some advice about {}.", "What is the most surprising thing about {}?",
-          "Write a short dialogue between two friends about {}.", "What would you tell a curious student about {}?")
+_TOPICS = (
+    "the ocean",
+    "volcanoes",
+    "the Roman Empire",
+    "photosynthesis",
+    "jazz music",
+    "chess",
+    "a rainy city",
+    "the moon landing",
+    "coffee",
+    "friendship",
+    "a lighthouse keeper",
+    "electric cars",
+    "mountain climbing",
+    "the printing press",
+    "dinosaurs",
+    "a small bakery",
+    "learning a language",
+    "the internet",
+    "gardening",
+    "a robot",
+    "the desert",
+    "ancient Egypt",
+    "football",
+    "a dragon",
+    "recycling",
+    "the human heart",
+    "a train journey",
+    "winter",
+    "saving money",
+    "the solar system",
+    "a detective",
+    "bread",
+    "birds",
+    "a haunted house",
+    "Python programming",
+    "sleep",
+    "music lessons",
+    "rivers",
+    "a space station",
+    "honesty",
+    "glaciers",
+    "the Olympic Games",
+    "vaccines",
+    "a pirate ship",
+    "chocolate",
+    "earthquakes",
+    "a village market",
+    "the Great Wall of China",
+    "cooking pasta",
+    "a lost dog",
+    "wind energy",
+    "the Renaissance",
+    "kindness",
+    "a hospital nurse",
+    "tornadoes",
+    "the stock market",
+    "a magic school",
+    "rainforests",
+    "bicycles",
+    "the Vikings",
+    "a birthday party",
+    "clouds",
+    "running a marathon",
+    "smartphones",
+    "an old library",
+    "whales",
+    "time management",
+    "the Industrial Revolution",
+    "a snowstorm",
+    "painting",
+    "a farmer",
+    "the immune system",
+    "a city at night",
+    "board games",
+    "volunteering",
+    "submarines",
+    "a county fair",
+    "the Silk Road",
+    "penguins",
+    "a jazz club",
+    "origami",
+    "thunderstorms",
+    "a bookshop owner",
+    "the periodic table",
+    "camping",
+    "the Moon",
+    "a family dinner",
+    "solar panels",
+    "the Aztecs",
+    "a ballet dancer",
+    "coral reefs",
+    "a first job",
+    "microscopes",
+    "a castle",
+    "hiking boots",
+    "the French Revolution",
+    "a science fair",
+    "octopuses",
+    "a carpenter",
+    "public libraries",
+    "skateboarding",
+    "the water cycle",
+    "a market in Marrakesh",
+    "cheese",
+    "a mountain village",
+    "airplanes",
+    "recycling paper",
+    "the Amazon river",
+    "a violin",
+    "the Stone Age",
+    "elephants",
+    "a museum at night",
+    "cybersecurity",
+    "a lemonade stand",
+    "the northern lights",
+    "knitting",
+    "a fire station",
+    "Mars",
+    "the Ice Age",
+    "a wedding",
+    "photography",
+    "a ferry crossing",
+    "the Samurai",
+    "mushrooms",
+    "an old clock",
+    "climate change",
+    "a chess club",
+    "sailing",
+    "the telephone",
+    "a street musician",
+    "wolves",
+    "spices",
+    "the Eiffel Tower",
+    "a school trip",
+    "bridges",
+    "a tailor",
+    "robots in factories",
+    "a quiet morning",
+    "the Pyramids of Giza",
+    "video games",
+    "a night train",
+    "yoga",
+    "the brain",
+    "a flower shop",
+    "snow leopards",
+    "a team project",
+    "kites",
+    "the Arctic",
+    "a radio station",
+    "ice cream",
+    "gravity",
+    "electricity",
+    "magnets",
+    "atoms",
+    "DNA",
+    "evolution",
+    "bacteria",
+    "viruses",
+    "the speed of sound",
+    "stars",
+    "galaxies",
+    "comets",
+    "the Sun",
+    "ocean tides",
+    "the four seasons",
+    "plate tectonics",
+    "fossils",
+    "chemical reactions",
+    "batteries",
+    "the human skeleton",
+    "blood",
+    "the lungs",
+    "digestion",
+    "muscles",
+    "the eye",
+    "hearing",
+    "memory",
+    "dreams",
+    "fungi",
+    "ants",
+    "butterflies",
+    "frogs",
+    "sharks",
+    "dolphins",
+    "owls",
+    "horses",
+    "spiders",
+    "cactus plants",
+    "seeds",
+    "soil",
+    "hurricanes",
+    "lightning",
+    "fog",
+    "computers",
+    "artificial intelligence",
+    "email",
+    "3D printing",
+    "satellites",
+    "GPS",
+    "rockets",
+    "nuclear power",
+    "steam engines",
+    "the light bulb",
+    "refrigerators",
+    "cameras",
+    "television",
+    "radio waves",
+    "self-driving cars",
+    "drones",
+    "the compass",
+    "ancient Greece",
+    "the Middle Ages",
+    "knights",
+    "the Maya",
+    "the Incas",
+    "the Cold War",
+    "the American Revolution",
+    "the Ottoman Empire",
+    "the Mongol Empire",
+    "the Titanic",
+    "explorers",
+    "the Wright brothers",
+    "Marie Curie",
+    "Leonardo da Vinci",
+    "Shakespeare",
+    "Mozart",
+    "Cleopatra",
+    "breakfast",
+    "moving to a new city",
+    "a job interview",
+    "public transport",
+    "traffic",
+    "grocery shopping",
+    "a birthday cake",
+    "doing laundry",
+    "a power outage",
+    "a road trip",
+    "a picnic",
+    "a summer holiday",
+    "homework",
+    "neighbours",
+    "pets",
+    "a houseplant",
+    "hot chocolate",
+    "rice",
+    "soup",
+    "pizza",
+    "apples",
+    "sushi",
+    "salt",
+    "vegetables",
+    "a doctor",
+    "a firefighter",
+    "an astronaut",
+    "a pilot",
+    "a chef",
+    "a librarian",
+    "an architect",
+    "a fisherman",
+    "a journalist",
+    "a judge",
+    "a mechanic",
+    "a zookeeper",
+    "an artist",
+    "a football coach",
+    "happiness",
+    "courage",
+    "patience",
+    "curiosity",
+    "creativity",
+    "failure",
+    "success",
+    "trust",
+    "gratitude",
+    "leadership",
+    "teamwork",
+    "stress",
+    "motivation",
+    "habits",
+    "fear",
+    "hope",
+    "Paris",
+    "Tokyo",
+    "New York",
+    "the Sahara",
+    "the Himalayas",
+    "Antarctica",
+    "a tropical island",
+    "a small town",
+    "an airport",
+    "a beach",
+    "a waterfall",
+    "a cave",
+    "a zoo",
+    "an amusement park",
+    "swimming",
+    "dancing",
+    "fishing",
+    "singing",
+    "reading books",
+    "keeping a diary",
+    "baking cookies",
+    "playing the piano",
+    "learning math",
+    "meditation",
+    "tennis",
+    "basketball",
+)
+_KINDS = (
+    "Tell me about {}.",
+    "Write a short story about {}.",
+    "Explain {} to a child.",
+    "Give me three interesting facts about {}.",
+    "Write a short poem about {}.",
+    "What is the history of {}?",
+    "Describe {} in a few sentences.",
+    "What are the pros and cons of {}?",
+    "Why do people care about {}?",
+    "Write a letter to a friend about {}.",
+    "What should a beginner know about {}?",
+    "Summarize what you know about {} in one paragraph.",
+    "How does {} work?",
+    "Why is {} important?",
+    "Give me some advice about {}.",
+    "What is the most surprising thing about {}?",
+    "Write a short dialogue between two friends about {}.",
+    "What would you tell a curious student about {}?",
+)
 
 
 def prompt_set() -> list[str]:
@@ -119,16 +395,23 @@ class Sample:
     greedy: torch.Tensor
 
 
-def generate_answers(model: str, prompts: list[str], max_tokens: int, temperature: float,
-                     seeds: list[int]) -> list[tuple[list[int], int]]:
+def generate_answers(
+    model: str, prompts: list[str], max_tokens: int, temperature: float, seeds: list[int]
+) -> list[tuple[list[int], int]]:
     """The target's answers through its chat template, prompt i's drawn with seeds[i]: (prompt + answer token ids,
     prompt length) each."""
     # at most 64 at once: every answer's KV fits the default cache, so none is preempted and recomputed
     llm = LLM(model=model, seed=seeds[0], max_num_seqs=64)
     tok = llm.tokenizer
     if getattr(tok, "chat_template", None):
-        ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)) for p in prompts]
+        ids = [
+            list(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+            for p in prompts
+        ]
     else:
         ids = [tok.encode(p) for p in prompts]
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=s) for s in seeds]
@@ -136,8 +419,9 @@ def generate_answers(model: str, prompts: list[str], max_tokens: int, temperatur
     return [(p + list(o.token_ids), len(p)) for p, o in zip(ids, outs)]
 
 
-def cached_answers(model: str, prompts: list[str], max_tokens: int, temperature: float, seed: int,
-                   log: Callable[[str], None]) -> tuple[list[tuple[list[int], int]], list[str], Path]:
+def cached_answers(
+    model: str, prompts: list[str], max_tokens: int, temperature: float, seed: int, log: Callable[[str], None]
+) -> tuple[list[tuple[list[int], int]], list[str], Path]:
     """The target's answers to `prompts` (prompt i drawn with seed + i), kept in the cache by prompt (and by its
     seed when sampling): a run reuses every answer an earlier run with these settings made, so a longer prompt set
     generates only its new prompts' answers. Returns the answers, their cache keys and the cache file."""
@@ -145,11 +429,14 @@ def cached_answers(model: str, prompts: list[str], max_tokens: int, temperature:
     known = json.loads(path.read_text()) if path.is_file() else {}
     keys = [p if temperature == 0 else f"{seed + i}|{p}" for i, p in enumerate(prompts)]
     missing = [i for i, key in enumerate(keys) if key not in known]
-    log(f"{len(prompts) - len(missing)} answers from earlier runs ({path}), {len(missing)} to generate with {model} "
-        f"(temperature {temperature}, up to {max_tokens} tokens)")
+    log(
+        f"{len(prompts) - len(missing)} answers from earlier runs ({path}), {len(missing)} to generate with {model} "
+        f"(temperature {temperature}, up to {max_tokens} tokens)"
+    )
     if missing:
-        made = generate_answers(model, [prompts[i] for i in missing], max_tokens, temperature,
-                                [seed + i for i in missing])
+        made = generate_answers(
+            model, [prompts[i] for i in missing], max_tokens, temperature, [seed + i for i in missing]
+        )
         known.update({keys[i]: list(answer) for i, answer in zip(missing, made)})
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(known))
@@ -157,21 +444,25 @@ def cached_answers(model: str, prompts: list[str], max_tokens: int, temperature:
 
 
 @torch.inference_mode()
-def target_features(model: str, sequences: list[tuple[list[int], int]],
-                    batch_tokens: int = 4096) -> tuple[list[Sample], torch.nn.Module]:
+def target_features(
+    model: str, sequences: list[tuple[list[int], int]], batch_tokens: int = 4096
+) -> tuple[list[Sample], torch.nn.Module]:
     """The engine's model over each whole sequence (prefill, several per forward): the final hidden states the
     runner would hand a proposer, and the greedy token at each position."""
     net, _ = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
     block = 16
     longest = max(len(t) for t, _ in sequences)
-    caches = allocate_kv_caches(net, -(-max(batch_tokens, longest) // block) + len(sequences), block, torch.float32,
-                                torch.device("cpu"))
+    caches = allocate_kv_caches(
+        net, -(-max(batch_tokens, longest) // block) + len(sequences), block, torch.float32, torch.device("cpu")
+    )
     samples: list[Sample] = []
     i = 0
     while i < len(sequences):
         group = [sequences[i]]
-        while i + len(group) < len(sequences) and sum(len(t) for t, _ in group) + len(
-                sequences[i + len(group)][0]) <= batch_tokens:
+        while (
+            i + len(group) < len(sequences)
+            and sum(len(t) for t, _ in group) + len(sequences[i + len(group)][0]) <= batch_tokens
+        ):
             group.append(sequences[i + len(group)])
         lens = [len(t) for t, _ in group]
         blocks = [-(-n // block) for n in lens]
@@ -180,9 +471,12 @@ def target_features(model: str, sequences: list[tuple[list[int], int]],
         for j, (b0, nb) in enumerate(zip(first, blocks)):
             tables[j, :nb] = torch.arange(b0, b0 + nb)
         slots = torch.cat([torch.arange(n) + b0 * block for n, b0 in zip(lens, first)])
-        attn = AttentionMetadata(slot_mapping=slots, block_tables=tables,
-                                 seq_lens=torch.tensor(lens, dtype=torch.int32),
-                                 query_start_loc=torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32))
+        attn = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            query_start_loc=torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        )
         ids = torch.tensor([t for toks, _ in group for t in toks])
         positions = torch.cat([torch.arange(n) for n in lens])
         hidden = net(ids, positions, attn, caches)
@@ -193,8 +487,9 @@ def target_features(model: str, sequences: list[tuple[list[int], int]],
     return samples, net
 
 
-def cached_features(model: str, sequences: list[tuple[list[int], int]], keys: list[str],
-                    path: Path) -> tuple[list[Sample], torch.nn.Module]:
+def cached_features(
+    model: str, sequences: list[tuple[list[int], int]], keys: list[str], path: Path
+) -> tuple[list[Sample], torch.nn.Module]:
     """`target_features`, kept by answer key beside the cached answers they were read from: they cost minutes on
     smollm2, and a second method's run (or another training setting, or a longer prompt set) reads the same ones."""
     known = torch.load(path) if path.is_file() else {}
@@ -213,32 +508,49 @@ def draft_vocabulary(samples: list[Sample], size: int) -> tuple[torch.Tensor, fl
     greedy tokens they cover."""
     counts: Counter[int] = Counter()
     for s in samples:
-        counts.update(s.token_ids[s.prompt_len:])
-        counts.update(s.greedy[s.prompt_len - 1:].tolist())
+        counts.update(s.token_ids[s.prompt_len :])
+        counts.update(s.greedy[s.prompt_len - 1 :].tolist())
     ids = sorted(t for t, _ in counts.most_common(size))
     chosen = set(ids)
-    greedy = [t for s in samples for t in s.greedy[s.prompt_len - 1:].tolist()]
+    greedy = [t for s in samples for t in s.greedy[s.prompt_len - 1 :].tolist()]
     return torch.tensor(ids, dtype=torch.long), sum(t in chosen for t in greedy) / max(1, len(greedy))
 
 
 def eagle_config(target_config: Any, intermediate_size: int, draft_vocab_size: int, target: str) -> dict:
     """A head's config.json: the target's attention shape, its own MLP width."""
-    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
-    return {"method": "eagle", "architectures": ["EagleHead"], "target": target,
-            "hidden_size": target_config.hidden_size, "intermediate_size": intermediate_size,
-            "num_attention_heads": target_config.num_attention_heads,
-            "num_key_value_heads": target_config.num_key_value_heads, "head_dim": head_dim,
-            "rms_norm_eps": target_config.rms_norm_eps,
-            "rope_parameters": dict(getattr(target_config, "rope_parameters", None) or {}),
-            "max_position_embeddings": target_config.max_position_embeddings,
-            "vocab_size": target_config.vocab_size, "draft_vocab_size": draft_vocab_size}
+    head_dim = (
+        getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    )
+    return {
+        "method": "eagle",
+        "architectures": ["EagleHead"],
+        "target": target,
+        "hidden_size": target_config.hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_attention_heads": target_config.num_attention_heads,
+        "num_key_value_heads": target_config.num_key_value_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": target_config.rms_norm_eps,
+        "rope_parameters": dict(getattr(target_config, "rope_parameters", None) or {}),
+        "max_position_embeddings": target_config.max_position_embeddings,
+        "vocab_size": target_config.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+    }
 
 
-def medusa_config(target_config: Any, num_heads: int, draft_vocab_size: int, target: str,
-                  num_hidden_layers: int = 1) -> dict:
-    return {"method": "medusa", "architectures": ["MedusaModel"], "target": target,
-            "hidden_size": target_config.hidden_size, "num_heads": num_heads, "num_hidden_layers": num_hidden_layers,
-            "vocab_size": target_config.vocab_size, "draft_vocab_size": draft_vocab_size}
+def medusa_config(
+    target_config: Any, num_heads: int, draft_vocab_size: int, target: str, num_hidden_layers: int = 1
+) -> dict:
+    return {
+        "method": "medusa",
+        "architectures": ["MedusaModel"],
+        "target": target,
+        "hidden_size": target_config.hidden_size,
+        "num_heads": num_heads,
+        "num_hidden_layers": num_hidden_layers,
+        "vocab_size": target_config.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+    }
 
 
 def new_head(config: dict, seed: int) -> torch.nn.Module:
@@ -269,7 +581,7 @@ def _batches(samples: list[Sample], batch_size: int, max_len: int, rng: random.R
     if rng is not None:
         rng.shuffle(order)
     for i in range(0, len(order), batch_size):
-        group = [samples[j] for j in order[i:i + batch_size]]
+        group = [samples[j] for j in order[i : i + batch_size]]
         t = min(max_len, max(len(s.token_ids) for s in group))
         tokens = torch.zeros(len(group), t, dtype=torch.long)
         hidden = torch.zeros(len(group), t, group[0].hidden.shape[1])
@@ -297,6 +609,7 @@ class UnrolledAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         def split(x: torch.Tensor) -> torch.Tensor:  # [B*T, heads, D] -> [B, heads, T, D]
             return x.reshape(self.b, self.t, x.shape[1], x.shape[2]).transpose(1, 2)
+
         group = q.shape[1] // k.shape[1]
         q = split(q)
         self.keys.append(split(k).repeat_interleave(group, dim=1))
@@ -304,9 +617,9 @@ class UnrolledAttention:
         causal = (q @ self.keys[0].transpose(-1, -2) * self.scale).masked_fill(self.future, float("-inf"))
         own = [(q * key).sum(-1, keepdim=True) * self.scale for key in self.keys[1:]]
         w = torch.cat([causal, *own], dim=-1).softmax(-1)
-        out = w[..., :self.t] @ self.values[0]
+        out = w[..., : self.t] @ self.values[0]
         for j, value in enumerate(self.values[1:]):
-            out = out + w[..., self.t + j:self.t + j + 1] * value
+            out = out + w[..., self.t + j : self.t + j + 1] * value
         return out.transpose(1, 2).reshape(self.b * self.t, -1, q.shape[-1])
 
 
@@ -315,8 +628,16 @@ class Trainer:
     head's method (EAGLE: `steps` draft steps unrolled, feature regression plus `ce_weight` x cross-entropy), and
     its held-out acceptance estimate."""
 
-    def __init__(self, head: torch.nn.Module, method: str, embed: torch.Tensor, lm_head: torch.Tensor,
-                 draft_ids: torch.Tensor, steps: int = 1, ce_weight: float = 0.1) -> None:
+    def __init__(
+        self,
+        head: torch.nn.Module,
+        method: str,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        draft_ids: torch.Tensor,
+        steps: int = 1,
+        ce_weight: float = 0.1,
+    ) -> None:
         if steps < 1:
             raise ValueError(f"unroll: must be at least 1, got {steps}")
         if ce_weight < 0:
@@ -336,10 +657,10 @@ class Trainer:
         if noise:  # EAGLE's feature noise: later draft steps read the head's own, imperfect states
             h = h + noise * torch.randn_like(h) * h.pow(2).mean(-1, keepdim=True).sqrt()
         padded = F.pad(tokens, (0, self.steps - 1))
-        attend = UnrolledAttention(b, t, self.head.config.head_dim ** -0.5)
+        attend = UnrolledAttention(b, t, self.head.config.head_dim**-0.5)
         preds = []
         for j in range(self.steps):
-            embeds = F.embedding(padded[:, 1 + j:1 + j + t], self.embed)
+            embeds = F.embedding(padded[:, 1 + j : 1 + j + t], self.embed)
             positions = (torch.arange(t) + j).repeat(b)
             h = self.head(embeds.reshape(b * t, -1), h.reshape(b * t, -1), positions, attend).view(b, t, -1)
             preds.append(h)
@@ -360,15 +681,15 @@ class Trainer:
             t = hidden.shape[1] - 1 - i  # positions whose target state t+1+i exists
             if t < 1:
                 break
-            pred, want = pred[:, :t], hidden[:, 1 + i:1 + i + t]
-            valid = mask[:, 1 + i:1 + i + t]
-            soft = target_probs[:, i:i + t]
+            pred, want = pred[:, :t], hidden[:, 1 + i : 1 + i + t]
+            valid = mask[:, 1 + i : 1 + i + t]
+            soft = target_probs[:, i : i + t]
             ce = -(soft * F.log_softmax(pred @ self.readout.T, dim=-1)).sum(-1)
             if self.method == "eagle":
                 reg = F.smooth_l1_loss(pred, want, reduction="none").mean(-1)
                 total = total + ((reg + self.ce_weight * ce) * valid).sum() / valid.sum()
             else:
-                total = total + 0.8 ** i * (ce * valid).sum() / valid.sum()
+                total = total + 0.8**i * (ce * valid).sum() / valid.sum()
         return total
 
     @torch.no_grad()
@@ -386,7 +707,7 @@ class Trainer:
                 if hi <= lo:
                     continue
                 drafted = self.draft_ids[(pred[0, lo:hi] @ self.readout.T).argmax(-1)]
-                want = s.greedy[1 + i + lo:1 + i + hi]
+                want = s.greedy[1 + i + lo : 1 + i + hi]
                 while len(hits) <= i:
                     hits.append(0)
                     seen.append(0)
@@ -395,9 +716,19 @@ class Trainer:
         return [h / n for h, n in zip(hits, seen)]
 
 
-def train(trainer: Trainer, data: list[Sample], held_out: list[Sample], epochs: int, batch_size: int, max_len: int,
-          lr: float, seed: int, noise: float = 0.1, log: Callable[[str], None] = print,
-          progress: bool = True) -> dict[str, Any]:
+def train(
+    trainer: Trainer,
+    data: list[Sample],
+    held_out: list[Sample],
+    epochs: int,
+    batch_size: int,
+    max_len: int,
+    lr: float,
+    seed: int,
+    noise: float = 0.1,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+) -> dict[str, Any]:
     """AdamW with a linear warm-up and cosine decay; the held-out acceptance before training and after each epoch."""
     from tqdm import tqdm
 
@@ -408,14 +739,20 @@ def train(trainer: Trainer, data: list[Sample], held_out: list[Sample], epochs: 
     steps_per_epoch = -(-len(data) // batch_size)
     total = epochs * steps_per_epoch
     warmup = max(1, total // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / max(1, total)))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total))))
+    )
     history = {"untrained": trainer.acceptance(held_out, max_len), "epochs": []}
     log(f"held-out acceptance before training: {_fmt(history['untrained'])}")
     step, t0 = 0, time.perf_counter()
     for epoch in range(epochs):
-        bar = tqdm(_batches(data, batch_size, max_len, rng), total=steps_per_epoch, desc=f"epoch {epoch + 1}/{epochs}",
-                   disable=not progress, file=sys.stderr)
+        bar = tqdm(
+            _batches(data, batch_size, max_len, rng),
+            total=steps_per_epoch,
+            desc=f"epoch {epoch + 1}/{epochs}",
+            disable=not progress,
+            file=sys.stderr,
+        )
         losses = []
         for tokens, hidden, mask in bar:
             loss = trainer.loss(tokens, hidden, mask, noise)
@@ -438,27 +775,57 @@ def _fmt(acc: list[float]) -> str:
     return " ".join(f"{a:.1%}" for a in acc)
 
 
-def engine_acceptance(model: str, method: str, folder: Path, prompts: list[str], k: int, max_tokens: int,
-                      seed: int) -> dict[str, float]:
+def engine_acceptance(
+    model: str, method: str, folder: Path, prompts: list[str], k: int, max_tokens: int, seed: int
+) -> dict[str, float]:
     """The acceptance the engine gets with the head on `prompts` (greedy, chat template)."""
-    llm = LLM(model=model, seed=seed,
-              speculative_config={"method": method, "model": str(folder), "num_speculative_tokens": k})
+    llm = LLM(
+        model=model, seed=seed, speculative_config={"method": method, "model": str(folder), "num_speculative_tokens": k}
+    )
     tok = llm.tokenizer
-    ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)) if getattr(tok, "chat_template", None) else tok.encode(p)
-           for p in prompts]
+    ids = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        if getattr(tok, "chat_template", None)
+        else tok.encode(p)
+        for p in prompts
+    ]
     llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     s = llm.engine.spec_stats
-    return {"acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
-            "num_speculative_tokens": k}
+    return {
+        "acceptance_rate": s.acceptance_rate,
+        "mean_acceptance_length": s.mean_acceptance_length,
+        "num_speculative_tokens": k,
+    }
 
 
-def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None, num_prompts: int | None = None,
-                max_tokens: int = 128, temperature: float = 0.0, epochs: int = 4, batch_size: int = 8,
-                max_len: int = 256, lr: float = 2e-3, seed: int = 0, draft_vocab_size: int = 4096,
-                intermediate_size: int = 768, num_heads: int = 4, num_hidden_layers: int = 1, k: int = 4,
-                check_prompts: int = 8, unroll: int = 3, ce_weight: float = 0.1, command: str = "",
-                log: Callable[[str], None] = print, progress: bool = True) -> dict[str, Any]:
+def train_draft(
+    method: str,
+    model: str = "smollm2-135m",
+    out: str | None = None,
+    num_prompts: int | None = None,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    epochs: int = 4,
+    batch_size: int = 8,
+    max_len: int = 256,
+    lr: float = 2e-3,
+    seed: int = 0,
+    draft_vocab_size: int = 4096,
+    intermediate_size: int = 768,
+    num_heads: int = 4,
+    num_hidden_layers: int = 1,
+    k: int = 4,
+    check_prompts: int = 8,
+    unroll: int = 3,
+    ce_weight: float = 0.1,
+    command: str = "",
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Self-distil a head of `method` for `model` and write its folder (default: the cache's
     draft_heads/<model>/<method>); returns the manifest. `check_prompts` held-out prompts then run through the
     engine with the head (0: skip that check, which costs minutes on smollm2)."""
@@ -476,38 +843,68 @@ def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None
     train_set = [s for i, s in enumerate(samples) if i % 10 != 9]
     held_set = [s for i, s in enumerate(samples) if i % 10 == 9]
     draft_ids, coverage = draft_vocabulary(train_set, draft_vocab_size)
-    log(f"{sum(len(s.token_ids) - s.prompt_len for s in samples)} answer tokens ({gen_s:.0f} s), features "
-        f"({feat_s:.0f} s); draft vocabulary {len(draft_ids)} tokens covering {coverage:.1%} of greedy tokens")
-    config = (eagle_config(net.config, intermediate_size, len(draft_ids), model) if method == "eagle"
-              else medusa_config(net.config, num_heads, len(draft_ids), model, num_hidden_layers))
+    log(
+        f"{sum(len(s.token_ids) - s.prompt_len for s in samples)} answer tokens ({gen_s:.0f} s), features "
+        f"({feat_s:.0f} s); draft vocabulary {len(draft_ids)} tokens covering {coverage:.1%} of greedy tokens"
+    )
+    config = (
+        eagle_config(net.config, intermediate_size, len(draft_ids), model)
+        if method == "eagle"
+        else medusa_config(net.config, num_heads, len(draft_ids), model, num_hidden_layers)
+    )
     head = new_head(config, seed)
-    trainer = Trainer(head, method, net.model.embed_tokens.weight.detach().float(),
-                      net.lm_head.weight.detach().float(), draft_ids, unroll if method == "eagle" else 1, ce_weight)
-    history = train(trainer, train_set, held_set or train_set[:4], epochs, batch_size, max_len, lr, seed, log=log,
-                    progress=progress)
+    trainer = Trainer(
+        head,
+        method,
+        net.model.embed_tokens.weight.detach().float(),
+        net.lm_head.weight.detach().float(),
+        draft_ids,
+        unroll if method == "eagle" else 1,
+        ce_weight,
+    )
+    history = train(
+        trainer, train_set, held_set or train_set[:4], epochs, batch_size, max_len, lr, seed, log=log, progress=progress
+    )
     folder = Path(out) if out else trained_heads_dir() / model / method
     manifest = {
-        "method": method, "target": model, "command": command, "seed": seed,
-        "data": {"prompts": len(prompts), "held_out_prompts": len(held), "temperature": temperature,
-                 "max_tokens": max_tokens, "train_tokens": sum(len(s.token_ids) for s in train_set),
-                 "answer_tokens": sum(len(s.token_ids) - s.prompt_len for s in samples),
-                 "source": "the target's own answers to workbench/train_draft.py's bundled prompt set"},
+        "method": method,
+        "target": model,
+        "command": command,
+        "seed": seed,
+        "data": {
+            "prompts": len(prompts),
+            "held_out_prompts": len(held),
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "train_tokens": sum(len(s.token_ids) for s in train_set),
+            "answer_tokens": sum(len(s.token_ids) - s.prompt_len for s in samples),
+            "source": "the target's own answers to workbench/train_draft.py's bundled prompt set",
+        },
         "draft_vocab": {"size": len(draft_ids), "greedy_coverage": coverage},
-        "training": {"epochs": epochs, "steps": history["steps"], "batch_size": batch_size, "max_len": max_len,
-                     "lr": lr, **({"unroll": unroll, "ce_weight": ce_weight} if method == "eagle" else {}),
-                     "final_loss": history["epochs"][-1]["loss"] if history["epochs"] else None},
+        "training": {
+            "epochs": epochs,
+            "steps": history["steps"],
+            "batch_size": batch_size,
+            "max_len": max_len,
+            "lr": lr,
+            **({"unroll": unroll, "ce_weight": ce_weight} if method == "eagle" else {}),
+            "final_loss": history["epochs"][-1]["loss"] if history["epochs"] else None,
+        },
         "held_out_acceptance": {"untrained": history["untrained"], "per_epoch": history["epochs"]},
         "seconds": {"generate": gen_s, "features": feat_s, "train": history["train_seconds"]},
     }
     save_head(folder, config, head_tensors(head, draft_ids), manifest)
     if held and check_prompts:
         t0 = time.perf_counter()
-        manifest["engine_acceptance"] = engine_acceptance(model, method, folder, held[:check_prompts],
-                                                          min(k, num_heads) if method == "medusa" else k, 64, seed)
+        manifest["engine_acceptance"] = engine_acceptance(
+            model, method, folder, held[:check_prompts], min(k, num_heads) if method == "medusa" else k, 64, seed
+        )
         manifest["engine_acceptance"]["prompts"] = len(held[:check_prompts])
         manifest["seconds"]["engine_check"] = time.perf_counter() - t0
-        log(f"engine on held-out prompts: acceptance {manifest['engine_acceptance']['acceptance_rate']:.1%}, "
-            f"{manifest['engine_acceptance']['mean_acceptance_length']:.2f} tokens per verification")
+        log(
+            f"engine on held-out prompts: acceptance {manifest['engine_acceptance']['acceptance_rate']:.1%}, "
+            f"{manifest['engine_acceptance']['mean_acceptance_length']:.2f} tokens per verification"
+        )
     manifest["seconds"]["total"] = time.perf_counter() - t_start
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"wrote {folder} in {manifest['seconds']['total']:.0f} s")
@@ -516,8 +913,23 @@ def train_draft(method: str, model: str = "smollm2-135m", out: str | None = None
 
 def main(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
     """`workbench train-draft` (its flags are in workbench/cli.py, which starts without torch)."""
-    return train_draft(args.method, args.model, args.out, args.num_prompts, args.max_tokens, args.temperature,
-                       epochs=args.epochs, unroll=args.unroll, ce_weight=args.ce_weight,
-                       batch_size=args.batch_size, lr=args.lr, seed=args.seed, draft_vocab_size=args.draft_vocab_size,
-                       intermediate_size=args.intermediate_size, num_heads=args.num_heads,
-                       num_hidden_layers=args.num_hidden_layers, check_prompts=args.check_prompts, command=command)
+    return train_draft(
+        args.method,
+        args.model,
+        args.out,
+        args.num_prompts,
+        args.max_tokens,
+        args.temperature,
+        epochs=args.epochs,
+        unroll=args.unroll,
+        ce_weight=args.ce_weight,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        draft_vocab_size=args.draft_vocab_size,
+        intermediate_size=args.intermediate_size,
+        num_heads=args.num_heads,
+        num_hidden_layers=args.num_hidden_layers,
+        check_prompts=args.check_prompts,
+        command=command,
+    )

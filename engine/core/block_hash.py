@@ -7,13 +7,14 @@ to the seed "vllm-none-hash", or to $PYTHONHASHSEED where that is set. So a bloc
 the same hash in vLLM, and KV can move between instances (and processes) by hash. "builtin" is this engine's own
 fast option: Python's hash of the tuple, stable only within one process.
 """
+
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
 import pickle
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import cbor2
 
@@ -84,5 +85,5 @@ def update_block_hashes(request: Request, block_size: int, hash_fn: HashFn) -> l
     tokens = request.all_token_ids
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else None
-        hashes.append(hash_fn(parent, tokens[i * block_size:(i + 1) * block_size], extra_keys_for_block(request, i)))
+        hashes.append(hash_fn(parent, tokens[i * block_size : (i + 1) * block_size], extra_keys_for_block(request, i)))
     return hashes

@@ -6,9 +6,10 @@ when it reaches the head and is popped for a new allocation); a freed block with
 when prefix caching is off, goes to the head (LIFO: it is reused first). Two blocks may hold the same hash (two
 requests computed the same prefix at once): both are cached, and a lookup takes the one cached first.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from engine.core.block_hash import BlockHash, hash_hex
 from engine.events import EventLog, KVCached, KVEvicted, KVUsage
@@ -116,8 +117,9 @@ class BlockPool:
         blocks = self.cached_block_hash_to_block.get(block_hash)
         return next(iter(blocks.values())) if blocks else None
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+    def cache_full_blocks(
+        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], num_cached_blocks: int, num_full_blocks: int
+    ) -> None:
         """Give blocks[num_cached_blocks:num_full_blocks] their hashes and enter them in the map."""
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -129,8 +131,12 @@ class BlockPool:
             # another request may have computed the same block first: both copies are cached (vLLM does not
             # de-duplicate, so that block tables stay append-only)
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
-            self.events.emit(KVCached, block_id=block.block_id, block_hash=hash_hex(block_hash),
-                             parent_hash=hash_hex(block.parent_hash))
+            self.events.emit(
+                KVCached,
+                block_id=block.block_id,
+                block_hash=hash_hex(block_hash),
+                parent_hash=hash_hex(block.parent_hash),
+            )
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Forget a block's hash: it leaves the map and can no longer be hit."""
@@ -201,5 +207,6 @@ class BlockPool:
     def usage(self) -> KVUsage:
         free_all = self.get_num_free_blocks()
         total = self.num_blocks - 1
-        return KVUsage(total=total, used=total - free_all, cached_free=self.num_cached_free,
-                       free=free_all - self.num_cached_free)
+        return KVUsage(
+            total=total, used=total - free_all, cached_free=self.num_cached_free, free=free_all - self.num_cached_free
+        )

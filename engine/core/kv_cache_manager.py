@@ -1,4 +1,5 @@
 """The KV cache manager: which blocks each request holds, prefix-cache lookups, and slot allocation."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -31,8 +32,16 @@ class KVCacheManager:
     """Owns each request's block list (`req_to_blocks`) and how many of those blocks are cached; turns
     "schedule n more tokens of this request" into blocks taken from the pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, hash_algo: str,
-                 events: EventLog, recent_window: int = 64, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        hash_algo: str,
+        events: EventLog,
+        recent_window: int = 64,
+        max_model_len: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -71,18 +80,29 @@ class KVCacheManager:
         self.stats.queries += request.num_tokens
         self.stats.hits += hit_tokens
         self._recent.append((request.num_tokens, hit_tokens))
-        self.events.emit(PrefixLookup, request_id=request.request_id, num_queried_blocks=queried,
-                         num_hit_blocks=len(hits), num_hit_tokens=hit_tokens)
+        self.events.emit(
+            PrefixLookup,
+            request_id=request.request_id,
+            num_queried_blocks=queried,
+            num_hit_blocks=len(hits),
+            num_hit_tokens=hit_tokens,
+        )
 
     @property
     def recent_hit_rate(self) -> float:
         queries = sum(q for q, _ in self._recent)
         return sum(h for _, h in self._recent) / queries if queries else 0.0
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_lookahead_tokens: int = 0, delay_cache_blocks: bool = False,
-                       full_sequence_must_fit: bool = False) -> list[KVCacheBlock] | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
+    ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` (plus lookahead slots for draft tokens) after the request's computed
         tokens and its new prefix hits. Returns the newly allocated blocks, or None if the pool is short
         (then nothing changes). `delay_cache_blocks`: the new blocks get their KV later (an asynchronous load),
@@ -93,16 +113,18 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         if full_sequence_must_fit:
-            num_tokens = request.num_tokens if self.max_model_len is None else min(request.num_tokens,
-                                                                                  self.max_model_len)
-            if self._num_blocks_to_allocate(blocks, new_computed_blocks, num_tokens) \
-                    > self.block_pool.get_num_free_blocks():
+            num_tokens = (
+                request.num_tokens if self.max_model_len is None else min(request.num_tokens, self.max_model_len)
+            )
+            if (
+                self._num_blocks_to_allocate(blocks, new_computed_blocks, num_tokens)
+                > self.block_pool.get_num_free_blocks()
+            ):
                 return None
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
         if self.max_model_len is not None:  # as vLLM: lookahead slots for drafts never reach past the last position
             num_slots = min(num_slots, self.max_model_len)
-        if self._num_blocks_to_allocate(blocks, new_computed_blocks, num_slots) \
-                > self.block_pool.get_num_free_blocks():
+        if self._num_blocks_to_allocate(blocks, new_computed_blocks, num_slots) > self.block_pool.get_num_free_blocks():
             return None
         num_new_blocks = max(0, cdiv(num_slots, self.block_size) - len(blocks) - len(new_computed_blocks))
         if new_computed_blocks:
@@ -112,16 +134,20 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
         if new_blocks or new_computed_blocks:
-            self.events.emit(KVAllocated, request_id=request.request_id,
-                             new_block_ids=tuple(b.block_id for b in new_blocks),
-                             block_ids=tuple(b.block_id for b in blocks))
+            self.events.emit(
+                KVAllocated,
+                request_id=request.request_id,
+                new_block_ids=tuple(b.block_id for b in new_blocks),
+                block_ids=tuple(b.block_id for b in blocks),
+            )
         if not delay_cache_blocks:
             # draft tokens are not in request.num_tokens, so blocks holding them are never cached
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
-    def _num_blocks_to_allocate(self, blocks: list[KVCacheBlock], new_computed_blocks: list[KVCacheBlock],
-                                num_slots: int) -> int:
+    def _num_blocks_to_allocate(
+        self, blocks: list[KVCacheBlock], new_computed_blocks: list[KVCacheBlock], num_slots: int
+    ) -> int:
         """Free blocks that `num_slots` token slots would use up: new blocks past those held and hit, plus hit
         blocks nobody holds (they sit in the free queue, so taking them uses up free blocks too)."""
         num_new_blocks = max(0, cdiv(num_slots, self.block_size) - len(blocks) - len(new_computed_blocks))
@@ -150,7 +176,7 @@ class KVCacheManager:
             # that allocated them leaves them uncomputed: their hashes must not outlive it. vLLM keeps them (a
             # later hit would read KV never written; docs/FIDELITY.md): they stay where vLLM's free queue puts
             # them, so every block id still matches vLLM's, and only lose their hashes.
-            self.block_pool.forget_hashes(blocks[request.num_computed_tokens // self.block_size:num_cached])
+            self.block_pool.forget_hashes(blocks[request.num_computed_tokens // self.block_size : num_cached])
             self.events.emit(KVFreed, request_id=request.request_id, block_ids=tuple(b.block_id for b in blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

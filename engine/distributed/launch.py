@@ -2,6 +2,7 @@
 `--node-rank`): `python -m engine.distributed.launch --nnodes 2 --node-rank 1 --tensor-parallel-size 4
 --master-addr HOST --master-port PORT` spawns this node's ranks; each connects to the engine (nodes.py), gets its
 config, loads its shard and serves steps until the engine stops it or goes away. Exits with the worst exit code."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,20 +14,25 @@ from multiprocessing.connection import Client
 from engine.distributed.nodes import authkey, master_address, node_ranks
 
 
-def _remote_worker(rank: int, size: int, address: tuple[str, int], key: bytes, init_method: str,
-                   threads: int) -> None:
+def _remote_worker(rank: int, size: int, address: tuple[str, int], key: bytes, init_method: str, threads: int) -> None:
     from engine.executor.multiproc import _worker_main
     from engine.model.loader import resolve_model
 
     conn = Client(address, authkey=key)
     conn.send(("hello", rank))
     _, config = conn.recv()
-    _worker_main(rank, size, init_method, config, resolve_model(config.model, config.revision), conn, os.getppid(),
-                 threads)
+    _worker_main(
+        rank, size, init_method, config, resolve_model(config.model, config.revision), conn, os.getppid(), threads
+    )
 
 
-def run_node(nnodes: int, node_rank: int, tensor_parallel_size: int, master_addr: str | None = None,
-             master_port: int | None = None) -> int:
+def run_node(
+    nnodes: int,
+    node_rank: int,
+    tensor_parallel_size: int,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+) -> int:
     """Run node `node_rank`'s ranks until they end; the worst exit code."""
     if node_rank == 0:
         raise ValueError("node_rank: 0 is the engine's node (LLMEngine(..., nnodes=N) starts its ranks)")
@@ -36,8 +42,14 @@ def run_node(nnodes: int, node_rank: int, tensor_parallel_size: int, master_addr
     addr, port = master_address(master_addr, master_port)
     key, threads = authkey(), max(1, (os.cpu_count() or 1) // len(ranks))
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_remote_worker, name=f"tp-worker-{rank}", args=(
-        rank, tensor_parallel_size, (addr, port + 1), key, f"tcp://{addr}:{port}", threads)) for rank in ranks]
+    procs = [
+        ctx.Process(
+            target=_remote_worker,
+            name=f"tp-worker-{rank}",
+            args=(rank, tensor_parallel_size, (addr, port + 1), key, f"tcp://{addr}:{port}", threads),
+        )
+        for rank in ranks
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:

@@ -8,6 +8,7 @@ workers connect to the engine on the master port + 1 (a `multiprocessing.connect
 Connection as a local worker's pipe, so a step, a reply, an EOF and a timeout read the same), say their rank,
 and get the engine's config. The channel carries pickles, so it needs a shared secret: WORKBENCH_DIST_AUTHKEY.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,7 +60,9 @@ def accept_ranks(listener: Listener, ranks: range, config: Any, timeout_s: float
     if missing:
         for conn in conns.values():
             conn.close()
-        raise TimeoutError(f"rank(s) {missing} of the other nodes did not connect within {timeout_s:.0f} s "
-                           "(is `python -m engine.distributed.launch` running there, with the same master address, "
-                           f"port and {AUTHKEY_ENV}?)")
+        raise TimeoutError(
+            f"rank(s) {missing} of the other nodes did not connect within {timeout_s:.0f} s "
+            "(is `python -m engine.distributed.launch` running there, with the same master address, "
+            f"port and {AUTHKEY_ENV}?)"
+        )
     return [conns[r] for r in ranks]

@@ -9,6 +9,7 @@ It is process-level state, as in vLLM: one worker process holds exactly one rank
 Each collective is counted (calls, bytes, wall time) so that the executor can report what every rank did in a
 step (the `parallel.step` event).
 """
+
 from __future__ import annotations
 
 import time
@@ -111,4 +112,5 @@ def check_tp_divides(num_heads: int, num_kv_heads: int, size: int) -> None:
     if not ok:
         raise ValueError(
             f"tensor_parallel_size: {size} must divide the model's num_attention_heads ({num_heads}), and either "
-            f"divide or be a multiple of its num_key_value_heads ({num_kv_heads})")
+            f"divide or be a multiple of its num_key_value_heads ({num_kv_heads})"
+        )

@@ -34,19 +34,31 @@ hangs (owes an answer and sends nothing for `config.data_parallel_replica_timeou
 the same way, after its process is killed: no wait of the front end (`add_request`, `step`, `records()`,
 `generate`) blocks on it for longer.
 """
+
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_hex, sha256_hash
 from engine.entrypoints.engine_procs import EngineProcs, Instance, Prompt, TokenDelta, _Route
-from engine.events import (DPLoad, DPReplicaDead, DPRouted, EngineSnapshot, Event, KVUsage, RequestAdded,
-                           RequestFinished, RequestSnapshot, RequestTokens, StepRecord)
+from engine.events import (
+    DPLoad,
+    DPReplicaDead,
+    DPRouted,
+    EngineSnapshot,
+    Event,
+    KVUsage,
+    RequestAdded,
+    RequestFinished,
+    RequestSnapshot,
+    RequestTokens,
+    StepRecord,
+)
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -68,17 +80,27 @@ class DPLBClient(EngineProcs):
     id_prefix = "req"
     timeout_name = "data_parallel_replica_timeout_s"
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 300.0, max_records: int = 100_000,
-                 torch_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        start_timeout_s: float = 300.0,
+        max_records: int = 100_000,
+        torch_threads: int | None = None,
+    ) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected EngineConfig, got {type(config).__name__}")
-        super().__init__(start_timeout_s, max_records, torch_threads, config.data_parallel_size,
-                         reply_timeout_s=config.data_parallel_replica_timeout_s)
+        super().__init__(
+            start_timeout_s,
+            max_records,
+            torch_threads,
+            config.data_parallel_size,
+            reply_timeout_s=config.data_parallel_replica_timeout_s,
+        )
         self.config = config
         self.routing = config.data_parallel_routing
         self.replica_config = replace(
-            config, data_parallel_size=1, data_parallel_routing="load",
-            prefix_caching_hash_algo="sha256")  # hashes the front end can compute, for prefix routing
+            config, data_parallel_size=1, data_parallel_routing="load", prefix_caching_hash_algo="sha256"
+        )  # hashes the front end can compute, for prefix routing
         self._events: list[Event] = []
         self._cached: dict[Instance, set[str]] = {}  # per replica: block hashes (hex) it is known to cache
         self._tokenizer = None
@@ -91,7 +113,7 @@ class DPLBClient(EngineProcs):
         self._num_tokens: dict[str, int] = {}  # request id -> output tokens recorded so far
         self._last_load: list[tuple] = []  # per replica: the load its last dp.load said
 
-    def start(self) -> "DPLBClient":
+    def start(self) -> DPLBClient:
         self.__enter__()
         info = [inst.info for inst in self.instances]
         self.config.set_max_model_len(min(i["max_model_len"] for i in info))  # what the server's checks read
@@ -139,7 +161,7 @@ class DPLBClient(EngineProcs):
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
         size, parent, out = self.config.block_size, None, []
         for start in range(0, len(ids) - size + 1, size):
-            parent = sha256_hash(parent, ids[start:start + size], None)
+            parent = sha256_hash(parent, ids[start : start + size], None)
             out.append(hash_hex(parent))
         return out
 
@@ -164,10 +186,21 @@ class DPLBClient(EngineProcs):
                     hits[k] += 1
         chosen = min(live, key=lambda k: (-hits[k], scores[k], k))
         inst = replicas[chosen]
-        self._emit(DPRouted(
-            step=self.step_count + 1, request_id=rid, replica=inst.engine_id, replica_index=chosen,
-            rule=self.routing, scores=scores, waiting=waiting, running=running, prefix_hit_blocks=tuple(hits),
-            alive=tuple(i.alive for i in replicas), time_ns=time.time_ns()))
+        self._emit(
+            DPRouted(
+                step=self.step_count + 1,
+                request_id=rid,
+                replica=inst.engine_id,
+                replica_index=chosen,
+                rule=self.routing,
+                scores=scores,
+                waiting=waiting,
+                running=running,
+                prefix_hit_blocks=tuple(hits),
+                alive=tuple(i.alive for i in replicas),
+                time_ns=time.time_ns(),
+            )
+        )
         self._cached.setdefault(inst, set()).update(hashes)
         self._send_to(inst, rid, route, "dp", route.params, None)
 
@@ -181,13 +214,26 @@ class DPLBClient(EngineProcs):
 
     def _on_death(self, inst: Instance, error: str, failed: list[str]) -> None:
         self._cached.pop(inst, None)
-        self._emit(DPReplicaDead(
-            step=self.step_count + 1, replica=inst.engine_id, replica_index=self.instances.index(inst),
-            error=error, failed_request_ids=tuple(failed), time_ns=time.time_ns()))
+        self._emit(
+            DPReplicaDead(
+                step=self.step_count + 1,
+                replica=inst.engine_id,
+                replica_index=self.instances.index(inst),
+                error=error,
+                failed_request_ids=tuple(failed),
+                time_ns=time.time_ns(),
+            )
+        )
 
     # ---- what AsyncLLM drives, as it drives an LLMEngine ------------------------------------------
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
         """Route a request and wait until its replica took it, so that what the replica refuses (a prompt too long,
         a bad priority or schema) raises its ValueError here, naming the field, as LLMEngine.add_request does. vLLM
         checks in the front end's process; ours asks the replica: up to two of its steps. Tokens come by `step()`."""
@@ -205,9 +251,17 @@ class DPLBClient(EngineProcs):
             raise ValueError(error)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else route.prompt
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids[:200])
-        self._emit(RequestAdded(step=self.step_count + 1, request_id=rid, num_prompt_tokens=len(ids),
-                                max_tokens=route.params.max_tokens, priority=priority, arrival_ns=arrival,
-                                prompt=text[:200]))
+        self._emit(
+            RequestAdded(
+                step=self.step_count + 1,
+                request_id=rid,
+                num_prompt_tokens=len(ids),
+                max_tokens=route.params.max_tokens,
+                priority=priority,
+                arrival_ns=arrival,
+                prompt=text[:200],
+            )
+        )
         return rid
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -241,8 +295,14 @@ class DPLBClient(EngineProcs):
         if route is not None:
             self._outputs[request_id] = self._partial(request_id, route, "abort")
             self._num_tokens.pop(request_id, None)
-            self._emit(RequestFinished(step=self.step_count + 1, request_id=request_id, reason="abort",
-                                       num_output_tokens=len(route.token_ids)))
+            self._emit(
+                RequestFinished(
+                    step=self.step_count + 1,
+                    request_id=request_id,
+                    reason="abort",
+                    num_output_tokens=len(route.token_ids),
+                )
+            )
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or deltas that no `step()` has recorded yet (a request that failed at once)."""
@@ -262,9 +322,13 @@ class DPLBClient(EngineProcs):
         while self._pump(0):  # an idle front end reads nobody's reports: a replica's last (an abort's) may wait
             pass
         loads = [load for inst, load in zip(self.instances, self._loads()) if inst.alive]
-        return {"num_running": sum(r for _, r, _ in loads), "num_waiting": sum(w for w, _, _ in loads),
-                "kv": KVUsage(*(sum(getattr(kv, f) for _, _, kv in loads) for f in ("total", "used", "cached_free",
-                                                                                  "free")))}
+        return {
+            "num_running": sum(r for _, r, _ in loads),
+            "num_waiting": sum(w for w, _, _ in loads),
+            "kv": KVUsage(
+                *(sum(getattr(kv, f) for _, _, kv in loads) for f in ("total", "used", "cached_free", "free"))
+            ),
+        }
 
     def step(self, timeout: float = 0.05) -> StepRecord | None:
         """Wait up to `timeout` s for the replicas' messages, then record what arrived since the last record: the
@@ -282,8 +346,9 @@ class DPLBClient(EngineProcs):
             return None
         self.step_count = step
         stats = self.stats()
-        record = StepRecord(step, start, time.time_ns(), {}, {}, stats["num_waiting"], stats["num_running"],
-                            stats["kv"], {}, events)
+        record = StepRecord(
+            step, start, time.time_ns(), {}, {}, stats["num_waiting"], stats["num_running"], stats["kv"], {}, events
+        )
         self._front.append(record)
         for callback in list(self._subscribers):
             callback(record)
@@ -301,25 +366,71 @@ class DPLBClient(EngineProcs):
             if rid in unrecorded:
                 continue
             status = "RUNNING" if route.token_ids else "WAITING"
-            requests.append(self._request_snapshot(rid, route.prompt, route.params, route.priority, route.arrival_ns,
-                                                   status, route.token_ids, route.text, None, None))
+            requests.append(
+                self._request_snapshot(
+                    rid,
+                    route.prompt,
+                    route.params,
+                    route.priority,
+                    route.arrival_ns,
+                    status,
+                    route.token_ids,
+                    route.text,
+                    None,
+                    None,
+                )
+            )
         for rid, out in self._outputs.items():
             if rid in unrecorded:
                 continue
-            requests.append(self._request_snapshot(rid, out.prompt_token_ids, None, 0, 0, "FINISHED",
-                                                   out.token_ids, out.text, out.finish_reason, out.error))
+            requests.append(
+                self._request_snapshot(
+                    rid,
+                    out.prompt_token_ids,
+                    None,
+                    0,
+                    0,
+                    "FINISHED",
+                    out.token_ids,
+                    out.text,
+                    out.finish_reason,
+                    out.error,
+                )
+            )
         return EngineSnapshot(step=self.step_count, kv=self.stats()["kv"], requests=requests, blocks=[])
 
-    def _request_snapshot(self, rid: str, prompt, params: SamplingParams | None, priority: int, arrival_ns: int,
-                          status: str, token_ids: list[int], text: str, finish_reason: str | None,
-                          error: str | None) -> RequestSnapshot:
+    def _request_snapshot(
+        self,
+        rid: str,
+        prompt,
+        params: SamplingParams | None,
+        priority: int,
+        arrival_ns: int,
+        status: str,
+        token_ids: list[int],
+        text: str,
+        finish_reason: str | None,
+        error: str | None,
+    ) -> RequestSnapshot:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         shown = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids[:200])
         max_tokens = params.max_tokens if params is not None else len(token_ids)
-        return RequestSnapshot(request_id=rid, prompt=shown[:200], num_prompt_tokens=len(ids), max_tokens=max_tokens,
-                               priority=priority, arrival_ns=arrival_ns, status=status,
-                               num_output_tokens=len(token_ids), num_cached_tokens=0, num_preemptions=0, text=text,
-                               finish_reason=finish_reason, error=error, block_ids=[])
+        return RequestSnapshot(
+            request_id=rid,
+            prompt=shown[:200],
+            num_prompt_tokens=len(ids),
+            max_tokens=max_tokens,
+            priority=priority,
+            arrival_ns=arrival_ns,
+            status=status,
+            num_output_tokens=len(token_ids),
+            num_cached_tokens=0,
+            num_preemptions=0,
+            text=text,
+            finish_reason=finish_reason,
+            error=error,
+            block_ids=[],
+        )
 
     def front_end_records(self) -> list[StepRecord]:
         """The front end's own StepRecords so far (its last `max_records`), in order: what a trace of it holds."""
@@ -335,14 +446,25 @@ class DPLBClient(EngineProcs):
         count = self._num_tokens.get(rid, 0) + len(delta.token_ids)
         events: list[Event] = []
         if delta.token_ids:
-            events.append(RequestTokens(step=step, request_id=rid, token_ids=delta.token_ids, text=delta.text,
-                                        text_offset=delta.text_offset, num_output_tokens=count))
+            events.append(
+                RequestTokens(
+                    step=step,
+                    request_id=rid,
+                    token_ids=delta.token_ids,
+                    text=delta.text,
+                    text_offset=delta.text_offset,
+                    num_output_tokens=count,
+                )
+            )
         if delta.finished:
             self._num_tokens.pop(rid, None)
             output = self._outputs.get(rid)
             count = len(output.token_ids) if output is not None else count  # n > 1: the replica's own count
-            events.append(RequestFinished(step=step, request_id=rid, reason=delta.finish_reason,
-                                          num_output_tokens=count, error=delta.error))
+            events.append(
+                RequestFinished(
+                    step=step, request_id=rid, reason=delta.finish_reason, num_output_tokens=count, error=delta.error
+                )
+            )
         else:
             self._num_tokens[rid] = count
         return events
@@ -356,13 +478,22 @@ class DPLBClient(EngineProcs):
             load = (waiting, running, kv.used, kv.total, inst.alive)
             if load != self._last_load[k]:
                 self._last_load[k] = load
-                events.append(DPLoad(step=step, replica=inst.engine_id, replica_index=k, waiting=waiting,
-                                     running=running, kv_used=kv.used, kv_total=kv.total, alive=inst.alive,
-                                     time_ns=now))
+                events.append(
+                    DPLoad(
+                        step=step,
+                        replica=inst.engine_id,
+                        replica_index=k,
+                        waiting=waiting,
+                        running=running,
+                        kv_used=kv.used,
+                        kv_total=kv.total,
+                        alive=inst.alive,
+                        time_ns=now,
+                    )
+                )
         return events
 
     def close(self) -> None:
         """Stop every replica (politely, then by force); requests in flight are dropped. Idempotent."""
         super().close()
         self._cached.clear()
-

@@ -23,6 +23,7 @@ died (a hung or stopped process: it is killed and reaped, its requests fail with
 sends it nothing more), and the others keep serving. Messages are written and read with that bound too
 (`_send_within`, `_recv_within`): a stopped process cannot block the router half-way through one.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -35,9 +36,10 @@ import struct
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from engine.events import KVUsage
 from engine.outputs import RequestOutput
@@ -46,8 +48,9 @@ from engine.sampling_params import SamplingParams
 Prompt = str | Sequence[int]
 
 
-def batch_prompts(prompts, params: SamplingParams | Sequence[SamplingParams] | None
-                  ) -> list[tuple[str | list[int], SamplingParams]]:
+def batch_prompts(
+    prompts, params: SamplingParams | Sequence[SamplingParams] | None
+) -> list[tuple[str | list[int], SamplingParams]]:
     """One prompt (text or token ids) or a list of them, with one SamplingParams for all or one per prompt, as
     (prompt, params) pairs: what LLM.generate and the routers' generate take."""
     if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
@@ -89,8 +92,16 @@ def _worker(conn: Connection, engine_kwargs: dict, max_records: int, torch_threa
     except Exception as exc:  # the router reports it, naming the instance
         conn.send(("error", repr(exc)))
         return
-    conn.send(("ready", {"model_path": str(engine.model_path), "max_model_len": engine.config.max_model_len,
-                         "num_kv_blocks": engine.num_kv_blocks}))
+    conn.send(
+        (
+            "ready",
+            {
+                "model_path": str(engine.model_path),
+                "max_model_len": engine.config.max_model_len,
+                "num_kv_blocks": engine.num_kv_blocks,
+            },
+        )
+    )
     try:
         _serve(conn, engine, _WorkerState(max_records))
     except (BrokenPipeError, ConnectionResetError):  # the router's process died while this one was stepping
@@ -113,20 +124,38 @@ def _serve(conn: Connection, engine, state: _WorkerState) -> None:
         _report(conn, engine, state, record.end_ns / 1e9, tokens, outputs, kv)
 
 
-def _report(conn: Connection, engine, state: _WorkerState, t: float, tokens: list = (), outputs: list = (),
-            kv: list = ()) -> None:
+def _report(
+    conn: Connection, engine, state: _WorkerState, t: float, tokens: list = (), outputs: list = (), kv: list = ()
+) -> None:
     """Send a step's tokens, outputs and block events, with the queue counts after it; nothing when there is
     nothing new, except a heartbeat every HEARTBEAT_S while it holds work (steps that change nothing, waiting for
     a KV load say): the router declares an instance that owes it answers dead after a silence (reply_timeout_s)."""
-    counts = (engine.scheduler.num_waiting, engine.scheduler.num_running, state.num_added,
-              engine.kv_cache_manager.usage())
+    counts = (
+        engine.scheduler.num_waiting,
+        engine.scheduler.num_running,
+        state.num_added,
+        engine.kv_cache_manager.usage(),
+    )
     now = time.monotonic()
     beat = engine.has_unfinished_requests() and now - state.last_sent >= HEARTBEAT_S
     if tokens or outputs or kv or counts != state.last_counts or beat:
         state.last_counts, state.last_sent = counts, now
-        conn.send(("step", {"time": t, "tokens": list(tokens), "outputs": list(outputs), "kv": list(kv),
-                            "num_waiting": counts[0], "num_running": counts[1], "num_added": counts[2],
-                            "kv_usage": counts[3], "stepped": bool(state.records)}))
+        conn.send(
+            (
+                "step",
+                {
+                    "time": t,
+                    "tokens": list(tokens),
+                    "outputs": list(outputs),
+                    "kv": list(kv),
+                    "num_waiting": counts[0],
+                    "num_running": counts[1],
+                    "num_added": counts[2],
+                    "kv_usage": counts[3],
+                    "stepped": bool(state.records),
+                },
+            )
+        )
 
 
 def _finished(engine, state: _WorkerState, rid: str) -> list[RequestOutput]:
@@ -155,8 +184,9 @@ def _take(conn: Connection, engine, state: _WorkerState) -> bool:
         _, rid, prompt, params, kv_params, priority, cache_salt = msg
         state.num_added += 1
         try:
-            engine.add_request(prompt, params, request_id=rid, priority=priority, cache_salt=cache_salt,
-                               kv_transfer_params=kv_params)
+            engine.add_request(
+                prompt, params, request_id=rid, priority=priority, cache_salt=cache_salt, kv_transfer_params=kv_params
+            )
         except (ValueError, TypeError) as exc:
             conn.send(("rejected", (rid, str(exc))))
             return True
@@ -246,7 +276,7 @@ def _write_within(conn: Connection, buf: bytes, timeout: float) -> None:
     try:
         while view:
             try:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             except BlockingIOError:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -263,6 +293,7 @@ def _recv_within(conn: Connection, timeout: float) -> Any:
     deadline = time.monotonic() + timeout
     os.set_blocking(fd, False)
     try:
+
         def read(n: int) -> bytes:
             chunks, left = [], n
             while left:
@@ -293,7 +324,7 @@ def check_count(name: str, n: Any) -> None:
         raise ValueError(f"{name}: must be an int >= 1, got {n!r}")
 
 
-_LIVE: "weakref.WeakSet[EngineProcs]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[EngineProcs] = weakref.WeakSet()
 
 
 @atexit.register
@@ -312,13 +343,20 @@ class EngineProcs:
     id_prefix = "req"
     timeout_name = "reply_timeout_s"  # what errors call the bound: the setting a user changes
 
-    def __init__(self, start_timeout_s: float, max_records: int, torch_threads: int | None, num_procs: int,
-                 reply_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        start_timeout_s: float,
+        max_records: int,
+        torch_threads: int | None,
+        num_procs: int,
+        reply_timeout_s: float = 60.0,
+    ) -> None:
         if isinstance(reply_timeout_s, bool) or not isinstance(reply_timeout_s, (int, float)) or reply_timeout_s <= 0:
             raise ValueError(f"reply_timeout_s: must be a number of seconds > 0, got {reply_timeout_s!r}")
         self.reply_timeout_s = float(reply_timeout_s)
-        if torch_threads is not None and (isinstance(torch_threads, bool) or not isinstance(torch_threads, int)
-                                          or torch_threads < 1):
+        if torch_threads is not None and (
+            isinstance(torch_threads, bool) or not isinstance(torch_threads, int) or torch_threads < 1
+        ):
             raise ValueError(f"torch_threads: must be an int >= 1 or None, got {torch_threads!r}")
         self.start_timeout_s, self.max_records = start_timeout_s, max_records
         self.torch_threads = torch_threads or max(1, (os.cpu_count() or 1) // num_procs)
@@ -349,8 +387,9 @@ class EngineProcs:
 
     def _on_output(self, inst: Instance, rid: str, route: _Route, output: RequestOutput, t: float) -> None:
         """A request's instance finished it (without streaming a last token): by default, the end."""
-        self._deltas.append(TokenDelta(rid, (), "", len(route.text), True, output.finish_reason,
-                                       inst.engine_id, t, output.error))
+        self._deltas.append(
+            TokenDelta(rid, (), "", len(route.text), True, output.finish_reason, inst.engine_id, t, output.error)
+        )
         self._finish(rid, output)
 
     def _on_report(self, inst: Instance, kv: list[tuple[str, str]]) -> None:
@@ -380,8 +419,9 @@ class EngineProcs:
 
     def _spawn(self, ctx, role: str, engine_id: str, kwargs: dict) -> Instance:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(child, kwargs, self.max_records, self.torch_threads),
-                           name=engine_id, daemon=True)
+        proc = ctx.Process(
+            target=_worker, args=(child, kwargs, self.max_records, self.torch_threads), name=engine_id, daemon=True
+        )
         proc.start()
         child.close()  # the parent's copy of the child's end: without closing it, a dead child gives no EOF
         return Instance(role, engine_id, proc, parent)
@@ -426,8 +466,14 @@ class EngineProcs:
         return {inst.engine_id: inst.process.pid for inst in self.instances}
 
     # ---- requests ------------------------------------------------------------------------------
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-               priority: int = 0, cache_salt: str | None = None) -> str:
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
         """Route a request to an instance and return its id at once; its deltas come from `stream()`, its output
         from `pop_output()`. Types are checked here; lengths, priority and cache_salt by the instance (a rejected
         request finishes with finish_reason "error" and the instance's message)."""
@@ -470,15 +516,17 @@ class EngineProcs:
         (seconds), the iterator also ends when no delta came for that long."""
         return self._stream(None, timeout)
 
-    def generate_stream(self, prompts: Sequence[Prompt] | Prompt,
-                        params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[TokenDelta]:
+    def generate_stream(
+        self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[TokenDelta]:
         """Submit every prompt, then yield their TokenDeltas until all have finished (deltas of other requests
         wait for `stream()`). Their outputs wait in `pop_output()`."""
         rids = self._submit_all(prompts, params)
         return self._stream(set(rids), None)
 
-    def generate(self, prompts: Sequence[Prompt] | Prompt,
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. A prompt an instance rejects raises its
         ValueError (naming the field), and the others are aborted."""
         rids = self._submit_all(prompts, params)
@@ -509,8 +557,9 @@ class EngineProcs:
         return rids
 
     # ---- routing -------------------------------------------------------------------------------
-    def _send_to(self, inst: Instance, rid: str, route: _Route, stage: str, params: SamplingParams,
-                 kv_params: dict | None) -> None:
+    def _send_to(
+        self, inst: Instance, rid: str, route: _Route, stage: str, params: SamplingParams, kv_params: dict | None
+    ) -> None:
         """Hand the request to `inst` at `stage`; a broken pipe is the instance's death (which fails it)."""
         route.instance, route.stage = inst, stage
         inst.load += 1
@@ -553,8 +602,11 @@ class EngineProcs:
         now = time.monotonic()
         for inst in self.instances:
             if inst.alive and inst.deadline is not None and now >= inst.deadline:
-                waited = (f"{self.reply_timeout_s} s ({self.timeout_name})" if inst.stepped else
-                          f"{self._patience(inst)} s (start_timeout_s: before its first step)")
+                waited = (
+                    f"{self.reply_timeout_s} s ({self.timeout_name})"
+                    if inst.stepped
+                    else f"{self._patience(inst)} s (start_timeout_s: before its first step)"
+                )
                 inst.timed_out = f"no answer for {waited}: hung or stopped"
                 self._instance_died(inst)
 
@@ -641,9 +693,19 @@ class EngineProcs:
             route.token_ids += token_ids
             route.text = route.text[:offset] + text
             out = done.pop(rid, None)
-            self._deltas.append(TokenDelta(rid, tuple(token_ids), text, offset, out is not None,
-                                           out.finish_reason if out else None, inst.engine_id, t,
-                                           out.error if out else None))
+            self._deltas.append(
+                TokenDelta(
+                    rid,
+                    tuple(token_ids),
+                    text,
+                    offset,
+                    out is not None,
+                    out.finish_reason if out else None,
+                    inst.engine_id,
+                    t,
+                    out.error if out else None,
+                )
+            )
             if out is not None:
                 self._finish(rid, out)
         for rid, out in done.items():

@@ -1,7 +1,9 @@
 """LLM: offline batch inference over an LLMEngine (vLLM's `vllm/entrypoints/llm.py`)."""
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.entrypoints.engine_procs import batch_prompts
@@ -31,7 +33,7 @@ class LLM:
         a `with LLM(...)` block."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -41,9 +43,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. `params`: one for all, or one per prompt.
         A request past the engine's limits (engine/limits.py: n, logprobs) refuses the batch before any is queued."""
         batch = batch_prompts(prompts, params)
@@ -80,8 +85,9 @@ class LLM:
                         bar.update(1)
         return [self.engine.pop_output(rid) for rid in ids]
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [

@@ -18,11 +18,13 @@ already; submit it again to retry. Later requests go to the live instances of th
 at once when none is left. KV a prefill instance saved stays in the store after it dies (the store is the
 cluster's), so a request it answered still decodes with the same tokens.
 """
+
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from engine.entrypoints.engine_procs import EngineProcs, Instance, TokenDelta, _Route, check_count
 from engine.outputs import RequestOutput
@@ -47,12 +49,21 @@ class PDCluster(EngineProcs):
 
     id_prefix = "pd"
 
-    def __init__(self, model: str = "smollm2-135m", connector: str = "shared_storage", num_prefill: int = 1,
-                 num_decode: int = 1, kv_connector_extra_config: dict | None = None,
-                 kv_load_failure_policy: str = "recompute", start_timeout_s: float = 300.0,
-                 max_records: int = 100_000, torch_threads: int | None = None,
-                 on_prefilled: Callable[[str, str, RequestOutput], None] | None = None,
-                 reply_timeout_s: float = 60.0, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        connector: str = "shared_storage",
+        num_prefill: int = 1,
+        num_decode: int = 1,
+        kv_connector_extra_config: dict | None = None,
+        kv_load_failure_policy: str = "recompute",
+        start_timeout_s: float = 300.0,
+        max_records: int = 100_000,
+        torch_threads: int | None = None,
+        on_prefilled: Callable[[str, str, RequestOutput], None] | None = None,
+        reply_timeout_s: float = 60.0,
+        **engine_kwargs: Any,
+    ) -> None:
         if connector not in CONNECTOR_NAMES:
             raise ValueError(f"connector: must be one of {sorted(CONNECTOR_NAMES)}, got {connector!r}")
         check_count("num_prefill", num_prefill)
@@ -81,17 +92,22 @@ class PDCluster(EngineProcs):
         for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode)):
             for i in range(count):
                 engine_id = f"{role}-{i}"
-                kv = {"kv_connector": CONNECTOR_NAMES[self.connector], "engine_id": engine_id,
-                      "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-                      "kv_connector_extra_config": self.extra, "kv_load_failure_policy": self.policy}
+                kv = {
+                    "kv_connector": CONNECTOR_NAMES[self.connector],
+                    "engine_id": engine_id,
+                    "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+                    "kv_connector_extra_config": self.extra,
+                    "kv_load_failure_policy": self.policy,
+                }
                 specs.append((role, engine_id, {"model": self.model, **self.engine_kwargs, "kv_transfer_config": kv}))
         return specs
 
     # ---- routing -------------------------------------------------------------------------------
     def _route(self, rid: str, route: _Route) -> None:
         """A new request goes to a prefill instance for its prompt's KV and one token (dropped)."""
-        self._forward(rid, route, "prefill", replace(route.params, max_tokens=1, min_tokens=0),
-                      {"do_remote_decode": True})
+        self._forward(
+            rid, route, "prefill", replace(route.params, max_tokens=1, min_tokens=0), {"do_remote_decode": True}
+        )
 
     def _forward(self, rid: str, route: _Route, role: str, params: SamplingParams, kv_params: dict | None) -> None:
         """Hand the request to the least loaded live instance of `role`; with none left, finish it with an error."""

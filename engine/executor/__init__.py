@@ -3,6 +3,7 @@ ModelRunner in this process (the default); `MultiProcExecutor` runs one worker p
 `SimulatedExecutor` runs no model, only a cost model in simulated time.
 Each is an `Executor` (abstract.py); `get_executor_class` picks the one the config names (vLLM's
 `Executor.get_class`, here beside the classes so that the interface imports none of them)."""
+
 from __future__ import annotations
 
 from engine.config import EngineConfig

@@ -3,6 +3,7 @@
 The engine schedules, then hands each step's SchedulerOutput to `execute_model` and gets a ModelRunnerOutput back;
 how the step runs (one process, tensor-parallel workers, or a cost model in simulated time) is the executor's.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -46,8 +47,12 @@ class Executor(ABC):
         """How many KV blocks (the null block included) the device memory holds, when the config does not say."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None,
-                      guided_rows: list[int] | None = None) -> ModelRunnerOutput:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: torch.Tensor | None = None,
+        guided_rows: list[int] | None = None,
+    ) -> ModelRunnerOutput:
         """Run one step's batch; `grammar_bitmask` (one row per logits row) masks the `guided_rows`."""
 
     def load_tokenizer(self) -> Any:

@@ -28,11 +28,11 @@ Over several nodes (`nnodes` > 1, engine/distributed/nodes.py) this node spawns 
 TCP store on the master port, and the other nodes' ranks (`python -m engine.distributed.launch`) connect on the
 master port + 1 instead of a pipe; set GLOO_SOCKET_IFNAME to the interface between the machines.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection
-from multiprocessing.connection import Listener
 import os
 import shutil
 import tempfile
@@ -42,6 +42,7 @@ import traceback
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,8 @@ import torch
 
 from engine.clock import Clock
 from engine.config import EngineConfig
-from engine.distributed.nodes import accept_ranks, authkey, master_address, node_ranks
 from engine.core.sched.output import ScheduledRequest, SchedulerOutput
+from engine.distributed.nodes import accept_ranks, authkey, master_address, node_ranks
 from engine.events import EventLog, ParallelStep
 from engine.executor.abstract import Executor
 from engine.model.llama import ModelShape
@@ -131,8 +132,9 @@ def _watch_parent(parent_pid: int) -> None:
 class _Worker:
     """One rank: owns its process group, its model shard, its KV cache and runner, and shadow Requests."""
 
-    def __init__(self, rank: int, size: int, init_method: str, config: EngineConfig, model_path: Path,
-                 threads: int) -> None:
+    def __init__(
+        self, rank: int, size: int, init_method: str, config: EngineConfig, model_path: Path, threads: int
+    ) -> None:
         import torch.distributed as dist
 
         from engine.distributed.parallel_state import init_tp_group
@@ -143,8 +145,13 @@ class _Worker:
         cuda = config.device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=dist_timeout_s()))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=dist_timeout_s()),
+        )
         self.tp = init_tp_group(rank, size, dist.group.WORLD)
         self.rank = rank
         self.events = EventLog()  # the runner's own events stay here (moe routing is refused under TP)
@@ -153,8 +160,13 @@ class _Worker:
 
     def ready_info(self) -> dict[str, Any]:
         r = self.runner
-        return {"num_blocks": r.num_blocks, "bytes_per_block": r.bytes_per_block, "vocab_size": r.vocab_size,
-                "eos_token_id": getattr(r.hf_config, "eos_token_id", None), "num_kv_heads": r.num_kv_heads}
+        return {
+            "num_blocks": r.num_blocks,
+            "bytes_per_block": r.bytes_per_block,
+            "vocab_size": r.vocab_size,
+            "eos_token_id": getattr(r.hf_config, "eos_token_id", None),
+            "num_kv_heads": r.num_kv_heads,
+        }
 
     def step(self, msg: StepMessage) -> tuple[ModelRunnerOutput | None, RankReport]:
         for rid in msg.finished_req_ids:  # first: a finished id may come back as a new request in this step
@@ -167,9 +179,12 @@ class _Worker:
         for s in msg.scheduled:
             request = self.requests[s.request_id]
             request.all_token_ids.extend(s.new_token_ids)
-            request.output_token_ids = request.all_token_ids[request.num_prompt_tokens:]
-            scheduled.append(ScheduledRequest(request, s.num_new_tokens, s.num_computed_tokens, s.block_ids,
-                                              s.samples, s.spec_token_ids))
+            request.output_token_ids = request.all_token_ids[request.num_prompt_tokens :]
+            scheduled.append(
+                ScheduledRequest(
+                    request, s.num_new_tokens, s.num_computed_tokens, s.block_ids, s.samples, s.spec_token_ids
+                )
+            )
         out = SchedulerOutput(scheduled, msg.preempted_req_ids, msg.finished_req_ids)
         self.tp.take_stats()
         self.events.begin(0)
@@ -181,8 +196,9 @@ class _Worker:
         return (result if self.rank == 0 else None), report
 
 
-def _worker_main(rank: int, size: int, init_method: str, config: EngineConfig, model_path: Path, conn,
-                 parent_pid: int, threads: int) -> None:
+def _worker_main(
+    rank: int, size: int, init_method: str, config: EngineConfig, model_path: Path, conn, parent_pid: int, threads: int
+) -> None:
     """The worker's life: start, report ready (or the error), then one reply per step until stop or EOF. Any
     error is sent back naming the rank, and the process exits: its group cannot be trusted after a failed
     collective."""
@@ -253,8 +269,7 @@ class MultiProcExecutor(Executor):
         if hf_config.model_type == "qwen3_moe" and self.size > 1:
             raise ValueError("tensor_parallel_size: mixture-of-experts models (qwen3_moe) are not split yet")
         if config.device.startswith("cuda") and torch.cuda.device_count() < self.size:
-            raise ValueError(f"tensor_parallel_size: {self.size} needs as many GPUs, found "
-                             f"{torch.cuda.device_count()}")
+            raise ValueError(f"tensor_parallel_size: {self.size} needs as many GPUs, found {torch.cuda.device_count()}")
         self.model_shape = ModelShape.from_config(hf_config)  # the whole model's (each rank holds its heads)
         self._known: dict[str, int] = {}  # request id -> how many of its tokens the workers hold
         self._failed: str | None = None
@@ -274,9 +289,12 @@ class MultiProcExecutor(Executor):
         self._reaper = weakref.finalize(self, _reap, self._procs, self._conns, store_dir)
         for rank in local:
             parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, name=f"tp-worker-{rank}", daemon=True,
-                               args=(rank, self.size, init_method, self.config, self.model_path, child_end,
-                                     os.getpid(), threads))
+            proc = ctx.Process(
+                target=_worker_main,
+                name=f"tp-worker-{rank}",
+                daemon=True,
+                args=(rank, self.size, init_method, self.config, self.model_path, child_end, os.getpid(), threads),
+            )
             proc.start()
             child_end.close()  # the parent's copy of the child's end: without closing it, a dead child gives no EOF
             self._procs.append(proc)
@@ -312,8 +330,12 @@ class MultiProcExecutor(Executor):
     def validate_request(self, params: SamplingParams) -> None:
         """Everything a request may ask is run by every rank's runner as in one process."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None,
-                      guided_rows: list[int] | None = None) -> ModelRunnerOutput:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: torch.Tensor | None = None,
+        guided_rows: list[int] | None = None,
+    ) -> ModelRunnerOutput:
         """Send the step to every rank, wait for every rank's reply, record what each did; rank 0's tokens."""
         if self._failed is not None:
             raise WorkerError(f"the tensor-parallel workers are stopped: {self._failed}")
@@ -324,14 +346,24 @@ class MultiProcExecutor(Executor):
             except (OSError, EOFError):
                 self._fail(f"rank {rank} is gone (exit code {self._procs[rank].exitcode})")
         replies = self._gather("ok", dist_timeout_s())
-        self.events.emit(ParallelStep, tensor_parallel_size=self.size,
-                         ranks=tuple({"rank": r.rank, "forward_ms": round(r.forward_ms, 4),
-                                      "sample_ms": round(r.sample_ms, 4), "collectives": r.collectives}
-                                     for _, r in replies))
+        self.events.emit(
+            ParallelStep,
+            tensor_parallel_size=self.size,
+            ranks=tuple(
+                {
+                    "rank": r.rank,
+                    "forward_ms": round(r.forward_ms, 4),
+                    "sample_ms": round(r.sample_ms, 4),
+                    "collectives": r.collectives,
+                }
+                for _, r in replies
+            ),
+        )
         return replies[0][0]
 
-    def _message(self, out: SchedulerOutput, bitmask: torch.Tensor | None,
-                 guided_rows: list[int] | None) -> StepMessage:
+    def _message(
+        self, out: SchedulerOutput, bitmask: torch.Tensor | None, guided_rows: list[int] | None
+    ) -> StepMessage:
         """The step as a diff of what the workers hold: new requests whole, then only new tokens and blocks."""
         new, scheduled = [], []
         for rid in out.finished_req_ids:  # first: a finished id may come back as a new request in this step
@@ -340,14 +372,29 @@ class MultiProcExecutor(Executor):
             request = s.request
             known = self._known.get(s.request_id)
             if known is None:
-                new.append(NewRequestData(s.request_id, request.prompt_token_ids, request.sampling_params,
-                                          request.eos_token_id, request.bad_words_token_ids))
+                new.append(
+                    NewRequestData(
+                        s.request_id,
+                        request.prompt_token_ids,
+                        request.sampling_params,
+                        request.eos_token_id,
+                        request.bad_words_token_ids,
+                    )
+                )
                 known = request.num_prompt_tokens
             self._known[s.request_id] = request.num_tokens
-            scheduled.append(ScheduledData(s.request_id, request.all_token_ids[known:], s.num_new_tokens,
-                                           s.num_computed_tokens, s.block_ids, s.samples, s.spec_token_ids))
-        return StepMessage(new, scheduled, list(out.preempted_req_ids), set(out.finished_req_ids), bitmask,
-                           guided_rows)
+            scheduled.append(
+                ScheduledData(
+                    s.request_id,
+                    request.all_token_ids[known:],
+                    s.num_new_tokens,
+                    s.num_computed_tokens,
+                    s.block_ids,
+                    s.samples,
+                    s.spec_token_ids,
+                )
+            )
+        return StepMessage(new, scheduled, list(out.preempted_req_ids), set(out.finished_req_ids), bitmask, guided_rows)
 
     def _gather(self, expected: str, timeout_s: float) -> list:
         """One reply per rank, in rank order, within `timeout_s`. A death, an error or the timeout stops every
@@ -359,8 +406,10 @@ class MultiProcExecutor(Executor):
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._fail(f"rank(s) {sorted(pending.values())} did not answer within {timeout_s:.0f} s "
-                           "(WORKBENCH_DIST_TIMEOUT_S)")
+                self._fail(
+                    f"rank(s) {sorted(pending.values())} did not answer within {timeout_s:.0f} s "
+                    "(WORKBENCH_DIST_TIMEOUT_S)"
+                )
             ready = mp.connection.wait([*pending, *sentinels], timeout=left)
             for obj in ready:
                 if obj in pending:
@@ -393,8 +442,7 @@ class MultiProcExecutor(Executor):
     def _fail(self, why: str) -> None:
         # a rank that died first makes its peers' collectives fail: name the dead ones, whoever reported
         time.sleep(0.2)
-        dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self._procs)
-                if p.exitcode not in (None, 0)]
+        dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self._procs) if p.exitcode not in (None, 0)]
         if dead:
             why = f"{why}\n(processes dead: {', '.join(dead)})"
         self._failed = why

@@ -7,9 +7,10 @@ no list, the model's EOS) or a callable `(request) -> token id` (it reads `reque
 `request.output_token_ids`). EOS and stop tokens in a script end the request as they would from a model, which is
 how `workbench fidelity` drives this scheduler side by side with vLLM's own on the same tokens.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from engine.request import Request
 
@@ -31,8 +32,9 @@ class TokenScript:
             tokens = self.script.get(request.request_id, ())
             i = request.num_output_tokens
             token = tokens[i] if i < len(tokens) else self.eos_token_id
-        if token is None or isinstance(token, bool) or not isinstance(token, int) \
-                or not 0 <= token < self.vocab_size:
-            raise ValueError(f"token_script: request {request.request_id!r} output {request.num_output_tokens} "
-                             f"is {token!r}, not a token id in [0, {self.vocab_size})")
+        if token is None or isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+            raise ValueError(
+                f"token_script: request {request.request_id!r} output {request.num_output_tokens} "
+                f"is {token!r}, not a token id in [0, {self.vocab_size})"
+            )
         return token

@@ -8,6 +8,7 @@ Given a `token_script` (always, with `executor="scripted"`), the tokens come fro
 (engine/executor/scripted.py).
 Text prompts go through the model folder's tokenizer where it has one, else a byte tokenizer.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -50,14 +51,18 @@ class SimulatedExecutor(Executor):
         self._rng = np.random.default_rng(config.seed)
         eos = self.eos_token_id
         self._never = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.script = None if config.token_script is None else TokenScript(
-            config.token_script, eos[0] if isinstance(eos, list) else eos, self.vocab_size)
+        self.script = (
+            None
+            if config.token_script is None
+            else TokenScript(config.token_script, eos[0] if isinstance(eos, list) else eos, self.vocab_size)
+        )
 
     def determine_num_available_blocks(self) -> int:
         """vLLM's rule over the hardware's memory (CostModel.kv_capacity); the split is kept as `kv_capacity`."""
         cfg = self.config
-        self.kv_capacity = self.cost_model.kv_capacity(cfg.block_size, cfg.gpu_memory_utilization,
-                                                       cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.kv_capacity = self.cost_model.kv_capacity(
+            cfg.block_size, cfg.gpu_memory_utilization, cfg.max_num_batched_tokens, cfg.max_num_seqs
+        )
         return self.kv_capacity.num_blocks
 
     def load_tokenizer(self):
@@ -65,19 +70,26 @@ class SimulatedExecutor(Executor):
 
     def validate_request(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None:
-            raise ValueError("structured_outputs: the simulated executor samples random tokens, which no grammar "
-                             "would allow")
+            raise ValueError(
+                "structured_outputs: the simulated executor samples random tokens, which no grammar would allow"
+            )
         if params.logprobs is not None or params.prompt_logprobs is not None:
             raise ValueError("logprobs: the simulated executor computes no logits")
 
-    def execute_model(self, scheduler_output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None,
-                      guided_rows: list[int] | None = None) -> ModelRunnerOutput:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: torch.Tensor | None = None,
+        guided_rows: list[int] | None = None,
+    ) -> ModelRunnerOutput:
         """Price the step, advance the clock by it, and give each sampling request one random token."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return ModelRunnerOutput({}, {})
-        shapes = [ScheduledShape(s.num_computed_tokens, s.num_new_tokens,
-                                 len(s.spec_token_ids) + 1 if s.samples else 0) for s in scheduled]
+        shapes = [
+            ScheduledShape(s.num_computed_tokens, s.num_new_tokens, len(s.spec_token_ids) + 1 if s.samples else 0)
+            for s in scheduled
+        ]
         cost = self.cost_model.step_cost(shapes)
         self.clock.advance(cost.total_s)
         sampled = {s.request_id: [self._token(s.request)] for s in scheduled if s.samples}

@@ -1,4 +1,5 @@
 """UniProcExecutor: the ModelRunner in the engine's own process (vLLM's `UniProcExecutor`), the default."""
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,12 @@ class UniProcExecutor(Executor):
         """The runner sized its cache from `kv_cache_memory` (this engine's rule on a CPU, not vLLM's profiling)."""
         return max(2, self.config.kv_cache_memory // self.bytes_per_block)
 
-    def execute_model(self, scheduler_output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None,
-                      guided_rows: list[int] | None = None) -> ModelRunnerOutput:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: torch.Tensor | None = None,
+        guided_rows: list[int] | None = None,
+    ) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output, grammar_bitmask, guided_rows)
 
     @property

@@ -4,6 +4,7 @@ come from outside and what leaves, and a worker side that moves KV between the p
 In this engine one connector object serves both sides (scheduler and runner share a process); the split
 stays in the method names so that a reader of vLLM finds each hook where it expects it.
 """
+
 from __future__ import annotations
 
 import abc

@@ -1,4 +1,5 @@
 """KVConnectorFactory: the connector named by `kv_transfer_config["kv_connector"]`."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -10,8 +11,9 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 
-def create_connector(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                     events: EventLog) -> KVConnectorBase:
+def create_connector(
+    config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int, events: EventLog
+) -> KVConnectorBase:
     """Build the configured connector (imported on demand: redis is needed only by the Redis one)."""
     name = config.kv_transfer.kv_connector
     if name == "ExampleConnector":

@@ -1,4 +1,5 @@
 """A private redis-server for tests and `workbench pd`: a child process on a free 127.0.0.1 port, persistence off."""
+
 from __future__ import annotations
 
 import shutil
@@ -23,11 +24,14 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         if self.exe is None:
             raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
-        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
 
         client = redis.Redis.from_url(self.url)
@@ -48,7 +52,7 @@ class RedisServer:
             self.proc.wait(timeout=10)
         self.proc = None
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,10 +1,12 @@
-"""ExampleConnector (vLLM 0.33's name; SharedStorageConnector before, and in the article): KV in a folder any instance can reach (a local disk, or NFS across machines).
+"""ExampleConnector (vLLM 0.33's name; SharedStorageConnector before, and in the article): KV in a folder any
+instance can reach (a local disk, or NFS across machines).
 
 Layout: <shared_storage_path>/<namespace>/<prompt key>/ with layer_NNN.safetensors and manifest.json. A save
 writes a temporary folder and renames it into place: readers see a whole entry or none. Entries older than
 `ttl_s` (the lease, as Redis keys' TTL) are removed by the next save in the namespace: KV that no decode instance
 came for (it was killed, say) does not pile up.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +31,9 @@ class ExampleConnector(KVStoreConnector):
         super().__init__(*args, **kwargs)
         path = self.config.kv_connector_extra_config.get("shared_storage_path")
         if not path:
-            raise ValueError("kv_transfer_config.kv_connector_extra_config.shared_storage_path: required for "
-                             "ExampleConnector")
+            raise ValueError(
+                "kv_transfer_config.kv_connector_extra_config.shared_storage_path: required for ExampleConnector"
+            )
         self.root = Path(path) / self.namespace
         self.root.mkdir(parents=True, exist_ok=True)
         self.ttl_s = float(self.config.kv_connector_extra_config.get("ttl_s", 600))

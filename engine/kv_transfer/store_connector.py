@@ -8,6 +8,7 @@ ends. With `kv_connector_extra_config={"async_transfers": True}` they run on a t
 a loading request waits in WAITING_FOR_REMOTE_KVS, a saving request's blocks stay held until the store has them
 (delay_free_blocks), and a consumer waits up to `load_wait_s` for a producer's save to land before calling it a miss.
 """
+
 from __future__ import annotations
 
 import abc
@@ -15,12 +16,14 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from safetensors.torch import load as st_load, save as st_save
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from engine.core.block_hash import extra_keys_for_block, sha256_hash
 from engine.events import EventLog, KVTransferFail, KVTransferLoad, KVTransferSave
@@ -39,14 +42,16 @@ def prompt_key(request: Request, block_size: int) -> str:
     (salt included), in every process and on every machine, whatever hash the local prefix cache uses."""
     tokens, parent = request.prompt_token_ids, None
     for i in range(0, len(tokens), block_size):
-        parent = sha256_hash(parent, tokens[i:i + block_size], extra_keys_for_block(request, i // block_size))
+        parent = sha256_hash(parent, tokens[i : i + block_size], extra_keys_for_block(request, i // block_size))
     return parent.hex()
 
 
 def block_checksums(k: torch.Tensor, v: torch.Tensor) -> list[str]:
     """sha256 of each block's K and V bytes: a bad byte costs only its block."""
+
     def raw(t: torch.Tensor) -> bytes:
         return t.contiguous().view(torch.uint8).numpy().tobytes()
+
     return [hashlib.sha256(raw(k[b]) + raw(v[b])).hexdigest()[:32] for b in range(k.shape[0])]
 
 
@@ -74,16 +79,23 @@ class KVStoreConnector(KVConnectorBase):
 
     name: ClassVar[str]
 
-    def __init__(self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 events: EventLog) -> None:
+    def __init__(
+        self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int, events: EventLog
+    ) -> None:
         self.config = config.kv_transfer
         self.block_size = config.block_size
         self.num_layers = num_layers
         self.events = events
         self.instance = self.config.engine_id or f"{self.config.kv_role}-{os.getpid()}"
         # what a manifest must match for a hit: anything else would load the wrong numbers
-        self.identity = {"model": str(config.model), "dtype": config.dtype, "block_size": config.block_size,
-                         "num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        self.identity = {
+            "model": str(config.model),
+            "dtype": config.dtype,
+            "block_size": config.block_size,
+            "num_layers": num_layers,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+        }
         self.namespace = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
         self._matched: dict[str, tuple[str, int, dict]] = {}  # rid -> (key, end token, manifest)
         self._pending_loads: list[ReqMeta] = []
@@ -154,8 +166,9 @@ class KVStoreConnector(KVConnectorBase):
             return 0, False
         self._missed.add(request.request_id)
         policy = self.config.kv_load_failure_policy
-        self._emit_fail(request.request_id, failure, policy, request.num_tokens - 1 if policy == "recompute" else 0,
-                        detail)
+        self._emit_fail(
+            request.request_id, failure, policy, request.num_tokens - 1 if policy == "recompute" else 0, detail
+        )
         if policy == "fail":
             raise KVLoadError(f"kv_transfer: {failure} KV for request {request.request_id} ({detail})")
         return 0, False
@@ -167,8 +180,9 @@ class KVStoreConnector(KVConnectorBase):
         key, end, manifest = matched
         self._manifests[request.request_id] = manifest
         remote = (request.kv_transfer_params or {}).get("remote_request_id")
-        self._pending_loads.append(ReqMeta(request.request_id, key, list(block_ids), end - num_external_tokens,
-                                           end, remote))
+        self._pending_loads.append(
+            ReqMeta(request.request_id, key, list(block_ids), end - num_external_tokens, end, remote)
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(loads=self._pending_loads)
@@ -180,8 +194,15 @@ class KVStoreConnector(KVConnectorBase):
             wanted = (request.kv_transfer_params or {}).get("do_remote_decode") or self.config.kv_role == "kv_producer"
             # save once, in the step that completes the prompt's KV
             if wanted and s.num_computed_tokens < request.num_prompt_tokens <= s.num_computed_tokens + s.num_new_tokens:
-                meta.saves.append(ReqMeta(s.request_id, prompt_key(request, self.block_size), list(s.block_ids),
-                                          0, request.num_prompt_tokens))
+                meta.saves.append(
+                    ReqMeta(
+                        s.request_id,
+                        prompt_key(request, self.block_size),
+                        list(s.block_ids),
+                        0,
+                        request.num_prompt_tokens,
+                    )
+                )
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -239,14 +260,23 @@ class KVStoreConnector(KVConnectorBase):
             self._failed_loads.add(meta.request_id)
             policy = self.config.kv_load_failure_policy
             start = max(meta.start, min(result.bad) * self.block_size)
-            self._emit_fail(meta.request_id, result.failure, policy,
-                            meta.end - start if policy == "recompute" else 0, result.detail)
+            self._emit_fail(
+                meta.request_id, result.failure, policy, meta.end - start if policy == "recompute" else 0, result.detail
+            )
             return
-        self.events.emit(KVTransferLoad, request_id=meta.request_id, instance=self.instance, connector=self.name,
-                         key=meta.key[:16], num_blocks=result.num_blocks, num_tokens=meta.end - meta.start,
-                         num_bytes=result.num_bytes, ms=result.ms,
-                         mb_per_s=result.num_bytes / 1e3 / max(result.ms, 1e-6),
-                         remote_request_id=meta.remote_request_id)
+        self.events.emit(
+            KVTransferLoad,
+            request_id=meta.request_id,
+            instance=self.instance,
+            connector=self.name,
+            key=meta.key[:16],
+            num_blocks=result.num_blocks,
+            num_tokens=meta.end - meta.start,
+            num_bytes=result.num_bytes,
+            ms=result.ms,
+            mb_per_s=result.num_bytes / 1e3 / max(result.ms, 1e-6),
+            remote_request_id=meta.remote_request_id,
+        )
 
     # ---- worker side: both ---------------------------------------------------------------------
     def _run(self, kind: str, meta: ReqMeta, job: Callable[[], TransferResult]) -> None:
@@ -296,20 +326,29 @@ class KVStoreConnector(KVConnectorBase):
         for meta in self.connector_metadata.saves:
             # the decode side's kv_transfer_params are known now; an asynchronous save lands soon after
             self._saved[meta.request_id] = {
-                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.instance,
-                "remote_request_id": meta.request_id, "remote_key": meta.key, "remote_num_tokens": meta.end}
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.instance,
+                "remote_request_id": meta.request_id,
+                "remote_key": meta.key,
+                "remote_num_tokens": meta.end,
+            }
             self._run("save", meta, lambda m=meta: self._save(m, layers))
         self.clear_connector_metadata()
 
     def _save(self, meta: ReqMeta, kv_layers: list[KVCache]) -> TransferResult:
         t0 = time.perf_counter()
-        index = torch.tensor(meta.block_ids[:-(-meta.end // self.block_size)], dtype=torch.long)
+        index = torch.tensor(meta.block_ids[: -(-meta.end // self.block_size)], dtype=torch.long)
         layers = [(k[index].cpu(), v[index].cpu()) for k, v in kv_layers]
         result = TransferResult(meta, num_blocks=len(index))
         blobs = [st_save({"key": k.contiguous(), "value": v.contiguous()}) for k, v in layers]
-        manifest = {**self.identity, "version": MANIFEST_VERSION, "num_tokens": meta.end,
-                    "checksums": [block_checksums(k, v) for k, v in layers],
-                    "producer": {"engine_id": self.instance, "request_id": meta.request_id}}
+        manifest = {
+            **self.identity,
+            "version": MANIFEST_VERSION,
+            "num_tokens": meta.end,
+            "checksums": [block_checksums(k, v) for k, v in layers],
+            "producer": {"engine_id": self.instance, "request_id": meta.request_id},
+        }
         try:
             stored = self._put(meta.key, manifest, blobs)  # a second copy of the same key is dropped: idempotent
         except Exception as exc:
@@ -325,11 +364,27 @@ class KVStoreConnector(KVConnectorBase):
             self._saved.pop(meta.request_id, None)  # a synchronous save's request is told before it finishes
             self._emit_fail(meta.request_id, result.failure, "none", 0, result.detail)
             return
-        self.events.emit(KVTransferSave, request_id=meta.request_id, instance=self.instance, connector=self.name,
-                         key=meta.key[:16], num_blocks=result.num_blocks, num_tokens=meta.end,
-                         num_bytes=result.num_bytes, ms=result.ms,
-                         mb_per_s=result.num_bytes / 1e3 / max(result.ms, 1e-6))
+        self.events.emit(
+            KVTransferSave,
+            request_id=meta.request_id,
+            instance=self.instance,
+            connector=self.name,
+            key=meta.key[:16],
+            num_blocks=result.num_blocks,
+            num_tokens=meta.end,
+            num_bytes=result.num_bytes,
+            ms=result.ms,
+            mb_per_s=result.num_bytes / 1e3 / max(result.ms, 1e-6),
+        )
 
     def _emit_fail(self, request_id: str, failure: str, action: str, recomputed: int, detail: str) -> None:
-        self.events.emit(KVTransferFail, request_id=request_id, instance=self.instance, connector=self.name,
-                         failure=failure, policy_action=action, num_recomputed_tokens=recomputed, detail=detail)
+        self.events.emit(
+            KVTransferFail,
+            request_id=request_id,
+            instance=self.instance,
+            connector=self.name,
+            failure=failure,
+            policy_action=action,
+            num_recomputed_tokens=recomputed,
+            detail=detail,
+        )

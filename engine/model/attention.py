@@ -27,23 +27,28 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S+1] int32: cumulative new-token counts, starting at 0
 
 
-def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_caches(
+    model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (K, V) pair per layer, each [num_blocks, block_size, kv heads, head dim]."""
     shape = (num_blocks, block_size, model.shape.num_kv_heads, model.shape.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model.shape.num_layers)]
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(model.shape.num_layers)
+    ]
 
 
-def sliding_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             attn: AttentionMetadata, scale: float, window: int) -> torch.Tensor:
+def sliding_window_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, scale: float, window: int
+) -> torch.Tensor:
     """Paged attention in which the new token at position ``p`` sees only the keys at ``p - window < j <= p``
     (Hugging Face's and vLLM's sliding window). While every context fits the window that is plain causal attention,
     so the kernel runs; otherwise each sequence gathers just the blocks its window covers, in torch."""
     lens = attn.seq_lens.tolist()
     if max(lens) <= window:
-        return kernels.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-                                       scale)
+        return kernels.paged_attention(
+            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale
+        )
     starts = attn.query_start_loc.tolist()
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
@@ -52,15 +57,16 @@ def sliding_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         rows = slice(starts[s], starts[s + 1])
         first = seq_len - (starts[s + 1] - starts[s])  # position of the sequence's first new token
         lo = max(0, first - window + 1)  # the earliest key any of its new tokens sees
-        blocks = attn.block_tables[s, lo // block_size:-(-seq_len // block_size)].to(torch.int64)
+        blocks = attn.block_tables[s, lo // block_size : -(-seq_len // block_size)].to(torch.int64)
         skip = lo % block_size
-        k = k_cache[blocks].flatten(0, 1)[skip:skip + seq_len - lo]  # [keys, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[skip:skip + seq_len - lo]
+        k = k_cache[blocks].flatten(0, 1)[skip : skip + seq_len - lo]  # [keys, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[skip : skip + seq_len - lo]
         q_pos = torch.arange(first, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(lo, seq_len, device=q.device)[None, :]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, keys, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         out[rows] = torch.nn.functional.scaled_dot_product_attention(
-            q[rows].transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale).transpose(0, 1)
+            q[rows].transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
+        ).transpose(0, 1)
     return out

@@ -1,4 +1,5 @@
 """The model runner's persistent block table: one row per request, updated by appending new block ids."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -28,7 +29,7 @@ class BlockTable:
         for req_id in req_ids:
             row = self.req_id_to_row.pop(req_id, None)
             if row is not None:
-                self.block_table_np[row, :self.num_blocks_per_row[row]] = 0
+                self.block_table_np[row, : self.num_blocks_per_row[row]] = 0
                 self.num_blocks_per_row[row] = 0
                 self._free_rows.append(row)
 
@@ -41,16 +42,19 @@ class BlockTable:
         have, need = self.num_blocks_per_row[row], len(block_ids)
         if need > have:
             if need > self.block_table_np.shape[1]:
-                raise ValueError(f"block_ids: request {req_id!r} has {need} blocks, more than "
-                                 f"max_num_blocks_per_req ({self.block_table_np.shape[1]})")
+                raise ValueError(
+                    f"block_ids: request {req_id!r} has {need} blocks, more than "
+                    f"max_num_blocks_per_req ({self.block_table_np.shape[1]})"
+                )
             self.block_table_np[row, have:need] = block_ids[have:]
             self.num_blocks_per_row[row] = need
         return row
 
     def _add_row(self, req_id: str) -> int:
         if not self._free_rows:
-            raise ValueError(f"max_num_reqs: no free row for request {req_id!r}; all "
-                             f"{self.block_table_np.shape[0]} rows are held")
+            raise ValueError(
+                f"max_num_reqs: no free row for request {req_id!r}; all {self.block_table_np.shape[0]} rows are held"
+            )
         row = self._free_rows.pop()
         self.req_id_to_row[req_id] = row
         return row

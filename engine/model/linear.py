@@ -1,6 +1,7 @@
 """Linear layers whose weights are stored as the engine is told: float32, bfloat16, or int8 with a scale per
 output row (weight-only quantization). On a CPU the arithmetic stays float32: a small batch streams the weights
 once through a C++ kernel that widens bf16 or int8 as it reads them (kernels.linear)."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,7 @@ class Linear(nn.Module):
         weight = self.weight.data
         if quantization == "int8":
             scale = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0
-            self.weight = nn.Parameter(torch.round(weight.float() / scale[:, None]).to(torch.int8),
-                                       requires_grad=False)
+            self.weight = nn.Parameter(torch.round(weight.float() / scale[:, None]).to(torch.int8), requires_grad=False)
             self.weight_scale = scale
         else:
             self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)

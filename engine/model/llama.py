@@ -132,7 +132,8 @@ class LlamaAttention(nn.Module):
         tp = get_tp_group()
         # this rank's heads (all of them outside tensor parallelism); kv_head_start is its first KV head
         self.num_heads, self.num_kv_heads, self.kv_head_start = tp_head_split(
-            config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
+            config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank
+        )
         self.head_dim = _head_dim(config)
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
@@ -154,8 +155,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = kernels.rotary(q.view(num_tokens, self.num_heads, self.head_dim),
-                              k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
+        q, k = kernels.rotary(
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            *rope,
+        )
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         kernels.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
@@ -194,8 +198,9 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks. The residual stream travels beside the hidden state, as in vLLM, so
     each residual add happens inside the next norm."""
 
-    def __init__(self, config: PretrainedConfig, self_attn: nn.Module | None = None,
-                 mlp: nn.Module | None = None) -> None:
+    def __init__(
+        self, config: PretrainedConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         # Other families (engine/model/qwen3.py, qwen3_moe.py) pass their own attention or MLP.
         self.self_attn = self_attn if self_attn is not None else LlamaAttention(config)
@@ -284,10 +289,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_cls(config)
         attn = self.model.layers[0].self_attn
         # this rank's shape: its heads and KV heads (the cache it allocates); the whole model's outside TP
-        self.shape = replace(ModelShape.from_config(config), num_heads=attn.num_heads,
-                             num_kv_heads=attn.num_kv_heads)
-        self.lm_head = Linear(config.hidden_size, padded_vocab_per_rank(config.vocab_size, self.tp.size),
-                              bias=False)
+        self.shape = replace(ModelShape.from_config(config), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
+        self.lm_head = Linear(config.hidden_size, padded_vocab_per_rank(config.vocab_size, self.tp.size), bias=False)
         if config.tie_word_embeddings:
             self.tie_weights()
 
@@ -307,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         # every rank gets the whole row (an all-gather, where vLLM gathers to rank 0 on CUDA), so that every rank
         # runs the runner's sampling code unchanged; padding rows past the vocabulary are cut off
-        return self.tp.all_gather(self.lm_head(hidden).float())[:, :self.config.vocab_size]
+        return self.tp.all_gather(self.lm_head(hidden).float())[:, : self.config.vocab_size]
 
     def tie_weights(self) -> None:
         """Share the input embedding as the LM head."""
@@ -319,8 +322,9 @@ class LlamaForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         embed.weight = nn.Parameter(embed.weight.data.to(dtype), requires_grad=False)
         for module in self.modules():
-            if isinstance(module, Linear) and (module is not self.lm_head or not self.config.tie_word_embeddings
-                                               or quantization is not None):
+            if isinstance(module, Linear) and (
+                module is not self.lm_head or not self.config.tie_word_embeddings or quantization is not None
+            ):
                 module.store(dtype, quantization)
         if self.config.tie_word_embeddings and quantization is None:
             self.tie_weights()
@@ -388,7 +392,7 @@ class LlamaForCausalLM(nn.Module):
             return tensor.narrow(1, rank * target.shape[1], target.shape[1])
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             rows = target.shape[0]
-            part = tensor[rank * rows:(rank + 1) * rows]
+            part = tensor[rank * rows : (rank + 1) * rows]
             return torch.nn.functional.pad(part, (0, 0, 0, rows - part.shape[0]))
         return tensor
 
@@ -408,4 +412,3 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path / file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-

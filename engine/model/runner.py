@@ -3,6 +3,7 @@
 All scheduled tokens of all requests are flattened into one forward. Logits are computed only at the
 positions that sample (the last token of a request whose prefill completes, or its decode token).
 """
+
 from __future__ import annotations
 
 import time
@@ -50,8 +51,9 @@ class _BatchInputs:
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits exist at once
 
 
-def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                             dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """K and V of one block in every layer: 2 x block_size x kv heads x head size x bytes, per layer."""
     return 2 * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size() * num_layers
 
@@ -68,21 +70,22 @@ class ModelRunner:
         self.model, self.hf_config = load_model(model_path, config.torch_dtype, self.device, config.quantization)
         shape = self.model.shape
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
-        self.bytes_per_block = kv_cache_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
-                                                        self.head_dim, config.torch_dtype)
+        self.bytes_per_block = kv_cache_bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, config.torch_dtype
+        )
         self.num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // self.bytes_per_block)
-        self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, config.torch_dtype,
-                                            self.device)
+        self.kv_caches = allocate_kv_caches(
+            self.model, self.num_blocks, self.block_size, config.torch_dtype, self.device
+        )
         # compiled now rather than at the step where a growing context first changes the split choice
-        self.attention_variants_warmed = kernels.warm_up_paged_attention(shape.num_heads, *self.kv_caches[0],
-                                                                         config.compute_dtype)
-        max_blocks_per_req = -(-(shape.max_position_embeddings or self.num_blocks * self.block_size)
-                                 // self.block_size)
+        self.attention_variants_warmed = kernels.warm_up_paged_attention(
+            shape.num_heads, *self.kv_caches[0], config.compute_dtype
+        )
+        max_blocks_per_req = -(-(shape.max_position_embeddings or self.num_blocks * self.block_size) // self.block_size)
         self.block_table = BlockTable(self.block_size, config.max_num_seqs, min(self.num_blocks, max_blocks_per_req))
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.spec = (None if config.speculative is None
-                     else SpecDecoder(config, self._as_target(), self.sampler, events))
+        self.spec = None if config.speculative is None else SpecDecoder(config, self._as_target(), self.sampler, events)
         self.events = events
         # (layer, SparseMoeBlock) of a mixture-of-experts model, whose routing each step reports
         self.moe_blocks = self.model.moe_blocks() if hasattr(self.model, "moe_blocks") else []
@@ -93,12 +96,14 @@ class ModelRunner:
 
     def _as_target(self) -> TargetModel:
         """What a proposer may know of this runner's model."""
-        return TargetModel(self.config, self.num_blocks, self.vocab_size, self.device, self.default_generator,
-                           self.model)
+        return TargetModel(
+            self.config, self.num_blocks, self.vocab_size, self.device, self.default_generator, self.model
+        )
 
     @torch.inference_mode()
-    def execute_model(self, output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None,
-                      guided_rows: list[int] | None = None) -> ModelRunnerOutput:
+    def execute_model(
+        self, output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None, guided_rows: list[int] | None = None
+    ) -> ModelRunnerOutput:
         """Run the step's batch; `grammar_bitmask` (one row per logits row) masks the `guided_rows`."""
         # rows of requests that finished or were preempted since the last step are reused
         self.block_table.remove(output.finished_req_ids)
@@ -114,8 +119,9 @@ class ModelRunner:
             self.spec.mirror(output.scheduled, batch.input_ids, batch.positions, batch.attn, hidden)
         prompt_logprobs = self._prompt_logprobs(output, batch, hidden)
         if not batch.sampling_rows:
-            return ModelRunnerOutput({}, {}, forward_ms=(time.perf_counter() - t0) * 1e3,
-                                     prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput(
+                {}, {}, forward_ms=(time.perf_counter() - t0) * 1e3, prompt_logprobs=prompt_logprobs
+            )
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if grammar_bitmask is not None:
             from engine.structured_output.backend_xgrammar import apply_bitmask
@@ -125,11 +131,18 @@ class ModelRunner:
         sampled, logprobs = self._sample(logits, batch)
         drafts = self.spec.propose(batch.sampling_rows, sampled) if self.spec is not None else {}
         t2 = time.perf_counter()
-        return ModelRunnerOutput(sampled, logprobs, drafts, forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,
-                                 prompt_logprobs=prompt_logprobs)
+        return ModelRunnerOutput(
+            sampled,
+            logprobs,
+            drafts,
+            forward_ms=(t1 - t0) * 1e3,
+            sample_ms=(t2 - t1) * 1e3,
+            prompt_logprobs=prompt_logprobs,
+        )
 
-    def _prompt_logprobs(self, output: SchedulerOutput, batch: _BatchInputs,
-                         hidden: torch.Tensor) -> dict[str, list[dict[int, float]]]:
+    def _prompt_logprobs(
+        self, output: SchedulerOutput, batch: _BatchInputs, hidden: torch.Tensor
+    ) -> dict[str, list[dict[int, float]]]:
         """For requests with ``prompt_logprobs``: each prompt token this step's positions predict, its raw logprob
         and the top-n. Positions already reported (before a preemption) are not reported again."""
         out: dict[str, list[dict[int, float]]] = {}
@@ -148,9 +161,9 @@ class ModelRunner:
             # Slices bound the [rows, vocab] logits a long prompt would otherwise make at once.
             for a in range(lo, hi, PROMPT_LOGPROBS_ROWS):
                 b = min(a + PROMPT_LOGPROBS_ROWS, hi)
-                rows = hidden[starts[i] + a - s.num_computed_tokens:starts[i] + b - s.num_computed_tokens]
+                rows = hidden[starts[i] + a - s.num_computed_tokens : starts[i] + b - s.num_computed_tokens]
                 logprobs = self.model.compute_logits(rows).log_softmax(dim=-1)
-                targets = torch.tensor(request.prompt_token_ids[a + 1:b + 1], device=logprobs.device)
+                targets = torch.tensor(request.prompt_token_ids[a + 1 : b + 1], device=logprobs.device)
                 chosen = logprobs.gather(1, targets[:, None])
                 top = logprobs.topk(n, dim=-1)
                 ids = torch.cat((targets[:, None], top.indices), dim=1).tolist()
@@ -166,10 +179,14 @@ class ModelRunner:
         num_experts = self.moe_blocks[0][1].num_experts
         counts = torch.stack([torch.bincount(layer.flatten(), minlength=num_experts) for layer in choices])
         starts = batch.attn.query_start_loc.tolist()
-        per_request = {s.request_id: choices[:, a:b].tolist()
-                       for s, a, b in zip(output.scheduled, starts, starts[1:])}
-        self.events.emit(MoERouted, layers=tuple(i for i, _ in self.moe_blocks), num_experts=num_experts,
-                         counts=tuple(tuple(row) for row in counts.tolist()), token_experts=per_request)
+        per_request = {s.request_id: choices[:, a:b].tolist() for s, a, b in zip(output.scheduled, starts, starts[1:])}
+        self.events.emit(
+            MoERouted,
+            layers=tuple(i for i, _ in self.moe_blocks),
+            num_experts=num_experts,
+            counts=tuple(tuple(row) for row in counts.tolist()),
+            token_experts=per_request,
+        )
 
     def _sample(self, logits: torch.Tensor, batch: _BatchInputs) -> tuple[dict, dict]:
         """Plain rows through the sampler; rows with drafts through the rejection sampler."""
@@ -183,8 +200,11 @@ class ModelRunner:
             sampled = {s.request_id: [t] for s, t in zip(rows, out.sampled_token_ids.tolist())}
             logprobs = self._logprobs(rows, out.logprobs)
         if verify:
-            sampled.update(self.spec.rejection_sampler(logits, [s for s, _ in verify], [r for _, r in verify],
-                                                       self._sampling_metadata))
+            sampled.update(
+                self.spec.rejection_sampler(
+                    logits, [s for s, _ in verify], [r for _, r in verify], self._sampling_metadata
+                )
+            )
         return sampled, logprobs
 
     def _prepare_inputs(self, output: SchedulerOutput) -> _BatchInputs:
@@ -197,17 +217,28 @@ class ModelRunner:
         positions = np.arange(cu_query[-1]) + np.repeat(starts - cu_query + query_lens, query_lens)
         slots = self.block_table.compute_slot_mapping(np.repeat(rows, query_lens), positions)
         logits_indices = np.arange(cu_logits[-1]) + np.repeat(cu_query - cu_logits, num_logits)
-        block_tables = self.block_table.block_table_np[rows, :num_blocks.max()]
+        block_tables = self.block_table.block_table_np[rows, : num_blocks.max()]
         i64 = torch.from_numpy(np.concatenate((ids, positions, slots, logits_indices))).to(self.device)
-        i32 = torch.from_numpy(np.concatenate((starts + query_lens, [0], cu_query, block_tables.ravel()),
-                                              dtype=np.int32)).to(self.device)
+        i32 = torch.from_numpy(
+            np.concatenate((starts + query_lens, [0], cu_query, block_tables.ravel()), dtype=np.int32)
+        ).to(self.device)
         num_tokens, num_reqs = len(positions), len(rows)
         input_ids, positions_t, slot_mapping, logits_idx = i64.split([num_tokens] * 3 + [len(logits_indices)])
         seq_lens, query_start_loc, tables = i32.split([num_reqs, num_reqs + 1, block_tables.size])
-        attn = AttentionMetadata(slot_mapping=slot_mapping, block_tables=tables.view(block_tables.shape),
-                                 seq_lens=seq_lens, query_start_loc=query_start_loc)
-        return _BatchInputs(input_ids=input_ids, positions=positions_t, attn=attn, logits_indices=logits_idx,
-                            sampling_rows=sampling_rows, first_rows=(cu_logits - num_logits)[num_logits > 0].tolist())
+        attn = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=tables.view(block_tables.shape),
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+        )
+        return _BatchInputs(
+            input_ids=input_ids,
+            positions=positions_t,
+            attn=attn,
+            logits_indices=logits_idx,
+            sampling_rows=sampling_rows,
+            first_rows=(cu_logits - num_logits)[num_logits > 0].tolist(),
+        )
 
     def _scan_requests(self, output: SchedulerOutput) -> tuple[list[int], np.ndarray, np.ndarray, list]:
         """Per request, in batch order: its block table row (new block ids appended), its tokens this step,
@@ -217,9 +248,9 @@ class ModelRunner:
         for s in output.scheduled:
             rows.append(self.block_table.append(s.request_id, s.block_ids))
             start, n = s.num_computed_tokens, s.num_new_tokens
-            tokens = s.request.all_token_ids[start:start + n]
+            tokens = s.request.all_token_ids[start : start + n]
             ids += tokens
-            ids += s.spec_token_ids[:n - len(tokens)]
+            ids += s.spec_token_ids[: n - len(tokens)]
             # a verify request samples at its last token and at each draft
             counts += (start, n, len(s.spec_token_ids) + 1 if s.samples else 0, len(s.block_ids))
             if s.samples:
@@ -266,5 +297,5 @@ class ModelRunner:
             n = s.request.sampling_params.logprobs
             if n is not None:
                 # column 0 is the sampled token; then the top-n
-                out[s.request_id] = [dict(zip(ids[i][:n + 1], values[i][:n + 1]))]
+                out[s.request_id] = [dict(zip(ids[i][: n + 1], values[i][: n + 1]))]
         return out

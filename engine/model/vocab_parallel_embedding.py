@@ -5,6 +5,7 @@ rank's rows past the vocabulary are zero padding, as vLLM pads). A token's vecto
 it; the others contribute zeros, and an all-reduce sums them. The LM head, tied or not, is split the same way: each
 rank computes its share of the logits and they are gathered (`LlamaForCausalLM.compute_logits`).
 """
+
 from __future__ import annotations
 
 import torch

@@ -41,10 +41,10 @@ class LogitsInputs:
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
             presence_penalties=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device),
-            frequency_penalties=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32,
-                                             device=device),
-            repetition_penalties=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32,
-                                              device=device),
+            frequency_penalties=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device),
+            repetition_penalties=torch.tensor(
+                [p.repetition_penalty for p in params], dtype=torch.float32, device=device
+            ),
             logit_bias=[p.logit_bias for p in params],
             allowed_token_ids=[p.allowed_token_ids for p in params],
             bad_words_token_ids=[getattr(r, "bad_words_token_ids", []) for r in requests],
@@ -57,15 +57,27 @@ class LogitsInputs:
         apply_bad_words(logits, self.bad_words_token_ids, self.output_token_ids)
         apply_logit_bias(logits, self.logit_bias)
         apply_min_tokens(logits, self.min_tokens_banned)
-        apply_penalties(logits, self.prompt_token_ids, self.output_token_ids, self.presence_penalties,
-                        self.frequency_penalties, self.repetition_penalties)
+        apply_penalties(
+            logits,
+            self.prompt_token_ids,
+            self.output_token_ids,
+            self.presence_penalties,
+            self.frequency_penalties,
+            self.repetition_penalties,
+        )
         return logits
 
 
 def uses_logits_options(p: SamplingParams) -> bool:
     """Whether a request changes its logits (any penalty, bias, bad word or allowed-token list)."""
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
-                or p.allowed_token_ids or p.bad_words)
+    return bool(
+        p.presence_penalty
+        or p.frequency_penalty
+        or p.repetition_penalty != 1.0
+        or p.logit_bias
+        or p.allowed_token_ids
+        or p.bad_words
+    )
 
 
 def min_tokens_banned(request) -> list[int]:
@@ -103,7 +115,7 @@ def apply_bad_words(logits: torch.Tensor, bad_words: list[list[list[int]]], outp
         past = outputs[row]
         for ids in words:
             prefix = ids[:-1]
-            if len(prefix) <= len(past) and past[len(past) - len(prefix):] == prefix:
+            if len(prefix) <= len(past) and past[len(past) - len(prefix) :] == prefix:
                 logits[row, ids[-1]] = float("-inf")
     return logits
 
@@ -122,13 +134,22 @@ def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.devi
     counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.long, device=device)
     for row, ids in enumerate(token_ids):
         if ids:
-            counts[row].index_add_(0, torch.tensor(ids, dtype=torch.long, device=device),
-                                   torch.ones(len(ids), dtype=torch.long, device=device))
+            counts[row].index_add_(
+                0,
+                torch.tensor(ids, dtype=torch.long, device=device),
+                torch.ones(len(ids), dtype=torch.long, device=device),
+            )
     return counts
 
 
-def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
-                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
     """In place, vLLM's definitions: the repetition penalty divides positive (multiplies negative) logits of
     tokens seen in the prompt or the output; the frequency penalty subtracts ``f * count`` and the presence
     penalty ``p * (count > 0)``, counting output tokens only (OpenAI's definition)."""

@@ -1,8 +1,9 @@
 """Verification: the target's distributions at k+1 positions decide which drafts stand (rejection sampling)."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -56,8 +57,9 @@ class RejectionSampler:
         self.with_draft_probs = with_draft_probs  # the proposer's drafts come with their distributions
         self.stats = SpecDecodingStats()
 
-    def __call__(self, logits: torch.Tensor, rows: list, first_rows: list[int],
-                 metadata_for: Callable) -> dict[str, list[int]]:
+    def __call__(
+        self, logits: torch.Tensor, rows: list, first_rows: list[int], metadata_for: Callable
+    ) -> dict[str, list[int]]:
         """`rows`: the ScheduledRequests with drafts; `first_rows[i]`: where request i's k+1 logits rows start;
         `metadata_for(requests)` builds SamplingMetadata for a list of ScheduledRequests."""
         counts = [len(s.spec_token_ids) for s in rows]
@@ -79,8 +81,16 @@ class RejectionSampler:
         dev, gens, default = logits.device, bonus_meta.generators, bonus_meta.default_generator
         uniform = kernels.generate_uniform_probs(counts, gens, dev, default)
         out = kernels.rejection_sample(
-            drafts, torch.tensor(counts, device=dev).cumsum(0), draft_probs, target_probs, bonus, is_greedy, uniform,
-            kernels.generate_recovery_noise(counts, logits.shape[-1], gens, dev, default), max(counts))
+            drafts,
+            torch.tensor(counts, device=dev).cumsum(0),
+            draft_probs,
+            target_probs,
+            bonus,
+            is_greedy,
+            uniform,
+            kernels.generate_recovery_noise(counts, logits.shape[-1], gens, dev, default),
+            max(counts),
+        )
         return self._emit(rows, counts, out.tolist(), drafts, target_probs, draft_probs, uniform)
 
     @staticmethod
@@ -91,13 +101,21 @@ class RejectionSampler:
         best = greedy_sample(target_logits).tolist()
         out, start = [], 0
         for s, n, extra in zip(rows, counts, bonus):
-            row, start = best[start:start + n], start + n
+            row, start = best[start : start + n], start + n
             kept = next((j for j in range(n) if s.spec_token_ids[j] != row[j]), n)
             out.append([*s.spec_token_ids[:kept], row[kept] if kept < n else extra])
         return out
 
-    def _emit(self, rows: list, counts: list[int], out: list[list[int]], drafts: torch.Tensor, target: torch.Tensor,
-              draft_probs: torch.Tensor | None, uniform: torch.Tensor) -> dict[str, list[int]]:
+    def _emit(
+        self,
+        rows: list,
+        counts: list[int],
+        out: list[list[int]],
+        drafts: torch.Tensor,
+        target: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        uniform: torch.Tensor,
+    ) -> dict[str, list[int]]:
         # what a learner needs to redo each decision: p and q of the draft, the target's argmax, the uniform draw
         p_target = target.gather(1, drafts[:, None])[:, 0].tolist()
         p_draft = None if draft_probs is None else draft_probs.gather(1, drafts[:, None])[:, 0].tolist()
@@ -109,11 +127,20 @@ class RejectionSampler:
             greedy = s.request.sampling_params.greedy
             here = slice(start, start + n)
             self.stats.record(n, accepted)
-            self.events.emit(SpecVerified, request_id=s.request_id, draft_token_ids=tuple(s.spec_token_ids),
-                             accepted=tuple(i < accepted for i in range(n)), p_target=tuple(p_target[here]),
-                             p_draft=None if p_draft is None else tuple(p_draft[here]), emitted_token=tokens[-1],
-                             bonus=accepted == n, method=self.method, rule="greedy" if greedy else "sampled",
-                             target_argmax=tuple(argmax[here]), uniform_probs=() if greedy else tuple(uniform[here]))
+            self.events.emit(
+                SpecVerified,
+                request_id=s.request_id,
+                draft_token_ids=tuple(s.spec_token_ids),
+                accepted=tuple(i < accepted for i in range(n)),
+                p_target=tuple(p_target[here]),
+                p_draft=None if p_draft is None else tuple(p_draft[here]),
+                emitted_token=tokens[-1],
+                bonus=accepted == n,
+                method=self.method,
+                rule="greedy" if greedy else "sampled",
+                target_argmax=tuple(argmax[here]),
+                uniform_probs=() if greedy else tuple(uniform[here]),
+            )
             result[s.request_id] = tokens
             start += n
         return result

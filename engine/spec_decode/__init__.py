@@ -1,4 +1,5 @@
-"""Speculative decoding: proposers (n-gram, draft model, EAGLE, Medusa) behind one interface (proposer.py), verification by
+"""Speculative decoding: proposers (n-gram, draft model, EAGLE, Medusa) behind one interface (proposer.py),
+verification by
 rejection sampling (engine/sample/rejection_sampler.py), the SpecDecoder that joins them (decoder.py).
 
 PROPOSERS is the one list of methods: EngineConfig validates speculative_config.method against it and the

@@ -1,4 +1,5 @@
 """SpecDecoder: the proposer of the configured method, the rejection sampler, and the drafts they exchange."""
+
 from __future__ import annotations
 
 import importlib
@@ -14,6 +15,7 @@ from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler
 from engine.spec_decode import PROPOSERS, method_names
 from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetBatch, TargetModel
+
 
 def proposer_class(spec: SpeculativeConfig) -> type[Proposer]:
     """The proposer registered under `spec.method` in PROPOSERS; an unknown method raises ValueError naming the
@@ -42,8 +44,14 @@ class SpecDecoder:
     def stats(self):
         return self.rejection_sampler.stats
 
-    def mirror(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
-               attn: AttentionMetadata, hidden_states: torch.Tensor) -> None:
+    def mirror(
+        self,
+        scheduled: list[ScheduledRequest],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        hidden_states: torch.Tensor,
+    ) -> None:
         """Keep the step's batch as the target ran it (with the target's final hidden states) for the proposer. It
         sees the batch once the step's tokens are drawn (in `propose`), so that each position is paired with the
         token really after it; a step where no request samples shows it now."""
@@ -52,8 +60,9 @@ class SpecDecoder:
         next_ids = input_ids.roll(-1)
         ends = [b - 1 for b in starts[1:]]
         # the token after each request's last position: the next prompt token mid-prefill; not drawn yet otherwise
-        following = [-1 if s.samples else s.request.all_token_ids[s.num_computed_tokens + s.num_new_tokens]
-                     for s in scheduled]
+        following = [
+            -1 if s.samples else s.request.all_token_ids[s.num_computed_tokens + s.num_new_tokens] for s in scheduled
+        ]
         next_ids[ends] = torch.tensor(following, dtype=next_ids.dtype, device=next_ids.device)
         self._batch = TargetBatch(input_ids, positions, attn, hidden_states, next_ids)
         self._first_rows = {s.request_id: start for s, start in zip(scheduled, starts)}
@@ -68,8 +77,9 @@ class SpecDecoder:
         # each drawn token follows the row that drew it: after a verification, the accepted drafts' rows
         drew = [(self._row_before(s, j), t) for s in rows for j, t in enumerate(sampled[s.request_id])]
         next_ids = self._batch.next_token_ids
-        next_ids[[r for r, _ in drew]] = torch.tensor([t for _, t in drew], dtype=next_ids.dtype,
-                                                      device=next_ids.device)
+        next_ids[[r for r, _ in drew]] = torch.tensor(
+            [t for _, t in drew], dtype=next_ids.dtype, device=next_ids.device
+        )
         self.proposer.mirror(self._batch)
         requests = [r for s in rows if (r := self._draft_request(s, sampled[s.request_id])) is not None]
         drafts = self.proposer.propose(requests) if requests else {}
@@ -90,5 +100,13 @@ class SpecDecoder:
         # the target's state at the position before the newest token: it sampled that token (after the accepted
         # drafts of a verification, whose later rows saw rejected drafts)
         row = self._row_before(s, len(new) - 1)
-        return DraftRequest(request.request_id, tokens, s.block_ids, k, request.sampling_params.temperature,
-                            request.generator, self._batch.hidden_states[row], row)
+        return DraftRequest(
+            request.request_id,
+            tokens,
+            s.block_ids,
+            k,
+            request.sampling_params.temperature,
+            request.generator,
+            self._batch.hidden_states[row],
+            row,
+        )

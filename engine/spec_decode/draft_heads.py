@@ -6,6 +6,7 @@ A head folder holds ``config.json`` (``method``, ``target``, ``hidden_size``, th
 vocabulary entry, as EAGLE-3's draft vocabulary) and ``manifest.json`` (how it was made: command, seed, data, steps,
 loss, held-out acceptance). ``workbench train-draft`` writes them.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,8 @@ SHARD_BYTES = 4 << 20
 def weight_files(folder: Path) -> list[Path]:
     """A head folder's safetensors: one file, or its shards in order."""
     return sorted(folder.glob("model*.safetensors"))
+
+
 DRAFT_IDS = "draft_id_to_target_id"
 
 
@@ -45,9 +48,11 @@ def default_head_path(target: str | os.PathLike, method: str) -> Path:
         folder = root / name / method
         if weight_files(folder):
             return folder
-    raise ValueError(f"speculative_config.model: no {method} head for {name!r} (looked in {trained_heads_dir()} and "
-                     f"{BUNDLED_HEADS}); give a head folder, or train one (a few minutes on a CPU): "
-                     f"workbench train-draft --method {method} --model {name}")
+    raise ValueError(
+        f"speculative_config.model: no {method} head for {name!r} (looked in {trained_heads_dir()} and "
+        f"{BUNDLED_HEADS}); give a head folder, or train one (a few minutes on a CPU): "
+        f"workbench train-draft --method {method} --model {name}"
+    )
 
 
 def head_path(model: str | None, target: str | os.PathLike, method: str) -> Path:
@@ -69,8 +74,10 @@ def load_head(folder: Path, method: str, target_hidden_size: int) -> tuple[dict,
     if config.get("method") != method:
         raise ValueError(f"speculative_config.model: {folder} holds a {config.get('method')!r} head, not {method!r}")
     if config.get("hidden_size") != target_hidden_size:
-        raise ValueError(f"speculative_config.model: the head's hidden size ({config.get('hidden_size')}) differs "
-                         f"from the target's ({target_hidden_size}); it was made for {config.get('target')!r}")
+        raise ValueError(
+            f"speculative_config.model: the head's hidden size ({config.get('hidden_size')}) differs "
+            f"from the target's ({target_hidden_size}); it was made for {config.get('target')!r}"
+        )
     return config, {name: t for file in weight_files(folder) for name, t in load_file(str(file)).items()}
 
 
@@ -79,7 +86,9 @@ def save_head(folder: Path, config: dict, tensors: dict[str, torch.Tensor], mani
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    stored = {k: (v.detach().to(torch.float16) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    stored = {
+        k: (v.detach().to(torch.float16) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()
+    }
     shards: list[dict[str, torch.Tensor]] = [{}]
     for name, t in stored.items():
         if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + t.nbytes > SHARD_BYTES:
@@ -129,8 +138,9 @@ class DraftVocab:
 
     def __init__(self, token_ids: torch.Tensor, lm_head: nn.Module, vocab_size: int) -> None:
         if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
-            raise ValueError(f"speculative_config.model: the head's draft vocabulary is not within the target's "
-                             f"{vocab_size} tokens")
+            raise ValueError(
+                f"speculative_config.model: the head's draft vocabulary is not within the target's {vocab_size} tokens"
+            )
         device = lm_head.weight.device
         self.token_ids = token_ids.to(device=device, dtype=torch.long)
         self.vocab_size = vocab_size

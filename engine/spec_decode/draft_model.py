@@ -5,6 +5,7 @@ batch as the target (so its cache holds the same tokens, chunks and prefix hits 
 from each request's newest token into the lookahead slots the scheduler allocated. Positions past a
 rejection are simply overwritten later, which keeps the cache consistent after accepts and rejects.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,16 @@ import torch
 from engine.model.attention import allocate_kv_caches
 from engine.model.loader import resolve_model
 from engine.model.registry import load_model
-from engine.spec_decode.proposer import (DraftRequest, Drafts, Proposer, TargetBatch, TargetModel, chain_drafts,
-                                         decode_metadata, sample_drafts)
+from engine.spec_decode.proposer import (
+    DraftRequest,
+    Drafts,
+    Proposer,
+    TargetBatch,
+    TargetModel,
+    chain_drafts,
+    decode_metadata,
+    sample_drafts,
+)
 
 
 class DraftModelProposer(Proposer):
@@ -24,13 +33,23 @@ class DraftModelProposer(Proposer):
     method = "draft_model"
     drafts_have_probs = True
 
-    def __init__(self, path: Path, num_speculative_tokens: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, target_vocab_size: int,
-                 default_generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        path: Path,
+        num_speculative_tokens: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        target_vocab_size: int,
+        default_generator: torch.Generator,
+    ) -> None:
         self.model, config = load_model(path, dtype, device)
         if config.vocab_size != target_vocab_size:
-            raise ValueError(f"speculative_config.model: the draft's vocabulary ({config.vocab_size}) differs from "
-                             f"the target's ({target_vocab_size})")
+            raise ValueError(
+                f"speculative_config.model: the draft's vocabulary ({config.vocab_size}) differs from "
+                f"the target's ({target_vocab_size})"
+            )
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.device = device
@@ -41,8 +60,16 @@ class DraftModelProposer(Proposer):
     def from_config(cls, target: TargetModel) -> DraftModelProposer:
         config = target.config
         spec = config.speculative
-        return cls(resolve_model(spec.model), spec.num_speculative_tokens, target.num_blocks, config.block_size,
-                   config.torch_dtype, target.device, target.vocab_size, target.default_generator)
+        return cls(
+            resolve_model(spec.model),
+            spec.num_speculative_tokens,
+            target.num_blocks,
+            config.block_size,
+            config.torch_dtype,
+            target.device,
+            target.vocab_size,
+            target.default_generator,
+        )
 
     def mirror(self, batch: TargetBatch) -> None:
         """Run the target's batch through the draft so its cache holds the same tokens."""
@@ -51,6 +78,7 @@ class DraftModelProposer(Proposer):
     def propose(self, inputs: list[DraftRequest]) -> Drafts:
         """For each request, `num_drafts` tokens sampled from the draft (argmax at temperature 0), from its newest
         token on, and their draft distributions [num_drafts, V]."""
+
         def draft(live: list[int], tokens: list[int], step: int) -> tuple[list[int], torch.Tensor]:
             live_inputs = [inputs[i] for i in live]
             return sample_drafts(self._decode(tokens, live_inputs, step), live_inputs, self.default_generator)
@@ -60,6 +88,10 @@ class DraftModelProposer(Proposer):
     def _decode(self, token_ids: list[int], inputs: list[DraftRequest], step: int) -> torch.Tensor:
         positions = [len(inp.token_ids) - 1 + step for inp in inputs]  # the newest token's, then each draft's
         attn = decode_metadata(inputs, positions, self.block_size, self.device)
-        hidden = self.model(torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device),
-                            attn, self.kv_caches)
+        hidden = self.model(
+            torch.tensor(token_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            attn,
+            self.kv_caches,
+        )
         return self.model.compute_logits(hidden)

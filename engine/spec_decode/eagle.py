@@ -11,6 +11,7 @@ its cache holds the same context, prompt chunks and prefix hits included. That s
 (as in vLLM's EagleProposer): its output at the row that drew a request's newest token predicts the state after it.
 Slots written past a rejection are overwritten later, as the draft model's.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,10 +23,17 @@ from transformers import LlamaConfig
 import kernels
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.llama import ModelShape, RotaryEmbedding
-from engine.spec_decode.draft_heads import (DRAFT_IDS, DraftVocab, head_ops, head_path, load_head,
-                                           narrow_matrices)
-from engine.spec_decode.proposer import (DraftRequest, Drafts, Proposer, TargetBatch, TargetModel, chain_drafts,
-                                         decode_metadata, sample_drafts)
+from engine.spec_decode.draft_heads import DRAFT_IDS, DraftVocab, head_ops, head_path, load_head, narrow_matrices
+from engine.spec_decode.proposer import (
+    DraftRequest,
+    Drafts,
+    Proposer,
+    TargetBatch,
+    TargetModel,
+    chain_drafts,
+    decode_metadata,
+    sample_drafts,
+)
 
 # q [N, Hq, D], k and v [N, Hkv, D] of the N tokens -> attention output [N, Hq, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -53,8 +61,9 @@ class EagleLayer(nn.Module):
         ops, n = head_ops(), x.shape[0]
         h = ops.rms_norm(x, self.input_layernorm, self.eps)
         q, k, v = ops.linear(h, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = ops.rotary(q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim),
-                          *rope)
+        q, k = ops.rotary(
+            q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim), *rope
+        )
         out = attend(q, k, v.reshape(n, self.num_kv_heads, self.head_dim))
         x = x + ops.linear(out.reshape(n, self.q_size), self.o_proj)
         h = ops.rms_norm(x, self.post_attention_layernorm, self.eps)
@@ -77,12 +86,22 @@ class EagleHead(nn.Module):
     @staticmethod
     def llama_config(config: dict) -> LlamaConfig:
         """The decoder layer's config from a head's config.json."""
-        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "rms_norm_eps", "rope_parameters", "max_position_embeddings", "vocab_size")
+        keys = (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "rope_parameters",
+            "max_position_embeddings",
+            "vocab_size",
+        )
         return LlamaConfig(num_hidden_layers=1, **{k: config[k] for k in keys})
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                attend: Attend) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         """Token embeddings and target (or predicted) hidden states [N, H] at `positions` -> predicted next
         hidden states [N, H]."""
         x = head_ops().linear(torch.cat((embeds, hidden), dim=-1), self.fc)
@@ -95,8 +114,10 @@ def paged_attention(attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kernels.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
-        return kernels.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc,
-                                       scale)
+        return kernels.paged_attention(
+            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale
+        )
+
     return attend
 
 
@@ -115,10 +136,11 @@ class EagleProposer(Proposer):
         self.block_size = config.block_size
         self.device = target.device
         self.default_generator = target.default_generator
-        self.scale = head.config.head_dim ** -0.5
+        self.scale = head.config.head_dim**-0.5
         self.dtype = config.torch_dtype  # of the states and the head's cache (its matrices may be narrower)
-        self.kv_caches = allocate_kv_caches(head, target.num_blocks, config.block_size, config.torch_dtype,
-                                            target.device)
+        self.kv_caches = allocate_kv_caches(
+            head, target.num_blocks, config.block_size, config.torch_dtype, target.device
+        )
         self.mirrored: torch.Tensor | None = None  # the states the last mirror predicted, one per batch row
 
     @classmethod
@@ -138,9 +160,12 @@ class EagleProposer(Proposer):
     def mirror(self, batch: TargetBatch) -> None:
         """Pair each position of the target's batch with the token after it, into the head's cache; keep the
         predicted states: at the rows that drew the newest tokens they are the first drafts' states."""
-        self.mirrored = self.head(self._embed(batch.next_token_ids.clamp(min=0)),
-                                  batch.hidden_states.to(self.dtype), batch.positions,
-                                  paged_attention(batch.attn, self.kv_caches[0], self.scale))
+        self.mirrored = self.head(
+            self._embed(batch.next_token_ids.clamp(min=0)),
+            batch.hidden_states.to(self.dtype),
+            batch.positions,
+            paged_attention(batch.attn, self.kv_caches[0], self.scale),
+        )
 
     def propose(self, inputs: list[DraftRequest]) -> Drafts:
         """Chain the head `num_drafts` times per request: the first from `mirror`'s pass (the target's state before
@@ -152,10 +177,16 @@ class EagleProposer(Proposer):
             rows = torch.tensor(live, device=self.device)
             if step:  # each later step pairs the state before with the draft just made, one position on
                 positions = [len(inp.token_ids) - 2 + step for inp in live_inputs]
-                states[rows] = self.head(self._embed(torch.tensor(tokens, device=self.device)), states[rows],
-                                         torch.tensor(positions, device=self.device),
-                                         paged_attention(decode_metadata(live_inputs, positions, self.block_size,
-                                                                         self.device), self.kv_caches[0], self.scale))
+                states[rows] = self.head(
+                    self._embed(torch.tensor(tokens, device=self.device)),
+                    states[rows],
+                    torch.tensor(positions, device=self.device),
+                    paged_attention(
+                        decode_metadata(live_inputs, positions, self.block_size, self.device),
+                        self.kv_caches[0],
+                        self.scale,
+                    ),
+                )
             predicted = states[rows]
             drafted, dist = sample_drafts(self.vocab.logits(predicted), live_inputs, self.default_generator)
             return self.vocab.to_target(drafted), self.vocab.to_target_probs(dist)

@@ -7,6 +7,7 @@ and a slice of the LM head. The price is that head 0 does not see x_L itself, so
 Drafts are drawn from each head's distribution independently, which is a valid proposal for exact rejection
 sampling (each draft's distribution is known and does not depend on the target's randomness).
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,8 +56,10 @@ class MedusaProposer(Proposer):
     def __init__(self, heads: MedusaHeads, draft_ids: torch.Tensor, target: TargetModel) -> None:
         k = target.config.speculative.num_speculative_tokens
         if k > len(heads.blocks):
-            raise ValueError(f"speculative_config.num_speculative_tokens: {k} drafts need {k} Medusa heads, the head "
-                             f"folder has {len(heads.blocks)}")
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens: {k} drafts need {k} Medusa heads, the head "
+                f"folder has {len(heads.blocks)}"
+            )
         self.heads = heads
         self.vocab = DraftVocab(draft_ids, target.model.lm_head, target.vocab_size)
         self.default_generator = target.default_generator
@@ -83,6 +86,8 @@ class MedusaProposer(Proposer):
         for row, inp in enumerate(inputs):
             n = inp.num_drafts
             tokens = self.vocab.to_target([per_head[i][0][row] for i in range(n)])
-            drafts[inp.request_id] = (tokens, self.vocab.to_target_probs(torch.stack([per_head[i][1][row]
-                                                                                      for i in range(n)])))
+            drafts[inp.request_id] = (
+                tokens,
+                self.vocab.to_target_probs(torch.stack([per_head[i][1][row] for i in range(n)])),
+            )
         return drafts

@@ -1,5 +1,6 @@
 """The n-gram proposer (prompt lookup): drafts are the tokens that followed an earlier occurrence of the
 sequence's last n tokens."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,9 +36,9 @@ class NgramProposer(Proposer):
         length = len(tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             # windows starting at 0 .. length-n-1: each is followed by at least one token
-            windows = sliding_window_view(tokens[:length - 1], n)
-            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+            windows = sliding_window_view(tokens[: length - 1], n)
+            hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
             if hits.size:
                 start = int(hits[0]) + n
-                return tokens[start:start + k].tolist()
+                return tokens[start : start + k].tolist()
         return []

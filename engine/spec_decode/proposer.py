@@ -1,6 +1,7 @@
 """The interface every proposer implements, and what it is given: a new method is a subclass of Proposer plus one
 entry in `PROPOSERS` (engine/spec_decode/__init__.py), under its speculative_config.method. Also what the proposers
 that run a network share: decode-step attention metadata over the target's block ids, and drawing drafts."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -90,14 +91,15 @@ class Proposer(ABC):
         do for the others."""
 
 
-def decode_metadata(inputs: list[DraftRequest], positions: list[int], block_size: int,
-                    device: torch.device) -> AttentionMetadata:
+def decode_metadata(
+    inputs: list[DraftRequest], positions: list[int], block_size: int, device: torch.device
+) -> AttentionMetadata:
     """Attention metadata for one new token per request at `positions`, over each request's own block ids (the
     target's: a proposer's cache shares them, and the scheduler allocated the lookahead slots drafts write)."""
     max_blocks = max(len(inp.block_ids) for inp in inputs)
     tables = np.zeros((len(inputs), max_blocks), dtype=np.int32)
     for i, inp in enumerate(inputs):
-        tables[i, :len(inp.block_ids)] = inp.block_ids
+        tables[i, : len(inp.block_ids)] = inp.block_ids
     slots = [int(tables[i, p // block_size]) * block_size + p % block_size for i, p in enumerate(positions)]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -107,8 +109,9 @@ def decode_metadata(inputs: list[DraftRequest], positions: list[int], block_size
     )
 
 
-def sample_drafts(logits: torch.Tensor, inputs: list[DraftRequest],
-                  default_generator: torch.Generator) -> tuple[list[int], torch.Tensor]:
+def sample_drafts(
+    logits: torch.Tensor, inputs: list[DraftRequest], default_generator: torch.Generator
+) -> tuple[list[int], torch.Tensor]:
     """One draft per row of `logits` [N, V'] (row i for inputs[i]): the argmax for a greedy request, else a draw
     from softmax(logits / temperature) with the request's generator; and those distributions [N, V'], which the
     rejection sampler needs to keep the target's distribution. A greedy row's distribution is at temperature 1, as
@@ -124,9 +127,9 @@ def sample_drafts(logits: torch.Tensor, inputs: list[DraftRequest],
     return torch.where(greedy, logits.argmax(dim=-1), sampled).tolist(), dist
 
 
-
-def chain_drafts(inputs: list[DraftRequest],
-                 draft: Callable[[list[int], list[int], int], tuple[list[int], torch.Tensor]]) -> Drafts:
+def chain_drafts(
+    inputs: list[DraftRequest], draft: Callable[[list[int], list[int], int], tuple[list[int], torch.Tensor]]
+) -> Drafts:
     """Autoregressive drafting: round j calls `draft(live, tokens, j)` for the requests that may take more than j
     drafts (their indices into `inputs`, and each one's newest token: its last sampled one, then its last draft),
     which returns one draft per live request and the distributions [len(live), V] they were drawn from."""

@@ -1,4 +1,5 @@
 """xgrammar as the guided-decoding backend: compile a request's constraint, then match tokens against it."""
+
 from __future__ import annotations
 
 import functools
@@ -13,8 +14,10 @@ try:
     from jsonschema import SchemaError
     from jsonschema.validators import Draft202012Validator, validator_for
 except ImportError as exc:  # imported at the first guided request only (manager.xgrammar_backend)
-    raise ImportError(f"structured_outputs: guided decoding needs xgrammar and jsonschema ({exc}); install them "
-                      "with `pip install xgrammar==0.2.9 jsonschema`") from exc
+    raise ImportError(
+        f"structured_outputs: guided decoding needs xgrammar and jsonschema ({exc}); install them "
+        "with `pip install xgrammar==0.2.9 jsonschema`"
+    ) from exc
 
 from engine.sampling_params import StructuredOutputsParams
 
@@ -53,10 +56,14 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     for name in ("regex", "grammar"):
         if getattr(params, name) is not None and not isinstance(getattr(params, name), str):
             raise TypeError(f"structured_outputs.{name}: expected str, got {type(getattr(params, name)).__name__}")
-    if params.json is not None and not isinstance(params.json, (dict, str)) and not (
-            isinstance(params.json, type) and hasattr(params.json, "model_json_schema")):
-        raise TypeError("structured_outputs.json: expected a dict, a JSON string or a pydantic model class, "
-                        f"got {params.json!r}")
+    if (
+        params.json is not None
+        and not isinstance(params.json, (dict, str))
+        and not (isinstance(params.json, type) and hasattr(params.json, "model_json_schema"))
+    ):
+        raise TypeError(
+            f"structured_outputs.json: expected a dict, a JSON string or a pydantic model class, got {params.json!r}"
+        )
     _validate_key(*grammar_key(params))
 
 

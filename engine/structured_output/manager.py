@@ -1,4 +1,5 @@
 """The StructuredOutputManager: compiles grammars off the step loop and keeps each guided request's matcher."""
+
 from __future__ import annotations
 
 import time
@@ -38,7 +39,8 @@ class StructuredOutputRequest:
 
 class StructuredOutputManager:
     """Owns the xgrammar backend (built on the first guided request), a compile thread pool, the compile
-    cache keyed by grammar, and the per-step bitmask. Requests wait in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR while they compile."""
+    cache keyed by grammar, and the per-step bitmask. Requests wait in
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR while they compile."""
 
     def __init__(self, tokenizer, vocab_size: int, events: EventLog, max_workers: int = 1) -> None:
         self.tokenizer = tokenizer
@@ -81,8 +83,12 @@ class StructuredOutputManager:
             return False
         finally:
             so.future = None
-        self.events.emit(GrammarCompiled, request_id=request.request_id,
-                         ms=(time.perf_counter() - so.submitted) * 1e3, cache_hit=so.cache_hit)
+        self.events.emit(
+            GrammarCompiled,
+            request_id=request.request_id,
+            ms=(time.perf_counter() - so.submitted) * 1e3,
+            cache_hit=so.cache_hit,
+        )
         request.status = RequestStatus.WAITING
         return True
 
@@ -144,7 +150,12 @@ class StructuredOutputManager:
             if not grammar.accept_token(token):
                 raise RuntimeError(f"grammar: token {token} rejected for request {request.request_id}")
         terminated = grammar.is_terminated()
-        self.events.emit(GrammarStep, request_id=request.request_id, num_allowed_tokens=self._allowed.get(request.request_id, 0),
-                         sampled_token=tokens[-1], terminated=terminated,
-                         jump_forward=None if terminated else (grammar.jump_forward_string() or None))
+        self.events.emit(
+            GrammarStep,
+            request_id=request.request_id,
+            num_allowed_tokens=self._allowed.get(request.request_id, 0),
+            sampled_token=tokens[-1],
+            terminated=terminated,
+            jump_forward=None if terminated else (grammar.jump_forward_string() or None),
+        )
         return terminated

@@ -5,6 +5,7 @@ compiled with -march=native: a build from another CPU could use instructions thi
 `make test` build it at set-up (`python -m kernels.cpu.build`, about a minute); a first use builds it too. With no
 compiler, or WORKBENCH_CPU_OPS=0, `available()` is False and the torch references run.
 """
+
 from __future__ import annotations
 
 import functools
@@ -60,8 +61,14 @@ def load_ops(name: str) -> None:
             if not stamp.is_file():  # no other process finished it while we waited
                 # every build holds the lock taken above: a torch lock file seen now was left by a dead one
                 (folder / "lock").unlink(missing_ok=True)
-                load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                     extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                load(
+                    name=name,
+                    sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    is_python_module=False,
+                    verbose=False,
+                )
                 stamp.write_text(name)
                 return
     torch.ops.load_library(str(library))
@@ -79,9 +86,12 @@ def available() -> bool:
     try:
         load_ops(build_name())
     except Exception as exc:  # no compiler, no ninja, a failed build: the references still run, slower
-        warnings.warn(f"kernels.cpu: the C++ CPU ops could not be built ({type(exc).__name__}: {exc}); the torch "
-                      "reference kernels run instead. Install a C++ compiler (Debian: build-essential).",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"kernels.cpu: the C++ CPU ops could not be built ({type(exc).__name__}: {exc}); the torch "
+            "reference kernels run instead. Install a C++ compiler (Debian: build-essential).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return False
     return True
 

@@ -1,6 +1,7 @@
 """The C++ CPU ops with the signatures of ``kernels.reference``, each falling back to the reference for what it
 does not cover (a linear of more rows than ROW_LIMITS gives its weight's dtype, float16 or bfloat16 activations,
 groups of more than 8 query heads per kv head); a float32 linear of more rows than SMALL_M is oneDNN's."""
+
 from __future__ import annotations
 
 import torch
@@ -54,10 +55,14 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    if (q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.bfloat16)
-            and q.shape[1] // k_cache.shape[2] <= 8):
-        return torch.ops.workbench_cpu.paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                                       query_start_loc, scale)
+    if (
+        q.dtype == torch.float32
+        and k_cache.dtype in (torch.float32, torch.bfloat16)
+        and q.shape[1] // k_cache.shape[2] <= 8
+    ):
+        return torch.ops.workbench_cpu.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        )
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
@@ -75,11 +80,14 @@ def fused_add_rms_norm(
     return reference.fused_add_rms_norm(x, residual, weight, eps)
 
 
-def rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if (q.dtype == k.dtype == cos.dtype == torch.float32 and q.stride(-1) == 1 and k.stride(-1) == 1
-            and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]):
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if (
+        q.dtype == k.dtype == cos.dtype == torch.float32
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and q.stride(1) == q.shape[2]
+        and k.stride(1) == k.shape[2]
+    ):
         return torch.ops.workbench_cpu.rotary(q, k, cos, sin)
     return reference.rotary(q, k, cos, sin)
 

@@ -54,8 +54,10 @@ def _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.conste
 # step) only offsets a row (a variant when it is a multiple of 16); the query start locations and block ids are
 # read a scalar or two at a time, and the runner packs them after the sequence lengths, so their 16-byte
 # alignment follows the number of sequences.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
-            do_not_specialize_on_alignment=["query_start_loc_ptr", "block_tables_ptr"])
+@triton.jit(
+    do_not_specialize=["num_seqs", "stride_bt"],
+    do_not_specialize_on_alignment=["query_start_loc_ptr", "block_tables_ptr"],
+)
 def _unified_attention_kernel(
     out_ptr,  # [T, Hq, D]; unused when NUM_SPLITS > 1
     partial_acc_ptr,  # [T, Hq, NUM_SPLITS, HEAD_SIZE_PADDED] fp32; unused when NUM_SPLITS == 1
@@ -136,14 +138,20 @@ def _unified_attention_kernel(
         block = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         slot_in_block = kv_pos % BLOCK_SIZE
         k = tl.load(  # [D, TILE]
-            k_cache_ptr + block[None, :] * stride_k_b + slot_in_block[None, :] * stride_k_s
-            + kv_head * stride_k_h + offs_d[:, None],
+            k_cache_ptr
+            + block[None, :] * stride_k_b
+            + slot_in_block[None, :] * stride_k_s
+            + kv_head * stride_k_h
+            + offs_d[:, None],
             mask=d_ok[:, None] & kv_ok[None, :],
             other=0.0,
         )
         v = tl.load(  # [TILE, D]
-            v_cache_ptr + block[:, None] * stride_v_b + slot_in_block[:, None] * stride_v_s
-            + kv_head * stride_v_h + offs_d[None, :],
+            v_cache_ptr
+            + block[:, None] * stride_v_b
+            + slot_in_block[:, None] * stride_v_s
+            + kv_head * stride_v_h
+            + offs_d[None, :],
             mask=kv_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
@@ -205,8 +213,11 @@ def _reduce_splits_kernel(
     part = (token * num_heads + head) * NUM_SPLITS + offs_s
     m = tl.load(partial_max_ptr + part, mask=s_ok, other=float("-inf"))
     l_s = tl.load(partial_sum_ptr + part, mask=s_ok, other=0.0)
-    acc = tl.load(partial_acc_ptr + part[:, None] * HEAD_SIZE_PADDED + offs_d[None, :],
-                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = tl.load(
+        partial_acc_ptr + part[:, None] * HEAD_SIZE_PADDED + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     m_max = tl.max(m, axis=0)  # finite: key 0 is visible to every query
     weight = tl.exp2(m - m_max)  # empty splits (max -inf) weigh 0
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
@@ -247,7 +258,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """``kernels.reference.paged_attention`` in Triton; split-KV for decode batches where it pays."""
     num_splits = choose_num_kv_splits(
-        q.shape[0], seq_lens.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
+        q.shape[0],
+        seq_lens.shape[0],
+        k_cache.shape[2],
+        block_tables.shape[1] * k_cache.shape[1],
         _num_sms(q.device),
     )
     return unified_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, num_splits)
@@ -295,25 +309,59 @@ def unified_attention(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_kv_splits)
     partial_acc = partial_max = partial_sum = out  # placeholders, never touched with one split
     if num_kv_splits > 1:
-        partial_acc = torch.empty(num_tokens, num_heads, num_kv_splits, head_padded, dtype=torch.float32,
-                                  device=q.device)
+        partial_acc = torch.empty(
+            num_tokens, num_heads, num_kv_splits, head_padded, dtype=torch.float32, device=q.device
+        )
         partial_max = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)
     _unified_attention_kernel[grid](
-        out, partial_acc, partial_max, partial_sum, q, k_cache, v_cache, block_tables, seq_lens,
-        query_start_loc, scale * LOG2E, num_seqs, num_heads,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, TILE=TILE_SIZE,
-        HEAD_SIZE=head_size, HEAD_SIZE_PADDED=head_padded, NUM_SPLITS=num_kv_splits,
+        out,
+        partial_acc,
+        partial_max,
+        partial_sum,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * LOG2E,
+        num_seqs,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_SIZE=block_size,
+        TILE=TILE_SIZE,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=head_padded,
+        NUM_SPLITS=num_kv_splits,
         UPCAST=q.device.type != "cuda" or q.dtype == torch.float32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     if num_kv_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, partial_acc, partial_max, partial_sum, num_heads, out.stride(0), out.stride(1),
-            HEAD_SIZE=head_size, HEAD_SIZE_PADDED=head_padded, NUM_SPLITS=num_kv_splits,
+            out,
+            partial_acc,
+            partial_max,
+            partial_sum,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=head_padded,
+            NUM_SPLITS=num_kv_splits,
             SPLITS_PADDED=triton.next_power_of_2(num_kv_splits),
         )
     return out

@@ -152,13 +152,34 @@ def rejection_sample(
     draft_arg = target_probs if is_ngram else draft_probs  # a valid pointer the n-gram kernels never read
     if num_tokens > 0 and max_spec_len > 0:
         _recovered_tokens_kernel[(batch_size, max_spec_len)](
-            recovered, cu_num_draft_tokens, draft_token_ids, draft_arg, target_probs, recovery_noise, is_greedy,
-            vocab_size, draft_arg.stride(0), target_probs.stride(0), recovery_noise.stride(0),
-            IS_NGRAM=is_ngram, BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab_size)),
+            recovered,
+            cu_num_draft_tokens,
+            draft_token_ids,
+            draft_arg,
+            target_probs,
+            recovery_noise,
+            is_greedy,
+            vocab_size,
+            draft_arg.stride(0),
+            target_probs.stride(0),
+            recovery_noise.stride(0),
+            IS_NGRAM=is_ngram,
+            BLOCK=min(BLOCK_V, triton.next_power_of_2(vocab_size)),
         )
     _rejection_sample_kernel[(batch_size,)](
-        out, cu_num_draft_tokens, draft_token_ids, draft_arg, target_probs, target_argmax, recovered,
-        bonus_token_ids.reshape(-1), is_greedy, uniform_probs.float(), draft_arg.stride(0),
-        target_probs.stride(0), max_spec_len, IS_NGRAM=is_ngram,
+        out,
+        cu_num_draft_tokens,
+        draft_token_ids,
+        draft_arg,
+        target_probs,
+        target_argmax,
+        recovered,
+        bonus_token_ids.reshape(-1),
+        is_greedy,
+        uniform_probs.float(),
+        draft_arg.stride(0),
+        target_probs.stride(0),
+        max_spec_len,
+        IS_NGRAM=is_ngram,
     )
     return out

@@ -1,7 +1,8 @@
 """Fakes for the core tests: requests, configs, and a harness that drives the Scheduler without a model."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -17,18 +18,38 @@ EOS = 2
 TOKEN = 7
 
 
-def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 16, priority: int = 0,
-                 arrival_time: float | None = None, cache_salt: str | None = None, **params) -> Request:
+def make_request(
+    rid: str,
+    prompt: list[int] | int,
+    max_tokens: int = 16,
+    priority: int = 0,
+    arrival_time: float | None = None,
+    cache_salt: str | None = None,
+    **params,
+) -> Request:
     """A request over `prompt` (a token list, or a length: tokens 1000, 1001, ... distinct from EOS/TOKEN)."""
     tokens = list(range(1000, 1000 + prompt)) if isinstance(prompt, int) else prompt
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS,
-                   priority=priority, cache_salt=cache_salt, arrival_time=arrival_time)
+    return Request(
+        rid,
+        tokens,
+        SamplingParams(max_tokens=max_tokens, **params),
+        eos_token_id=EOS,
+        priority=priority,
+        cache_salt=cache_salt,
+        arrival_time=arrival_time,
+    )
 
 
 def make_config(**overrides) -> EngineConfig:
     """A config that loads nothing; max_model_len is explicit because no model resolves it."""
-    settings = dict(model="tiny-llama", device="cpu", block_size=4, max_model_len=4096,
-                    max_num_batched_tokens=64, enable_prefix_caching=False)
+    settings = dict(
+        model="tiny-llama",
+        device="cpu",
+        block_size=4,
+        max_model_len=4096,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+    )
     settings.update(overrides)
     return EngineConfig(**settings)
 
@@ -63,8 +84,13 @@ class SchedulerHarness:
     def __init__(self, num_blocks: int = 64, **config_overrides) -> None:
         self.config = make_config(**config_overrides)
         self.events = EventLog()
-        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
-                                 self.config.prefix_caching_hash_algo, self.events)
+        self.kv = KVCacheManager(
+            num_blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            self.config.prefix_caching_hash_algo,
+            self.events,
+        )
         self.scheduler = Scheduler(self.config, self.kv, self.events)
         self.phase_tracker = PhaseTracker(self.events)
         self.step_count = 0
@@ -116,4 +142,3 @@ class SchedulerHarness:
 
     def of_kind(self, kind: str) -> list[Event]:
         return [e for e in self.last_events if e.kind == kind]
-

@@ -4,7 +4,6 @@ import pytest
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.events import EventLog
-
 from tests.core.helpers import check_usage, free_ids, make_request
 
 BLOCK_SIZE = 4

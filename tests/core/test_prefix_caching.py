@@ -15,7 +15,6 @@ from engine.core.block_hash import HASH_FUNCTIONS, extra_keys_for_block, hash_he
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.events import EventLog
 from engine.request import Request
-
 from tests.core.helpers import SchedulerHarness, check_usage, free_ids, make_request
 
 BLOCK_SIZE = 4
@@ -67,7 +66,7 @@ def test_prefill_miss_then_hit_with_ref_counts_and_free_order(algo):
     hash_fn = HASH_FUNCTIONS[algo]
     parent = None
     for i, block_id in enumerate([1, 2, 3]):
-        parent = hash_fn(parent, COMMON[i * 4:(i + 1) * 4], None)
+        parent = hash_fn(parent, COMMON[i * 4 : (i + 1) * 4], None)
         assert r0.block_hashes[i] == parent
         assert kv.block_pool.blocks[block_id].block_hash == parent
         assert kv.block_pool.get_cached_block(parent) is kv.block_pool.blocks[block_id]
@@ -109,7 +108,11 @@ def test_hit_is_capped_so_the_last_prompt_token_is_computed(algo):
     assert prefill(kv, r1) == ([1, 2], 8)
     (lookup,) = events_of(kv, "prefix.lookup")
     assert (lookup.request_id, lookup.num_queried_blocks, lookup.num_hit_blocks, lookup.num_hit_tokens) == (
-        "r1", 2, 2, 8)
+        "r1",
+        2,
+        2,
+        8,
+    )
     # its third block is recomputed into a new block; block 3 keeps the cache entry and stays free
     assert kv.get_block_ids("r1") == [1, 2, 4]
     assert kv.block_pool.get_cached_block(r1.block_hashes[2]).block_id == 3
@@ -297,8 +300,9 @@ def test_sha256_chain_is_the_same_in_another_process():
         "    parent = sha256_hash(parent, block, ('salt', None) if parent is None else None)\n"
         "    print(parent.hex())\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
     parent, here = None, []
     for block in tokens:
         parent = sha256_hash(parent, block, ("salt", None) if parent is None else None)
@@ -331,8 +335,13 @@ def test_kv_evicted_event_names_the_reused_block_and_its_old_hash():
     assert kv.get_block_ids("r1") == [4, 3]
     evicted = events_of(kv, "kv.evicted")
     assert [(e.block_id, e.block_hash) for e in evicted] == [(3, hash_hex(r0.block_hashes[2]))]
-    assert [e.kind for e in kv.events.events] == ["prefix.lookup", "kv.evicted", "kv.allocated",
-                                                   "kv.cached", "kv.cached"]
+    assert [e.kind for e in kv.events.events] == [
+        "prefix.lookup",
+        "kv.evicted",
+        "kv.allocated",
+        "kv.cached",
+        "kv.cached",
+    ]
 
 
 def test_each_lookup_emits_one_prefix_lookup_event():
@@ -343,7 +352,9 @@ def test_each_lookup_emits_one_prefix_lookup_event():
         kv.get_computed_blocks(make_request(rid, COMMON[:8] + [77] * 6))
     lookups = events_of(kv, "prefix.lookup")
     assert [(e.request_id, e.num_queried_blocks, e.num_hit_blocks, e.num_hit_tokens) for e in lookups] == [
-        ("a", 3, 2, 8), ("b", 3, 2, 8)]
+        ("a", 3, 2, 8),
+        ("b", 3, 2, 8),
+    ]
 
 
 def test_scheduled_request_sharing_three_blocks_of_16_gets_48_cached_tokens():

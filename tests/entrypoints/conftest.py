@@ -1,5 +1,6 @@
 """One OpenAI-compatible server over tiny-llama per module, on a free loopback port, served by uvicorn in a thread
 of the test process (so tests read its engine's blocks directly); stopped and joined at the end."""
+
 from __future__ import annotations
 
 import threading

@@ -5,6 +5,7 @@ and closing leaves no process behind.
 
 One LLM serves the module (a replica's start-up takes seconds on two cores); the kill test runs last. Replicas are
 frozen with SIGSTOP where a test needs their reported counts to hold still."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,13 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.events import Event
 
 KW = dict(block_size=16, num_kv_blocks=64, max_model_len=512)
-PROMPTS = ["The capital of France is a city of light, of river banks and of long avenues where",
-           "Once upon a time", [1000 + 3 * i for i in range(40)], "Hello there, my friend", [7, 8, 9, 10] * 9]
+PROMPTS = [
+    "The capital of France is a city of light, of river banks and of long avenues where",
+    "Once upon a time",
+    [1000 + 3 * i for i in range(40)],
+    "Hello there, my friend",
+    [7, 8, 9, 10] * 9,
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
 LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
 
@@ -59,13 +65,17 @@ def test_bad_data_parallel_size_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="data_parallel_size.*tensor_parallel_size"):
         EngineConfig(model="tiny-llama", data_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="data_parallel_size.*kv_transfer_config"):
-        EngineConfig(model="tiny-llama", data_parallel_size=2,
-                     kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"})
+        EngineConfig(
+            model="tiny-llama",
+            data_parallel_size=2,
+            kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"},
+        )
     with pytest.raises(ValueError, match="data_parallel_routing"):
         EngineConfig(model="tiny-llama", data_parallel_size=2, data_parallel_routing="random")
     with pytest.raises(ValueError, match="data_parallel_routing.*enable_prefix_caching"):
-        EngineConfig(model="tiny-llama", data_parallel_size=2, data_parallel_routing="prefix",
-                     enable_prefix_caching=False)
+        EngineConfig(
+            model="tiny-llama", data_parallel_size=2, data_parallel_routing="prefix", enable_prefix_caching=False
+        )
     with pytest.raises(ValueError, match="data_parallel_size"):
         LLM(model="tiny-llama", data_parallel_size=0)  # refused before any process starts
 
@@ -111,9 +121,9 @@ def test_routing_follows_the_score_exactly(llm) -> None:
     assert [e.request_id for e in routed] == [a, *rids]
     got = [(e.replica, e.scores, e.waiting, e.running) for e in routed]
     assert got == [
-        ("dp-0", (0, 0), (0, 0), (0, 0)),   # a tie goes to the lowest index
-        ("dp-1", (1, 0), (0, 0), (1, 0)),   # dp-0 runs A
-        ("dp-0", (1, 4), (0, 1), (1, 0)),   # the request sent to dp-1 counts as waiting: 4
+        ("dp-0", (0, 0), (0, 0), (0, 0)),  # a tie goes to the lowest index
+        ("dp-1", (1, 0), (0, 0), (1, 0)),  # dp-0 runs A
+        ("dp-0", (1, 4), (0, 1), (1, 0)),  # the request sent to dp-1 counts as waiting: 4
         ("dp-1", (5, 4), (1, 1), (1, 0)),
         ("dp-0", (5, 8), (1, 2), (1, 0)),
     ]
@@ -161,7 +171,7 @@ def _dp1_stopped():
     try:
         llm.generate(PROMPTS[:2], GREEDY)  # a burst: one on each replica
         assert {e.replica for e in _routed(client)} == {"dp-0", "dp-1"}
-        client.tokenizer  # add_request's event reads it: loaded before any timing
+        _ = client.tokenizer  # add_request's event reads it: loaded before any timing
         os.kill(dp1.process.pid, signal.SIGSTOP)
         yield client, timeout
     finally:

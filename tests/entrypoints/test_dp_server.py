@@ -5,6 +5,7 @@ field named), the replica's own refusals included; a closed stream aborts its re
 refused naming data_parallel_size; /metrics follow the front end's records; a killed replica fails only its own
 stream, later requests go to the live one, and no replica outlives the server; `workbench serve
 --data-parallel-size 2` serves and leaves no process behind."""
+
 from __future__ import annotations
 
 import asyncio
@@ -53,8 +54,7 @@ def test_concurrent_streams_equal_one_engine_and_use_both_replicas(dp_served, of
     first = len(dp_served.llm.engine.routing_events())
 
     async def one(client, prompt: str) -> tuple[str, str]:
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                                                 stream=True)
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
         text, finish = "", None
         async for chunk in stream:
             text += chunk.choices[0].text
@@ -78,19 +78,22 @@ def test_chat_and_logprobs_equal_one_engine(dp_served, offline):
     client = dp_served.client()
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)
     assert reply.choices[0].message.content == expected.text
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     # logprobs stream whole at the end (replicas stream tokens alone), the same as one engine's
     want = offline.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=5, logprobs=2), use_tqdm=False)[0]
-    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
-                                              stream=True))
+    streamed = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, stream=True)
+    )
     got = [lp for c in streamed if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
     assert got == pytest.approx([entry[t] for t, entry in zip(want.token_ids, want.logprobs)], abs=1e-4)
 
 
-@pytest.mark.parametrize("endpoint, body, status, param", BAD,
-                         ids=[f"{e}-{p}-{i}" for i, (e, _, _, p) in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "endpoint, body, status, param", BAD, ids=[f"{e}-{p}-{i}" for i, (e, _, _, p) in enumerate(BAD)]
+)
 def test_bad_input_is_refused_as_by_one_engine(dp_served, endpoint, body, status, param):
     check_refused(dp_served, endpoint, body, status, param)
 
@@ -105,8 +108,9 @@ def test_a_replicas_refusal_names_its_limit(dp_served):
 def test_a_closed_stream_aborts_on_its_replica_and_nothing_leaks(dp_served):
     async def cut():
         async with dp_served.async_client() as client:
-            stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True})
+            stream = await client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            )
             async for _ in stream:
                 break
             await stream.close()
@@ -134,15 +138,19 @@ def test_metrics_follow_the_front_ends_records(dp_served):
     dp_served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0)
     after = _metrics(dp_served)
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 7
-    assert after["vllm:request_success_total{finished_reason=length}"] \
-        - before["vllm:request_success_total{finished_reason=length}"] == 1
+    assert (
+        after["vllm:request_success_total{finished_reason=length}"]
+        - before["vllm:request_success_total{finished_reason=length}"]
+        == 1
+    )
     records = dp_served.llm.engine.front_end_records()
     assert any(r.of_kind("dp.routed") for r in records) and any(r.of_kind("dp.load") for r in records)
 
 
 def test_a_killed_replica_fails_only_its_stream_and_no_replica_outlives_the_server(tiny_model_path, offline):
-    expected = offline.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
-                                use_tqdm=False)[0]
+    expected = offline.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), use_tqdm=False
+    )[0]
     gen = serving(_dp_llm())
     served = next(gen)
     procs = [inst.process for inst in served.llm.engine.instances]
@@ -158,8 +166,9 @@ def test_a_killed_replica_fails_only_its_stream_and_no_replica_outlives_the_serv
             for chunk in second:
                 text += chunk.choices[0].text
         assert "".join(c.choices[0].text for c in first) == expected.text  # dp-0's stream, untouched
-        later = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0,
-                                          extra_body={"ignore_eos": True})
+        later = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert later.choices[0].text == expected.text and _routed(served)[-1].replica == "dp-0"
         assert [e.replica for e in served.llm.engine.routing_events() if e.kind == "dp.replica_dead"] == ["dp-1"]
     finally:
@@ -171,8 +180,22 @@ def test_workbench_serve_with_data_parallelism_leaves_no_process(tiny_model_path
     # SIGTERM: uvicorn stops, then re-raises it, so the process ends without its `finally`; the replicas see their
     # pipe close and stop on their own (the worst case: a parent that could not clean up)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "workbench.cli", "serve", MODEL, "--port", str(port),
-                               "--data-parallel-size", "2", "--num-kv-blocks", "128"], stderr=subprocess.PIPE)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "workbench.cli",
+            "serve",
+            MODEL,
+            "--port",
+            str(port),
+            "--data-parallel-size",
+            "2",
+            "--num-kv-blocks",
+            "128",
+        ],
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_for_http(f"http://127.0.0.1:{port}/health", server, 300, "workbench serve")
         replicas = psutil.Process(server.pid).children(recursive=True)

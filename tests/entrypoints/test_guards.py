@@ -1,6 +1,7 @@
 """The server's door without an engine (engine/entrypoints/openai/guards.py): with a key, every route but /health and
 /metrics, pages and websockets included, needs it (a header, or the cookie the login form or `?key=` gives once);
 without one, beyond the loopback, `workbench serve` warns loudly."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,12 @@ def test_without_the_key_every_door_but_health_and_metrics_is_shut():
             assert reply.status_code == 401 and reply.json()["error"]["type"] == "AuthenticationError", path
         page = client.get("/dashboard", headers=HTML)  # a browser: the form asking for the key, nothing else
         assert page.status_code == 401 and 'name="key"' in page.text and "step 0" not in page.text
-        for headers in ({}, {"authorization": "Bearer wrong"}, {"cookie": f"{guards.COOKIE}=forged"},
-                        {"cookie": f"{guards.COOKIE}={KEY}"}):  # the key itself is not the session token
+        for headers in (
+            {},
+            {"authorization": "Bearer wrong"},
+            {"cookie": f"{guards.COOKIE}=forged"},
+            {"cookie": f"{guards.COOKIE}={KEY}"},
+        ):  # the key itself is not the session token
             with pytest.raises(WebSocketDisconnect) as refused:
                 with client.websocket_connect("/dashboard/ws", headers=headers) as ws:
                     ws.receive_text()
@@ -92,10 +97,21 @@ def test_a_body_past_the_limit_is_refused_before_the_key_is_needed_only_when_sig
         assert reply.status_code == 413 and "10000 bytes" in reply.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("host, api_key, warns", [
-    ("127.0.0.1", None, False), ("localhost", None, False), ("::1", None, False), ("[::1]", None, False),
-    ("127.0.0.2", None, False), ("0.0.0.0", None, True), ("::", None, True), ("192.168.1.5", None, True),
-    ("myhost.example", None, True), ("0.0.0.0", "k", False)])
+@pytest.mark.parametrize(
+    "host, api_key, warns",
+    [
+        ("127.0.0.1", None, False),
+        ("localhost", None, False),
+        ("::1", None, False),
+        ("[::1]", None, False),
+        ("127.0.0.2", None, False),
+        ("0.0.0.0", None, True),
+        ("::", None, True),
+        ("192.168.1.5", None, True),
+        ("myhost.example", None, True),
+        ("0.0.0.0", "k", False),
+    ],
+)
 def test_serving_beyond_the_loopback_without_a_key_warns(host, api_key, warns):
     warning = guards.warn_if_exposed(host, api_key)
     assert (warning is not None) == warns
@@ -104,7 +120,9 @@ def test_serving_beyond_the_loopback_without_a_key_warns(host, api_key, warns):
 
 
 def test_bad_guard_settings_are_refused_when_the_app_is_built():
-    for kwargs, field in (({"api_key": ""}, "api_key"), ({"api_key": None, "max_request_body_bytes": 0},
-                                                         "max_request_body_bytes")):
+    for kwargs, field in (
+        ({"api_key": ""}, "api_key"),
+        ({"api_key": None, "max_request_body_bytes": 0}, "max_request_body_bytes"),
+    ):
         with pytest.raises(ValueError, match=field):
             guards.install(FastAPI(), **kwargs)

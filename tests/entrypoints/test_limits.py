@@ -2,6 +2,7 @@
 naming the field and the limit, at once (the `n = 1000000` request used to hold the server for minutes), and the
 server serves on; a body past the limit is a 413; a flood past the waiting queue's bound gets 503s. The same limits
 through `SamplingParams`, `LLM` and `AsyncLLM`: a ValueError naming the field."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,11 +34,15 @@ OVERSIZED = [
     ("completions", {"prompt": PROMPT, "logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias", "1024"),
     ("chat", {"messages": USER, "bad_words": ["w"] * 1025}, "bad_words", "1024"),
     ("chat", {"messages": USER, "bad_words": ["w" * 1025]}, "bad_words", "1024"),
-    ("completions", {"prompt": PROMPT, "allowed_token_ids": [1] * (limits.MAX_ALLOWED_TOKEN_IDS + 1)},
-     "allowed_token_ids", str(limits.MAX_ALLOWED_TOKEN_IDS)),
+    (
+        "completions",
+        {"prompt": PROMPT, "allowed_token_ids": [1] * (limits.MAX_ALLOWED_TOKEN_IDS + 1)},
+        "allowed_token_ids",
+        str(limits.MAX_ALLOWED_TOKEN_IDS),
+    ),
     ("completions", {"prompt": PROMPT, "allowed_token_ids": []}, "allowed_token_ids", "at least 1"),
-    ("completions", {"prompt": PROMPT, "seed": 2 ** 63}, "seed", str(2 ** 63 - 1)),
-    ("completions", {"prompt": PROMPT, "seed": -(2 ** 63) - 1}, "seed", str(-(2 ** 63))),
+    ("completions", {"prompt": PROMPT, "seed": 2**63}, "seed", str(2**63 - 1)),
+    ("completions", {"prompt": PROMPT, "seed": -(2**63) - 1}, "seed", str(-(2**63))),
     ("completions", {"prompt": [[[1, 2]]]}, "prompt", "prompt"),
     ("completions", {"prompt": [[1, 2], [3, 4]]}, "prompt", "batch of 2"),
     ("completions", {"prompt": [1] * ((1 << 17) + 1)}, "prompt", str(1 << 17)),
@@ -45,10 +50,10 @@ OVERSIZED = [
 ]
 
 
-@pytest.mark.parametrize("endpoint, body, param, limit", OVERSIZED,
-                         ids=[f"{e}-{p}-{i}" for i, (e, _, p, _) in enumerate(OVERSIZED)])
-def test_every_oversized_field_is_refused_at_once_naming_the_field_and_the_limit(served, endpoint, body, param,
-                                                                                limit):
+@pytest.mark.parametrize(
+    "endpoint, body, param, limit", OVERSIZED, ids=[f"{e}-{p}-{i}" for i, (e, _, p, _) in enumerate(OVERSIZED)]
+)
+def test_every_oversized_field_is_refused_at_once_naming_the_field_and_the_limit(served, endpoint, body, param, limit):
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     t0 = time.perf_counter()
     reply = httpx.post(f"{served.base_url}{path}", json={"model": MODEL, **body}, timeout=60)
@@ -79,6 +84,7 @@ def test_a_body_past_the_limit_is_413_announced_or_chunked(served):
             def chunks():  # no Content-Length: counted as it arrives
                 for _ in range(20):
                     yield b" " * 100
+
             reply = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
             assert reply.status_code == 413 and reply.json()["error"]["code"] == 413, reply.text
             ok = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
@@ -88,12 +94,16 @@ def test_a_body_past_the_limit_is_413_announced_or_chunked(served):
 
 
 def test_framework_errors_are_in_openai_shape(served):
-    for method, path, body, status in (("GET", "/v1/nowhere", None, 404), ("GET", "/v1/completions", None, 405),
-                                       ("POST", "/v1/completions", b"{not json", 400),
-                                       ("POST", "/v1/completions", b"[" * 200_000, 400),
-                                       ("POST", "/step?num_steps=many", None, 400)):
-        reply = httpx.request(method, f"{served.base_url}{path}", content=body, timeout=60,
-                              headers={"content-type": "application/json"})
+    for method, path, body, status in (
+        ("GET", "/v1/nowhere", None, 404),
+        ("GET", "/v1/completions", None, 405),
+        ("POST", "/v1/completions", b"{not json", 400),
+        ("POST", "/v1/completions", b"[" * 200_000, 400),
+        ("POST", "/step?num_steps=many", None, 400),
+    ):
+        reply = httpx.request(
+            method, f"{served.base_url}{path}", content=body, timeout=60, headers={"content-type": "application/json"}
+        )
         assert reply.status_code == status, (path, reply.text)
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}, reply.text
 
@@ -126,14 +136,18 @@ def test_a_flood_past_the_waiting_bound_gets_503_and_nothing_is_queued(tiny_mode
 
 
 def test_sampling_params_limits_name_the_field():
-    for kwargs, field in (({"seed": 2 ** 63}, "seed"), ({"stop": ["s"] * 65}, "stop"),
-                          ({"stop": "s" * 1025}, "stop"), ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
-                          ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
-                          ({"bad_words": ["w"] * 1025}, "bad_words"),
-                          ({"allowed_token_ids": [1] * (limits.MAX_ALLOWED_TOKEN_IDS + 1)}, "allowed_token_ids")):
+    for kwargs, field in (
+        ({"seed": 2**63}, "seed"),
+        ({"stop": ["s"] * 65}, "stop"),
+        ({"stop": "s" * 1025}, "stop"),
+        ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
+        ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
+        ({"bad_words": ["w"] * 1025}, "bad_words"),
+        ({"allowed_token_ids": [1] * (limits.MAX_ALLOWED_TOKEN_IDS + 1)}, "allowed_token_ids"),
+    ):
         with pytest.raises(ValueError, match=f"^{field}: (at most|must be in)"):
             SamplingParams(**kwargs)
-    SamplingParams(seed=-(2 ** 63), stop=["s"] * 64, logit_bias={i: 1.0 for i in range(1024)})  # at the limits: fine
+    SamplingParams(seed=-(2**63), stop=["s"] * 64, logit_bias={i: 1.0 for i in range(1024)})  # at the limits: fine
 
 
 def test_llm_and_async_llm_refuse_past_the_engine_limits(tiny_model_path):
@@ -141,8 +155,11 @@ def test_llm_and_async_llm_refuse_past_the_engine_limits(tiny_model_path):
     from engine.async_llm import AsyncLLM
 
     llm = LLM(model=MODEL, max_num_seqs=8, max_logprobs=3, **ENGINE)
-    for params, field in ((SamplingParams(n=9), "n"), (SamplingParams(logprobs=4), "logprobs"),
-                          (SamplingParams(prompt_logprobs=4), "prompt_logprobs")):
+    for params, field in (
+        (SamplingParams(n=9), "n"),
+        (SamplingParams(logprobs=4), "logprobs"),
+        (SamplingParams(prompt_logprobs=4), "prompt_logprobs"),
+    ):
         t0 = time.perf_counter()
         with pytest.raises(ValueError, match=f"^{field}: at most"):
             llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=2), params], use_tqdm=False)

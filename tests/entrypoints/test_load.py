@@ -3,6 +3,7 @@ the client, malformed requests in the same burst (workbench/bench/http_serve.py'
 serve --chaos-*` uses too). Every stream that finished ends with `data: [DONE]` and its greedy text equals a
 sequential run's; every malformed request gets a 4xx; /health answers throughout; nothing is lost and no KV block
 leaks."""
+
 from __future__ import annotations
 
 import random
@@ -18,16 +19,17 @@ NUM_STREAMS = 16
 def test_a_burst_with_cuts_and_malformed_requests_loses_nothing(served, offline):
     rng = random.Random(7)
     words = ["paged", "blocks", "tokens", "budget", "prefix", "cache", "decode", "batch", "queue", "step"]
-    prompts = [f"Stream {i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(2, 10)))
-               for i in range(NUM_STREAMS)]
+    prompts = [
+        f"Stream {i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(2, 10))) for i in range(NUM_STREAMS)
+    ]
     ids = [offline.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     # the sequential run: one request at a time, nothing beside it
-    expected = [offline.generate([p], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].text
-                for p in ids]
+    expected = [
+        offline.generate([p], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].text for p in ids
+    ]
     chaos = Chaos(disconnect=1 / 3, malformed=0.5, seed=3)
     requests = [BenchRequest(p, 16, ignore_eos=False) for p in ids]
-    streamed, _, seen = run_http_serve_once(f"{served.base_url}/v1", MODEL, requests, [0.0] * NUM_STREAMS,
-                                            chaos=chaos)
+    streamed, _, seen = run_http_serve_once(f"{served.base_url}/v1", MODEL, requests, [0.0] * NUM_STREAMS, chaos=chaos)
 
     cut = chaos.cuts(NUM_STREAMS)
     assert len(cut) == 5 and seen.requests["cut"] >= 1, seen.to_dict()

@@ -3,6 +3,7 @@ offline engine; guided JSON; presence/frequency/repetition penalties, logit_bias
 64 concurrent streams with 16 disconnects and no block leaked; every bad input a 400
 (or 404, 401) naming its field, the server serving on after each; /metrics in vLLM's names agreeing with the step
 records; Pause / Step / Resume over HTTP."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,6 @@ import time
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,8 +24,9 @@ PROMPT = "The capital of France is"
 
 
 def _greedy(offline, prompt, max_tokens: int, **kwargs):
-    return offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs),
-                            use_tqdm=False)[0]
+    return offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs), use_tqdm=False)[
+        0
+    ]
 
 
 def _idle(served) -> dict:
@@ -53,9 +54,20 @@ def test_completion_streamed_and_not_equals_offline_greedy_with_usage(served, of
     assert reply.object == "text_completion" and reply.model == MODEL and reply.id.startswith("cmpl-")
     assert reply.choices[0].text == expected.text and reply.choices[0].finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (
-        len(expected.prompt_token_ids), 12, len(expected.prompt_token_ids) + 12)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+        len(expected.prompt_token_ids),
+        12,
+        len(expected.prompt_token_ids) + 12,
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
@@ -74,8 +86,9 @@ def test_chat_streamed_and_not_equals_offline_chat(served, offline):
     assert reply.choices[0].message.content == expected.text
     assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert reply.usage.completion_tokens == len(expected.token_ids)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
@@ -83,28 +96,46 @@ def test_chat_streamed_and_not_equals_offline_chat(served, offline):
 
 def test_logprobs_are_the_engines(served, offline):
     expected = _greedy(offline, PROMPT, 4, logprobs=2)
-    reply = served.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                    max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    reply = served.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == 4 and all(1 <= len(c.top_logprobs) <= 3 for c in content)
     assert all(c.logprob == max(t.logprob for t in c.top_logprobs) for c in content)  # greedy: the top token
-    completion = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
-                                                    logprobs=2)
+    completion = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
     got = completion.choices[0].logprobs
     assert got.token_logprobs == pytest.approx([lp[t] for t, lp in zip(expected.token_ids, expected.logprobs)])
     assert "".join(got.tokens) == completion.choices[0].text and got.text_offset[0] == 0
 
 
 def test_guided_json_validates_against_its_schema(served):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}},
-              "required": ["ok", "level"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}},
+        "required": ["ok", "level"],
+        "additionalProperties": False,
+    }
     reply = served.client().chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Status as JSON"}], max_tokens=60, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "status", "schema": schema}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Status as JSON"}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "status", "schema": schema}},
+    )
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
-    choice = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
-                                                extra_body={"structured_outputs": {"choice": ["Paris", "Rome"]}})
+    choice = served.client().completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["Paris", "Rome"]}},
+    )
     assert choice.choices[0].text in ("Paris", "Rome")
 
 
@@ -119,24 +150,35 @@ def test_penalties_and_logit_bias_equal_the_offline_engine(served, offline):
     client = served.client()
     plain = _greedy(offline, PROMPT, 12)
     forced = plain.token_ids[0] + 1  # not the greedy first token: only the bias can make it win everywhere
-    biased = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
-                                       logit_bias={str(forced): 100})
+    biased = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logit_bias={str(forced): 100}
+    )
     assert biased.choices[0].text == offline.engine.tokenizer.decode([forced] * 5)
     # a bias of 40 alone keeps the forced token every time; the penalties grow with its count until it loses
     options = dict(presence_penalty=0.5, frequency_penalty=1.0, logit_bias={str(forced): 40})
-    expected = _greedy(offline, PROMPT, 12, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=1.0,
-                       logit_bias={forced: 40})
+    expected = _greedy(
+        offline,
+        PROMPT,
+        12,
+        repetition_penalty=2.0,
+        presence_penalty=0.5,
+        frequency_penalty=1.0,
+        logit_bias={forced: 40},
+    )
     bias_only = _greedy(offline, PROMPT, 12, logit_bias={forced: 40})
     assert bias_only.token_ids == [forced] * 12 and forced in expected.token_ids  # the bias acts
     assert expected.token_ids != bias_only.token_ids != plain.token_ids  # and the penalties act on top of it
-    reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, **options,
-                                      extra_body={"repetition_penalty": 2.0})
+    reply = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, **options, extra_body={"repetition_penalty": 2.0}
+    )
     assert reply.choices[0].text == expected.text
     messages = [{"role": "user", "content": "Name a colour."}]
-    chat_expected = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=8, logit_bias={forced: 100}),
-                                 use_tqdm=False)[0]
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
-                                          logit_bias={str(forced): 100})
+    chat_expected = offline.chat(
+        messages, SamplingParams(temperature=0.0, max_tokens=8, logit_bias={forced: 100}), use_tqdm=False
+    )[0]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, logit_bias={str(forced): 100}
+    )
     assert chat.choices[0].message.content == chat_expected.text
 
 
@@ -146,8 +188,7 @@ def test_n_samples_equal_the_offline_children_streamed_and_not(served, offline):
     texts = [c.text for c in expected.outputs]
     assert len(set(texts)) > 1  # seeds 7, 8, 9 sample different sequences
     client = served.client()
-    body = dict(model=MODEL, prompt=PROMPT, n=3, temperature=1.0, seed=7, max_tokens=8,
-                extra_body={"ignore_eos": True})
+    body = dict(model=MODEL, prompt=PROMPT, n=3, temperature=1.0, seed=7, max_tokens=8, extra_body={"ignore_eos": True})
     reply = client.completions.create(**body)
     assert [(c.index, c.text) for c in reply.choices] == list(enumerate(texts))
     assert reply.usage.completion_tokens == 24 and reply.usage.prompt_tokens == len(expected.prompt_token_ids)
@@ -158,8 +199,15 @@ def test_n_samples_equal_the_offline_children_streamed_and_not(served, offline):
         streamed[choice.index] += choice.text
         finishes[choice.index] += choice.finish_reason is not None
     assert streamed == texts and finishes == [1, 1, 1] and chunks[-1].usage.completion_tokens == 24
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
-                                          temperature=1.0, seed=3, max_tokens=6, stream=True)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        temperature=1.0,
+        seed=3,
+        max_tokens=6,
+        stream=True,
+    )
     roles, contents = [0, 0], ["", ""]
     for chunk in chat:
         roles[chunk.choices[0].index] += chunk.choices[0].delta.role == "assistant"
@@ -172,8 +220,9 @@ def test_n_samples_equal_the_offline_children_streamed_and_not(served, offline):
 def test_n_stream_cut_aborts_every_child(served):
     async def cut() -> None:
         async with served.async_client() as client:
-            stream = await client.completions.create(model=MODEL, prompt=PROMPT, n=4, max_tokens=60, seed=1,
-                                                     stream=True, extra_body={"ignore_eos": True})
+            stream = await client.completions.create(
+                model=MODEL, prompt=PROMPT, n=4, max_tokens=60, seed=1, stream=True, extra_body={"ignore_eos": True}
+            )
             async for _ in stream:
                 break
             await stream.close()
@@ -195,8 +244,14 @@ def test_64_streams_with_16_disconnects_finish_exactly_and_leak_nothing(served, 
 
     async def one(client, i: int):
         max_tokens = 40 if i in cut else 16  # a long output, so the cut lands mid-stream
-        stream = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=max_tokens,
-                                                 temperature=0, stream=True, extra_body={"ignore_eos": i in cut})
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompts[i],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": i in cut},
+        )
         text, finish, chunks = "", None, 0
         async for chunk in stream:
             chunks += 1
@@ -219,8 +274,11 @@ def test_64_streams_with_16_disconnects_finish_exactly_and_leak_nothing(served, 
     assert stats["kv"].used == 0 and stats["num_running"] == stats["num_waiting"] == 0
     after = _metrics(served)
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
-    reasons = {r: after[f"vllm:request_success_total{{finished_reason={r}}}"]
-               - before[f"vllm:request_success_total{{finished_reason={r}}}"] for r in ("stop", "length", "abort")}
+    reasons = {
+        r: after[f"vllm:request_success_total{{finished_reason={r}}}"]
+        - before[f"vllm:request_success_total{{finished_reason={r}}}"]
+        for r in ("stop", "length", "abort")
+    }
     cut_mid_stream = sum(finish == "cut" for _, finish in results)
     # a client may close after its request finished but before reading that: then it is not an abort
     assert sum(reasons.values()) == 64 and 0 < reasons["abort"] <= cut_mid_stream
@@ -229,8 +287,12 @@ def test_64_streams_with_16_disconnects_finish_exactly_and_leak_nothing(served, 
 # ---- bad input ----------------------------------------------------------------------------------------------
 BAD = [
     ("completions", {"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
-     "max_completion_tokens"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
     ("completions", {"prompt": PROMPT, "max_tokens": "5"}, 400, "max_tokens"),
     ("completions", {"prompt": PROMPT, "temprature": 0.5}, 400, "temprature"),
     ("completions", {"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
@@ -244,17 +306,24 @@ BAD = [
     ("completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"10000000": 1}}, 400, "logit_bias"),
     ("completions", {"prompt": PROMPT, "logprobs": 50}, 400, "logprobs"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}],
-              "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "objekt"}}}},
-     400, "response_format"),
+    (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "objekt"}}},
+        },
+        400,
+        "response_format",
+    ),
     ("completions", {"prompt": PROMPT, "structured_outputs": {"regex": "a[b"}}, 400, "structured_outputs"),
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("completions", {"prompt": PROMPT, "model": "gpt-17"}, 404, "model"),
 ]
 
 
-@pytest.mark.parametrize("endpoint, body, status, param", BAD,
-                         ids=[f"{e}-{p}-{i}" for i, (e, _, _, p) in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "endpoint, body, status, param", BAD, ids=[f"{e}-{p}-{i}" for i, (e, _, _, p) in enumerate(BAD)]
+)
 def test_bad_input_is_refused_naming_the_field_and_the_server_serves_on(served, endpoint, body, status, param):
     check_refused(served, endpoint, body, status, param)
     assert _idle(served)["kv"].used == 0
@@ -274,8 +343,10 @@ def check_refused(served, endpoint: str, body: dict, status: int, param: str) ->
 
 def test_the_limit_is_named(served):
     error = httpx.post(f"{served.base_url}/v1/completions", json={"prompt": [5] * 100_000}).json()["error"]
-    assert "100000 tokens" in error["message"] and f"max_model_len is {served.llm.engine.config.max_model_len}" \
-        in error["message"]
+    assert (
+        "100000 tokens" in error["message"]
+        and f"max_model_len is {served.llm.engine.config.max_model_len}" in error["message"]
+    )
 
 
 def test_api_key_is_required_when_set(served):
@@ -322,8 +393,9 @@ def test_metrics_agree_with_the_step_records(served):
     firsts = {e.request_id for e in tokens}
     assert delta("vllm:generation_tokens_total") == sum(len(e.token_ids) for e in tokens) == 5 + 6 + 7
     assert delta("vllm:prompt_tokens_total") == sum(added[r] for r in firsts)
-    assert delta("vllm:prefix_cache_hits_total") == sum(e.num_hit_tokens for e in events
-                                                       if e.kind == "prefix.lookup") > 0
+    assert (
+        delta("vllm:prefix_cache_hits_total") == sum(e.num_hit_tokens for e in events if e.kind == "prefix.lookup") > 0
+    )
     assert delta("vllm:prefix_cache_queries_total") == sum(added.values())
     assert delta("vllm:request_success_total{finished_reason=length}") == 3
     assert delta("vllm:time_to_first_token_seconds_count") == 3 == delta("vllm:e2e_request_latency_seconds_count")
@@ -339,8 +411,11 @@ def test_pause_queues_requests_and_step_advances_exactly_one(served, offline):
     _idle(served)
     assert httpx.post(f"{base}/pause").json()["is_paused"] is True
     replies = []
-    sender = threading.Thread(target=lambda: replies.append(served.client().completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)))
+    sender = threading.Thread(
+        target=lambda: replies.append(
+            served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+        )
+    )
     sender.start()
     try:
         deadline = time.monotonic() + 20
@@ -374,8 +449,9 @@ def test_bench_serve_over_http_measures_every_request_at_the_client(served):
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(MODEL))
     requests = sample_dataset("random", tokenizer, 6, 0, input_len=12, output_len=5)
-    streamed, duration, _ = run_http_serve_once(f"{served.base_url}/v1", MODEL, requests,
-                                                request_arrivals(6, 50.0, seed=0), max_concurrency=4)
+    streamed, duration, _ = run_http_serve_once(
+        f"{served.base_url}/v1", MODEL, requests, request_arrivals(6, 50.0, seed=0), max_concurrency=4
+    )
     results = http_results(streamed)
     assert all(r.success for r in results) and [r.output_len for r in results] == [5] * 6
     assert all(0 < r.ttft <= r.e2el <= duration and len(r.itl) <= 4 for r in results)

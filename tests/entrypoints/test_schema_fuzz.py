@@ -3,6 +3,7 @@ request bodies are the pydantic models of protocol.py, limits included) and gene
 hold (`/pause`, `/step`, `/resume`) included, in both modes (fitting the schema, and not). Every request, with the
 key or without it, gets a 2xx or a 4xx in OpenAI's error shape, never a 5xx, each within a bound; afterwards the
 server is idle: 0 running, 0 waiting, 0 KV blocks used. A few hundred cases, seeded (the same ones every run)."""
+
 from __future__ import annotations
 
 import itertools
@@ -49,8 +50,9 @@ def operations(fuzzed) -> list:
     from schemathesis.config import SchemathesisConfig
 
     config = SchemathesisConfig.from_dict({"seed": 39})
-    schema = schemathesis.openapi.from_url(f"{fuzzed.base_url}/openapi.json", config=config,
-                                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    schema = schemathesis.openapi.from_url(
+        f"{fuzzed.base_url}/openapi.json", config=config, headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+    )
     found = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in found} >= {"/v1/completions", "/v1/chat/completions", "/pause", "/step", "/resume"}
     return found
@@ -87,6 +89,7 @@ def test_every_generated_request_gets_a_2xx_or_an_openai_4xx_in_bounded_time(fuz
     for operation in operations:
         if mode == "negative" and not (len(operation.body) or len(operation.query)):
             continue  # nothing to break in a route without a body or a parameter
+
         @seed(39)
         @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy(generation_mode=GenerationMode(mode)))
@@ -104,7 +107,10 @@ def test_afterwards_the_server_is_idle_and_nothing_leaked(fuzzed):
     assert (stats["num_running"], stats["num_waiting"], stats["kv"].used) == (0, 0, 0), stats
     assert not fuzzed.llm.is_paused and not fuzzed.llm.errors
     assert not fuzzed.llm._collectors  # every request's stream was closed
-    reply = httpx.post(f"{fuzzed.base_url}/v1/completions", json={"prompt": "The capital of France is",
-                                                                  "max_tokens": 3},
-                       headers={"Authorization": f"Bearer {KEY}"}, timeout=BOUND_S)
+    reply = httpx.post(
+        f"{fuzzed.base_url}/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": 3},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=BOUND_S,
+    )
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3  # and it serves on

@@ -1,5 +1,6 @@
 """The simulated executor's tables and cost model, against hand arithmetic: parameter counts of the built-in models,
 vLLM's KV capacity split, and one step's roofline per operation."""
+
 from __future__ import annotations
 
 from dataclasses import astuple
@@ -12,13 +13,16 @@ from engine.executor.sim.model_spec import ModelSpec, builtin_models, load_model
 
 
 # published sizes: the models' cards give 8.03B, 70.6B, 8.19B, 32.8B and 30.5B (3.3B active)
-@pytest.mark.parametrize("name, params, active", [
-    ("llama-3.1-8b", 8_030_261_248, 8_030_261_248),
-    ("llama-3.1-70b", 70_553_706_496, 70_553_706_496),
-    ("qwen3-8b", 8_190_735_360, 8_190_735_360),
-    ("qwen3-32b", 32_762_123_264, 32_762_123_264),
-    ("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),
-])
+@pytest.mark.parametrize(
+    "name, params, active",
+    [
+        ("llama-3.1-8b", 8_030_261_248, 8_030_261_248),
+        ("llama-3.1-70b", 70_553_706_496, 70_553_706_496),
+        ("qwen3-8b", 8_190_735_360, 8_190_735_360),
+        ("qwen3-32b", 32_762_123_264, 32_762_123_264),
+        ("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),
+    ],
+)
 def test_builtin_models_have_their_published_sizes(name, params, active) -> None:
     spec = load_model_spec(name)
     assert (spec.num_params(), spec.num_active_params()) == (params, active)
@@ -41,7 +45,8 @@ def test_local_folder_config(tmp_path, smollm2_path) -> None:
 
 
 def test_kv_capacity_as_vllm_splits_memory() -> None:
-    """Llama-3.1-70B on 8 H100s: 0.92 (vLLM 0.33's default) x 81559 MiB, minus 1/8 of the split weights plus the norms (bf16), minus a
+    """Llama-3.1-70B on 8 H100s: 0.92 (vLLM 0.33's default) x 81559 MiB, minus 1/8 of the split weights plus the
+    norms (bf16), minus a
     2048-token forward's activations and 256 rows of float32 logits, minus 2 GiB reserved; blocks of 16 tokens of
     one KV head (8 heads over 8 ranks) x 128 x 2 bytes x K and V x 80 layers."""
     model = CostModel(load_model_spec("llama-3.1-70b"), get_hardware("h100-sxm"), 8, "bfloat16")
@@ -58,11 +63,28 @@ def test_kv_capacity_as_vllm_splits_memory() -> None:
 
 
 def _tiny() -> tuple[ModelSpec, Hardware]:
-    spec = ModelSpec(name="t", model_type="llama", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                     num_kv_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=1024,
-                     tie_word_embeddings=False)
-    hw = get_hardware({"memory_bytes": 10**9, "memory_bandwidth": 1e9, "flops": {"float32": 1e9},
-                       "interconnect_bandwidth": 1e8, "interconnect_latency_s": 1e-6})
+    spec = ModelSpec(
+        name="t",
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    hw = get_hardware(
+        {
+            "memory_bytes": 10**9,
+            "memory_bandwidth": 1e9,
+            "flops": {"float32": 1e9},
+            "interconnect_bandwidth": 1e8,
+            "interconnect_latency_s": 1e-6,
+        }
+    )
     return spec, hw
 
 
@@ -73,8 +95,14 @@ def test_decode_step_is_memory_bound_by_hand() -> None:
     reads 64x256 weights and writes 256 logits, sampling reads the logits 3 times."""
     spec, hw = _tiny()
     cost = CostModel(spec, hw, 1, "float32").step_cost([ScheduledShape(10, 1, 1)])
-    expected = StepCost(linears_s=(2 * 150784 + 256) * 1e-9, attention_s=2 * 3328e-9, lm_head_s=66560e-9,
-                        communication_s=0.0, overhead_s=0.0, sampling_s=3072e-9)
+    expected = StepCost(
+        linears_s=(2 * 150784 + 256) * 1e-9,
+        attention_s=2 * 3328e-9,
+        lm_head_s=66560e-9,
+        communication_s=0.0,
+        overhead_s=0.0,
+        sampling_s=3072e-9,
+    )
     assert astuple(cost) == pytest.approx(astuple(expected), rel=1e-12)
     assert cost.total_s == pytest.approx(378.112e-6, rel=1e-12)
 
@@ -95,8 +123,18 @@ def test_prefill_is_compute_bound_and_tp_adds_collectives() -> None:
 
 def test_efficiency_and_overheads_apply() -> None:
     spec, hw = _tiny()
-    slow = get_hardware({**hw.to_dict(), "name": "slow", "efficiency": {
-        "memory": 0.5, "step_overhead_s": 1e-3, "request_overhead_s": 1e-4, "token_overhead_s": 1e-5}})
+    slow = get_hardware(
+        {
+            **hw.to_dict(),
+            "name": "slow",
+            "efficiency": {
+                "memory": 0.5,
+                "step_overhead_s": 1e-3,
+                "request_overhead_s": 1e-4,
+                "token_overhead_s": 1e-5,
+            },
+        }
+    )
     base = CostModel(spec, hw, 1, "float32").step_cost([ScheduledShape(10, 1, 1), ScheduledShape(20, 1, 1)])
     cost = CostModel(spec, slow, 1, "float32").step_cost([ScheduledShape(10, 1, 1), ScheduledShape(20, 1, 1)])
     assert cost.overhead_s == pytest.approx(1e-3 + 2e-4 + 2e-5)

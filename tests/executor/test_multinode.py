@@ -1,6 +1,7 @@
 """Tensor parallelism over two "nodes" on loopback, as torch.distributed runs it across machines: this process is
 node 0 (LLMEngine(..., nnodes=2) spawns rank 0 and hosts the store), a `python -m engine.distributed.launch`
 subprocess is node 1 (rank 1). Greedy tokens equal one process's; the launcher exits when the engine closes."""
+
 from __future__ import annotations
 
 import os
@@ -50,9 +51,24 @@ def test_ranks_split_evenly_over_nodes_and_a_bad_split_is_refused() -> None:
 def test_two_nodes_on_loopback_give_one_process_tokens(monkeypatch) -> None:
     port = _two_free_ports()
     monkeypatch.setenv("WORKBENCH_DIST_AUTHKEY", "loopback-test")
-    node1 = subprocess.Popen([sys.executable, "-m", "engine.distributed.launch", "--nnodes", "2", "--node-rank", "1",
-                              "--tensor-parallel-size", "2", "--master-addr", "127.0.0.1", "--master-port",
-                              str(port)], env=dict(os.environ))
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine.distributed.launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--tensor-parallel-size",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ],
+        env=dict(os.environ),
+    )
     try:
         with LLMEngine(**KW, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port) as engine:
             assert len(engine.executor.pids) == 1  # rank 0 here; rank 1 is node 1's

@@ -2,6 +2,7 @@
 layers, hidden 64) in gloo worker processes gives the single-process engine's and Hugging Face's greedy tokens,
 leaks no block, reports each rank's collectives exactly, and never leaves a process behind (close, a killed
 worker, a killed engine process)."""
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,9 @@ def test_tensor_parallel_size_picks_multiproc_and_refuses_what_it_cannot_run() -
     with pytest.raises(ValueError, match="speculative_config: not supported by the multiproc executor"):
         EngineConfig(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="kv_transfer_config: not supported by the multiproc executor"):
-        EngineConfig(executor="multiproc", kv_transfer_config={"kv_connector": "SharedStorageConnector",
-                                                               "kv_role": "kv_both"})
+        EngineConfig(
+            executor="multiproc", kv_transfer_config={"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}
+        )
 
 
 def test_heads_split_and_replicated_like_vllm() -> None:
@@ -60,8 +62,11 @@ def test_heads_split_and_replicated_like_vllm() -> None:
 
 
 def test_a_size_that_does_not_split_the_heads_is_refused_before_any_process_starts() -> None:
-    with pytest.raises(ValueError, match=r"tensor_parallel_size: 3 must divide the model's num_attention_heads "
-                                         r"\(4\).*num_key_value_heads \(2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size: 3 must divide the model's num_attention_heads "
+        r"\(4\).*num_key_value_heads \(2\)",
+    ):
         LLMEngine(model="tiny-llama", tensor_parallel_size=3)
 
 
@@ -151,8 +156,13 @@ def test_workers_exit_when_the_engine_process_is_killed(tmp_path) -> None:
     """)
     (tmp_path / "parent.py").write_text(script)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, cwd=root)
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "parent.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+    )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert pids and all(_alive(p) for p in pids)

@@ -1,5 +1,6 @@
 """The scripted executor: no model; the real scheduler and KV cache, with each request's sampled tokens taken from
 a script (a dict of lists or a callable), EOS past a list's end, and clear errors for a bad script."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,9 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def _engine(script, **kwargs) -> LLMEngine:
-    return LLMEngine(executor="scripted", token_script=script, num_kv_blocks=16, block_size=4, max_model_len=64,
-                     **kwargs)
+    return LLMEngine(
+        executor="scripted", token_script=script, num_kv_blocks=16, block_size=4, max_model_len=64, **kwargs
+    )
 
 
 def test_a_dict_script_gives_each_request_its_tokens_in_order_then_eos_ends_it() -> None:
@@ -17,8 +19,11 @@ def test_a_dict_script_gives_each_request_its_tokens_in_order_then_eos_ends_it()
     eos = engine.eos_token_id
     seen: dict[str, list[int]] = {"a": [], "b": []}
     reasons: dict[str, str] = {}
-    engine.subscribe(lambda record: [reasons.setdefault(e.request_id, e.reason) for e in record.events
-                                     if e.kind == "request.finished"])
+    engine.subscribe(
+        lambda record: [
+            reasons.setdefault(e.request_id, e.reason) for e in record.events if e.kind == "request.finished"
+        ]
+    )
     a = engine.add_request([11, 12, 13], SamplingParams(max_tokens=10), request_id="a")
     b = engine.add_request([21, 22], SamplingParams(max_tokens=10), request_id="b")
     requests = {rid: engine.scheduler.requests[rid] for rid in (a, b)}

@@ -1,6 +1,7 @@
 """The simulated executor under the real engine: vLLM's KV capacity as the block count, simulated time in every
 record and metric, seeded tokens with the workload's output lengths, and, given a real run's step times, exactly
 the real scheduler's decisions (StepRecords' scheduling fields and block ids)."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -35,8 +36,11 @@ def test_config_refuses_what_the_executor_cannot_do() -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(executor="simulated", hardware="h100-sxm", gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="speculative_config: not supported by the simulated executor"):
-        EngineConfig(executor="simulated", hardware="h100-sxm",
-                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        EngineConfig(
+            executor="simulated",
+            hardware="h100-sxm",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
     eng = _sim(num_kv_blocks=64).engine
     with pytest.raises(ValueError, match="structured_outputs"):
         eng.add_request([1, 2, 3], SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"})))
@@ -51,11 +55,15 @@ def test_records_and_metrics_are_on_the_simulated_clock() -> None:
     model = CostModel(load_model_spec("llama-3.1-8b"), get_hardware("h100-sxm"), 1, "bfloat16")
     rid = eng.add_request([5] * 100, SamplingParams(max_tokens=3, ignore_eos=True))
     records = eng.run()
-    costs = [model.step_cost([ScheduledShape(0, 100, 1)]), model.step_cost([ScheduledShape(100, 1, 1)]),
-             model.step_cost([ScheduledShape(101, 1, 1)])]
-    assert [r.end_ns - r.start_ns for r in records] == [round(sum(c.total_s for c in costs[:i + 1]) * 1e9)
-                                                        - round(sum(c.total_s for c in costs[:i]) * 1e9)
-                                                        for i in range(3)]
+    costs = [
+        model.step_cost([ScheduledShape(0, 100, 1)]),
+        model.step_cost([ScheduledShape(100, 1, 1)]),
+        model.step_cost([ScheduledShape(101, 1, 1)]),
+    ]
+    assert [r.end_ns - r.start_ns for r in records] == [
+        round(sum(c.total_s for c in costs[: i + 1]) * 1e9) - round(sum(c.total_s for c in costs[:i]) * 1e9)
+        for i in range(3)
+    ]
     for record, cost in zip(records, costs):
         assert record.timing["total"] == pytest.approx(cost.total_s * 1e3)
         assert record.timing["forward"] == pytest.approx(cost.forward_s * 1e3)
@@ -69,6 +77,7 @@ def test_records_and_metrics_are_on_the_simulated_clock() -> None:
 def test_tokens_are_seeded_and_lengths_follow_the_workload() -> None:
     """Random ids from the seed, never EOS (128001) nor a stop token, so every request runs to max_tokens even
     without ignore_eos; text prompts go through the byte tokenizer of a model without one."""
+
     def outputs(seed: int) -> list[list[int]]:
         llm = _sim(num_kv_blocks=256, seed=seed)
         params = [SamplingParams(max_tokens=n, stop_token_ids=[7, 8]) for n in (5, 40, 17)]
@@ -132,13 +141,18 @@ def _serve_real(eng, prompts, params, rng) -> tuple[list, list[float], list[floa
 
 def _decisions(record) -> dict:
     """A record's scheduling fields, and the block ids and prefix hits of its events."""
-    kinds = ("kv.allocated", "kv.freed", "prefix.lookup", "request.preempted", "request.scheduled",
-             "request.finished")
+    kinds = ("kv.allocated", "kv.freed", "prefix.lookup", "request.preempted", "request.scheduled", "request.finished")
     events = [e.to_dict() for e in record.events if e.kind in kinds]
     for e in events:
         e.pop("step")
-    return {"scheduled": record.scheduled, "phases": record.phases, "num_waiting": record.num_waiting,
-            "num_running": record.num_running, "kv": record.kv, "events": events}
+    return {
+        "scheduled": record.scheduled,
+        "phases": record.phases,
+        "num_waiting": record.num_waiting,
+        "num_running": record.num_running,
+        "kv": record.kv,
+        "events": events,
+    }
 
 
 def test_replayed_step_times_give_the_real_schedulers_decisions() -> None:

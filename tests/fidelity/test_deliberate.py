@@ -1,4 +1,5 @@
 """The deliberate differences from vLLM 0.33.0 that docs/FIDELITY.md lists, pinned."""
+
 from engine import LLMEngine, SamplingParams
 
 
@@ -6,9 +7,16 @@ def test_blocks_cached_in_a_step_that_preempts_their_request_lose_their_hashes()
     # priority: "a" (low) comes first in the running list and takes (and caches) its fourth block; "b" (high) then
     # finds no free block and preempts "a", in the same step. vLLM keeps the hash of a's fourth block, whose KV the
     # step never computes; this engine frees it to the same place (the tail, as a hashed block) and forgets the hash.
-    engine = LLMEngine(executor="scripted", token_script={"a": [7] * 4, "b": [8] * 4}, num_kv_blocks=6,
-                       block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=4,
-                       scheduling_policy="priority", max_model_len=32)
+    engine = LLMEngine(
+        executor="scripted",
+        token_script={"a": [7] * 4, "b": [8] * 4},
+        num_kv_blocks=6,
+        block_size=4,
+        max_num_batched_tokens=8,
+        long_prefill_token_threshold=4,
+        scheduling_policy="priority",
+        max_model_len=32,
+    )
     params = SamplingParams(max_tokens=2)
     engine.add_request(list(range(10, 26)), params, request_id="a", priority=1)
     assert engine.step().scheduled == {"a": 8}  # alone, so no threshold: blocks 1 2

@@ -1,6 +1,7 @@
 """The engine against vLLM 0.33.0's recorded decisions (tests/fidelity/golden, written by `workbench fidelity
 record`): every workload must match at every step, without vLLM installed. `make fidelity` compares with live vLLM
 on a thousand fresh workloads per group."""
+
 import copy
 
 import pytest

@@ -12,6 +12,7 @@ The scheduler is driven as vLLM's own tests drive it (tests/v1/core/utils.py): `
 `ModelRunnerOutput` carrying the scripted token of each request whose computed tokens reached its length, then
 `update_from_output(...)`. No model, no GPU, no tokenizer: a tiny Llama config.json stands for the model.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,15 +25,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="fidelity-vllm-cache-"))
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-FINISH_REASONS = {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH_CAPPED": "length", "FINISHED_ABORTED": "abort",
-                  "FINISHED_ERROR": "error"}
+FINISH_REASONS = {
+    "FINISHED_STOPPED": "stop",
+    "FINISHED_LENGTH_CAPPED": "length",
+    "FINISHED_ABORTED": "abort",
+    "FINISHED_ERROR": "error",
+}
 
 
 def _write_model_config(eos_token_id: int) -> None:
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
-              "vocab_size": 49152, "max_position_embeddings": 1 << 16, "eos_token_id": eos_token_id,
-              "bos_token_id": 1, "torch_dtype": "float32"}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "vocab_size": 49152,
+        "max_position_embeddings": 1 << 16,
+        "eos_token_id": eos_token_id,
+        "bos_token_id": 1,
+        "torch_dtype": "float32",
+    }
     with open(os.path.join(_MODEL_DIR, "config.json"), "w") as f:
         json.dump(config, f)
 
@@ -51,37 +66,66 @@ def make_scheduler(workload: dict):
     c = workload["config"]
     key = c["max_model_len"]
     if key not in _model_configs:  # the first build inspects the architecture in a subprocess (~10 s)
-        _model_configs[key] = ModelConfig(model=_MODEL_DIR, skip_tokenizer_init=True, max_model_len=key,
-                                          dtype="float32")
+        _model_configs[key] = ModelConfig(
+            model=_MODEL_DIR, skip_tokenizer_init=True, max_model_len=key, dtype="float32"
+        )
     model_config = _model_configs[key]
     scheduler_config = SchedulerConfig(
-        async_scheduling=c.get("async_scheduling", False), max_num_seqs=c["max_num_seqs"],
+        async_scheduling=c.get("async_scheduling", False),
+        max_num_seqs=c["max_num_seqs"],
         max_num_batched_tokens=c["max_num_batched_tokens"],
         enable_chunked_prefill=c["enable_chunked_prefill"],
-        long_prefill_token_threshold=c["long_prefill_token_threshold"], policy=c["scheduling_policy"],
-        max_model_len=c["max_model_len"], is_encoder_decoder=False)
-    cache_config = CacheConfig(block_size=c["block_size"], enable_prefix_caching=c["enable_prefix_caching"],
-                               prefix_caching_hash_algo=c["prefix_caching_hash_algo"])
+        long_prefill_token_threshold=c["long_prefill_token_threshold"],
+        policy=c["scheduling_policy"],
+        max_model_len=c["max_model_len"],
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(
+        block_size=c["block_size"],
+        enable_prefix_caching=c["enable_prefix_caching"],
+        prefix_caching_hash_algo=c["prefix_caching_hash_algo"],
+    )
     cache_config.num_gpu_blocks = c["num_blocks"]
-    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config,
-                             scheduler_config=scheduler_config, device_config=DeviceConfig(device="cpu"))
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        device_config=DeviceConfig(device="cpu"),
+    )
     spec = FullAttentionSpec(block_size=c["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(num_blocks=c["num_blocks"], kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    kv_cache_config = KVCacheConfig(
+        num_blocks=c["num_blocks"], kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)]
+    )
     cls = AsyncScheduler if c.get("async_scheduling", False) else Scheduler
-    return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vllm_config), block_size=c["block_size"])
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=c["block_size"],
+    )
 
 
 def make_request(spec: dict, index: int, workload: dict, hasher):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    params = SamplingParams(max_tokens=spec["max_tokens"], min_tokens=spec["min_tokens"],
-                            ignore_eos=spec["ignore_eos"], stop_token_ids=list(spec["stop_token_ids"]))
+    params = SamplingParams(
+        max_tokens=spec["max_tokens"],
+        min_tokens=spec["min_tokens"],
+        ignore_eos=spec["ignore_eos"],
+        stop_token_ids=list(spec["stop_token_ids"]),
+    )
     params.update_from_generation_config({}, eos_token_id=workload["eos_token_id"])
-    return Request(spec["request_id"], list(spec["prompt_token_ids"]), params, None, arrival_time=float(index),
-                   priority=spec["priority"], cache_salt=spec["cache_salt"], block_hasher=hasher)
+    return Request(
+        spec["request_id"],
+        list(spec["prompt_token_ids"]),
+        params,
+        None,
+        arrival_time=float(index),
+        priority=spec["priority"],
+        cache_salt=spec["cache_salt"],
+        block_hasher=hasher,
+    )
 
 
 def _hash_hex(block) -> str | None:
@@ -119,8 +163,9 @@ def _runner_output(out, samples: set, requests: dict, workload: dict):
         i = len(requests[rid].output_token_ids)
         script = scripts[rid]
         sampled.append([script[i] if i < len(script) else workload["eos_token_id"]] if rid in samples else [])
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                             sampled_token_ids=sampled)
+    return ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)}, sampled_token_ids=sampled
+    )
 
 
 def run_workload(workload: dict) -> dict:
@@ -154,8 +199,11 @@ def run_workload(workload: dict) -> dict:
         pending = any(s["arrival_step"] > step for s in workload["requests"])
         # done when nothing is left to schedule and no batch with tokens is in flight (an empty batch in the queue,
         # scheduled only to report finished ids, changes nothing when it is taken)
-        if not scheduler.get_num_unfinished_requests() and not pending \
-                and not any(out.total_num_scheduled_tokens for out, _ in queue):
+        if (
+            not scheduler.get_num_unfinished_requests()
+            and not pending
+            and not any(out.total_num_scheduled_tokens for out, _ in queue)
+        ):
             break
         record = {"step": step, "scheduled": [], "new": [], "resumed": [], "preempted": [], "hit_tokens": {}}
         update = None
@@ -175,14 +223,18 @@ def run_workload(workload: dict) -> dict:
             update = queue.pop(0)
         if update is not None:
             out, samples = update
-            for outputs in scheduler.update_from_output(out, _runner_output(out, samples, requests,
-                                                                             workload)).values():
+            for outputs in scheduler.update_from_output(out, _runner_output(out, samples, requests, workload)).values():
                 for o in outputs.outputs:
                     if o.finish_reason is not None:
                         finished.append([o.request_id, str(o.finish_reason)])
-        record["requests"] = {rid: {"computed": r.num_computed_tokens, "blocks": list(kv.get_block_ids(rid)[0]),
-                                    "hashes": [_hash_hex(b) for b in kv.get_blocks(rid).blocks[0]]}
-                              for rid, r in sorted(scheduler.requests.items())}
+        record["requests"] = {
+            rid: {
+                "computed": r.num_computed_tokens,
+                "blocks": list(kv.get_block_ids(rid)[0]),
+                "hashes": [_hash_hex(b) for b in kv.get_blocks(rid).blocks[0]],
+            }
+            for rid, r in sorted(scheduler.requests.items())
+        }
         record["finished"] = finished
         record["free_blocks"] = pool.get_num_free_blocks()
         record["free_queue"] = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]

@@ -7,6 +7,7 @@ The compiling runs in two child processes started together (one core each): this
 own (SmolLM2's head layout at every split count, Llama-8B's); the other runs the engine on tiny-llama with the torch
 kernels while each Triton launch it would make on CUDA is compiled for sm_90 (``workbench.gpu_check``).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,13 @@ import pytest
 from kernels.triton.attention import KV_SPLIT_COUNTS
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = {"_unified_attention_kernel", "_reduce_splits_kernel", "_store_kvcache_kernel",
-           "_recovered_tokens_kernel", "_rejection_sample_kernel"}
+KERNELS = {
+    "_unified_attention_kernel",
+    "_reduce_splits_kernel",
+    "_store_kvcache_kernel",
+    "_recovered_tokens_kernel",
+    "_rejection_sample_kernel",
+}
 GROWING = "chunked prefill, contexts of every size"
 SPEC = "draft-model speculation"
 WARM_UP = "the runner's warm-up"  # workbench.gpu_check.WARM_UP (that module refuses TRITON_INTERPRET, set here)
@@ -32,10 +38,17 @@ def compiled(tmp_path_factory) -> dict:
     """Both parts of ``python -m workbench.gpu_check --compile-only``, merged; their output on failure."""
     out = tmp_path_factory.mktemp("sm90")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = {part: subprocess.Popen(
-        [sys.executable, "-m", "workbench.gpu_check", "--compile-only", part, "--out", str(out / part)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for part in ("kernels", "engine")}
+    procs = {
+        part: subprocess.Popen(
+            [sys.executable, "-m", "workbench.gpu_check", "--compile-only", part, "--out", str(out / part)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for part in ("kernels", "engine")
+    }
     merged: dict = {"workloads": {}, "failures": [], "log": ""}
     for part, proc in procs.items():
         log, _ = proc.communicate(timeout=900)
@@ -83,9 +96,13 @@ def test_a_serving_loop_compiles_one_attention_variant_per_split_count(compiled)
 def test_the_runners_warm_up_compiles_every_attention_variant_the_serving_loop_uses(compiled):
     """What `kernels.warm_up_paged_attention` launches when a runner starts on CUDA covers every attention
     variant the loop above launched: no request waits on a compile."""
+
     def attention(workload: str) -> set[str]:
-        return {d for d in compiled["workloads"][workload]["described"]
-                if d.startswith(("_unified_attention_kernel", "_reduce_splits_kernel"))}
+        return {
+            d
+            for d in compiled["workloads"][workload]["described"]
+            if d.startswith(("_unified_attention_kernel", "_reduce_splits_kernel"))
+        }
 
     assert attention(GROWING) <= attention(WARM_UP), sorted(attention(GROWING) - attention(WARM_UP))
     assert len([d for d in attention(WARM_UP) if d.startswith("_unified")]) == len(KV_SPLIT_COUNTS)

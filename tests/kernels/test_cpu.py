@@ -2,6 +2,7 @@
 class the engine sends them: decodes at block boundaries, prefill chunks over cached context, verification
 batches, grouped-query heads (SmolLM2's 9/3, Llama's 32/8, Qwen2's 14/2, none), float32 and bfloat16 caches;
 linear layers over float32, bfloat16 and int8 weights for 1 to 8 rows, and the fallback beyond."""
+
 from __future__ import annotations
 
 import os
@@ -32,12 +33,15 @@ def paged_case(num_heads, num_kv_heads, head_dim, block_size, specs, dtype=torch
     q = torch.randn(sum(n for n, _ in specs), num_heads, head_dim, generator=gen)
     seq_lens = torch.tensor([seq for _, seq in specs], dtype=torch.int32)
     qsl = torch.tensor([0, *torch.tensor([n for n, _ in specs]).cumsum(0).tolist()], dtype=torch.int32)
-    return q, k_cache, v_cache, tables, seq_lens, qsl, head_dim ** -0.5
+    return q, k_cache, v_cache, tables, seq_lens, qsl, head_dim**-0.5
 
 
 SHAPES = {  # (query heads, kv heads, head dim, block size)
-    "smollm2_9_3x64": (9, 3, 64, 16), "llama_32_8x128": (32, 8, 128, 16), "qwen2_14_2x64": (14, 2, 64, 32),
-    "mha_4_4x64": (4, 4, 64, 16), "odd_head_dim_6_2x20": (6, 2, 20, 8),
+    "smollm2_9_3x64": (9, 3, 64, 16),
+    "llama_32_8x128": (32, 8, 128, 16),
+    "qwen2_14_2x64": (14, 2, 64, 32),
+    "mha_4_4x64": (4, 4, 64, 16),
+    "odd_head_dim_6_2x20": (6, 2, 20, 8),
 }
 MIXES = {
     "decodes_at_block_boundaries": [(1, 1), (1, 15), (1, 16), (1, 17), (1, 32), (1, 33)],
@@ -57,8 +61,9 @@ def test_paged_attention_equals_the_reference(shape, mix):
 
 
 def test_paged_attention_over_a_bfloat16_cache_equals_the_reference_widened():
-    case = paged_case(9, 3, 64, 16, MIXES["chunks_over_cached_context"] + MIXES["decodes_at_block_boundaries"],
-                      dtype=torch.bfloat16)
+    case = paged_case(
+        9, 3, 64, 16, MIXES["chunks_over_cached_context"] + MIXES["decodes_at_block_boundaries"], dtype=torch.bfloat16
+    )
     got = torch.ops.workbench_cpu.paged_attention(*case)
     torch.testing.assert_close(got, reference.paged_attention(*case), atol=ATOL, rtol=1e-5)
 
@@ -85,7 +90,7 @@ def test_linear_equals_the_reference_for_each_stored_dtype(rows, out_features, i
     x = torch.randn(rows, in_features, generator=gen)
     weight = torch.randn(out_features, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen)
-    tolerance = dict(atol=1e-4 * in_features ** 0.5, rtol=1e-5)
+    tolerance = dict(atol=1e-4 * in_features**0.5, rtol=1e-5)
     for stored, scale in ((weight, None), (weight.to(torch.bfloat16), None), quantized(weight)):
         got = torch.ops.workbench_cpu.linear_small_m(x, stored, scale, bias)
         torch.testing.assert_close(got, reference.linear(x, stored, scale, bias), **tolerance)
@@ -101,8 +106,9 @@ def test_linear_past_small_m_rows_equals_the_reference_for_each_stored_dtype(row
     x, weight, bias = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen), torch.randn(960)
     for stored, scale in ((weight, None), (weight.to(torch.bfloat16), None), quantized(weight)):
         for b in (None, bias):
-            torch.testing.assert_close(ops.linear(x, stored, scale, b), reference.linear(x, stored, scale, b),
-                                       atol=1e-4 * 576 ** 0.5, rtol=1e-5)
+            torch.testing.assert_close(
+                ops.linear(x, stored, scale, b), reference.linear(x, stored, scale, b), atol=1e-4 * 576**0.5, rtol=1e-5
+            )
     assert rows > ops.SMALL_M
 
 
@@ -118,8 +124,9 @@ def test_rms_norm_with_and_without_the_residual_equals_the_reference(rows, hidde
     gen = torch.Generator().manual_seed(rows)
     x, residual = (torch.randn(rows, hidden, generator=gen) for _ in range(2))
     weight = torch.randn(hidden, generator=gen)
-    torch.testing.assert_close(torch.ops.workbench_cpu.rms_norm(x, weight, 1e-5),
-                               reference.rms_norm(x, weight, 1e-5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.ops.workbench_cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), atol=1e-5, rtol=1e-5
+    )
     got = torch.ops.workbench_cpu.fused_add_rms_norm(x, residual, weight, 1e-5)
     want = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
@@ -127,8 +134,9 @@ def test_rms_norm_with_and_without_the_residual_equals_the_reference(rows, hidde
 
 
 @pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 9, 3, 64), (20, 32, 8, 128), (5, 2, 1, 6)])
-def test_rotary_reads_q_and_k_in_place_in_the_fused_projection_and_equals_the_reference(tokens, heads, kv_heads,
-                                                                                        head_dim):
+def test_rotary_reads_q_and_k_in_place_in_the_fused_projection_and_equals_the_reference(
+    tokens, heads, kv_heads, head_dim
+):
     gen = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -141,8 +149,7 @@ def test_rotary_reads_q_and_k_in_place_in_the_fused_projection_and_equals_the_re
 
 def test_silu_and_mul_equals_the_reference_over_both_signs_and_large_magnitudes():
     x = torch.cat((torch.linspace(-90, 90, 3 * 1536).view(3, 1536), torch.randn(3, 1536)), dim=1)
-    torch.testing.assert_close(torch.ops.workbench_cpu.silu_and_mul(x), reference.silu_and_mul(x),
-                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.ops.workbench_cpu.silu_and_mul(x), reference.silu_and_mul(x), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -179,7 +186,13 @@ def test_a_lock_left_by_a_killed_process_blocks_no_later_one(tmp_path, finished)
     if finished:
         (folder / "built").write_text(name)
     code = "from kernels.cpu.build import available; import torch; print(available(), torch.ops.workbench_cpu.rms_norm)"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+        cwd=ROOT,
+    )
     assert run.returncode == 0 and run.stdout.startswith("True"), run.stderr
     assert (folder / "built").is_file() and (folder / "lock").exists() == finished  # a build clears a dead lock

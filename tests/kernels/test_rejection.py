@@ -39,8 +39,15 @@ def make_batch(num_draft_tokens, vocab_size, greedy, ngram=False, seed=0, dtype=
 def test_greedy_accepts_while_draft_is_argmax():
     target = torch.eye(6)[[5, 2, 4, 1, 0]]  # argmax per draft row: 5 2 4 | 1 0
     out = reference.rejection_sample(
-        torch.tensor([5, 3, 4, 1, 0]), torch.tensor([3, 5]), None, target, torch.tensor([9, 8]),
-        torch.tensor([True, True]), torch.zeros(5), torch.ones(2, 6), 3,
+        torch.tensor([5, 3, 4, 1, 0]),
+        torch.tensor([3, 5]),
+        None,
+        target,
+        torch.tensor([9, 8]),
+        torch.tensor([True, True]),
+        torch.zeros(5),
+        torch.ones(2, 6),
+        3,
     )
     assert out.tolist() == [[5, 2, PAD, PAD], [1, 0, 8, PAD]]
 
@@ -48,9 +55,16 @@ def test_greedy_accepts_while_draft_is_argmax():
 def test_random_rule_accepts_when_target_covers_draft_and_recovers_from_the_residual():
     target = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
     draft = torch.tensor([[0.4, 0.4, 0.2], [0.1, 0.8, 0.1]])
-    args = dict(draft_token_ids=torch.tensor([0, 1]), cu_num_draft_tokens=torch.tensor([2]), draft_probs=draft,
-                target_probs=target, bonus_token_ids=torch.tensor([7]), is_greedy=torch.tensor([False]),
-                recovery_noise=torch.ones(1, 3), max_spec_len=2)
+    args = dict(
+        draft_token_ids=torch.tensor([0, 1]),
+        cu_num_draft_tokens=torch.tensor([2]),
+        draft_probs=draft,
+        target_probs=target,
+        bonus_token_ids=torch.tensor([7]),
+        is_greedy=torch.tensor([False]),
+        recovery_noise=torch.ones(1, 3),
+        max_spec_len=2,
+    )
     # p_target >= p_draft: accepted even at u ~ 1; then 0.1 / 0.8 = 0.125 decides.
     accepted_both = reference.rejection_sample(uniform_probs=torch.tensor([0.999, 0.1]), **args)
     assert accepted_both.tolist() == [[0, 1, 7]]
@@ -61,17 +75,25 @@ def test_random_rule_accepts_when_target_covers_draft_and_recovers_from_the_resi
 
 def test_ngram_draft_is_a_point_mass():
     target = torch.tensor([[0.0, 0.7, 0.3]])
-    args = dict(draft_token_ids=torch.tensor([0]), cu_num_draft_tokens=torch.tensor([1]), draft_probs=None,
-                target_probs=target, bonus_token_ids=torch.tensor([5]), is_greedy=torch.tensor([False]),
-                max_spec_len=1)
+    args = dict(
+        draft_token_ids=torch.tensor([0]),
+        cu_num_draft_tokens=torch.tensor([1]),
+        draft_probs=None,
+        target_probs=target,
+        bonus_token_ids=torch.tensor([5]),
+        is_greedy=torch.tensor([False]),
+        max_spec_len=1,
+    )
     # A token the target rules out is never accepted, whatever the uniform; the recovered
     # token is drawn from the target without the draft token.
-    out = reference.rejection_sample(uniform_probs=torch.zeros(1), recovery_noise=torch.tensor([[1e-6, 1.0, 1.0]]),
-                                     **args)
+    out = reference.rejection_sample(
+        uniform_probs=torch.zeros(1), recovery_noise=torch.tensor([[1e-6, 1.0, 1.0]]), **args
+    )
     assert out.tolist() == [[1, PAD]]
     target = torch.tensor([[0.6, 0.1, 0.3]])
-    assert reference.rejection_sample(uniform_probs=torch.tensor([0.59]), recovery_noise=torch.ones(1, 3),
-                                      **{**args, "target_probs": target}).tolist() == [[0, 5]]
+    assert reference.rejection_sample(
+        uniform_probs=torch.tensor([0.59]), recovery_noise=torch.ones(1, 3), **{**args, "target_probs": target}
+    ).tolist() == [[0, 5]]
 
 
 def test_noise_of_a_seeded_request_does_not_depend_on_the_batch():
@@ -143,17 +165,21 @@ def first_token_p_value(ngram: bool, seed: int = 0) -> float:
     gen = torch.Generator().manual_seed(seed)
     target = (torch.randn(2, VOCAB, generator=gen) * 1.5).softmax(-1)
     draft = (torch.randn(2, VOCAB, generator=gen) * 1.5).softmax(-1)
-    counts = [2] * NUM_DRAWS
     n = 2 * NUM_DRAWS
     if ngram:
         drafts = torch.full((n,), int(target[0].argmax()))
     else:
         drafts = torch.multinomial(draft.repeat(NUM_DRAWS, 1), 1, generator=gen)[:, 0]
     out = reference.rejection_sample(
-        drafts, torch.arange(1, NUM_DRAWS + 1) * 2, None if ngram else draft.repeat(NUM_DRAWS, 1),
-        target.repeat(NUM_DRAWS, 1), torch.zeros(NUM_DRAWS, dtype=torch.int64),
-        torch.zeros(NUM_DRAWS, dtype=torch.bool), torch.rand(n, generator=gen),
-        -torch.rand(NUM_DRAWS, VOCAB, generator=gen).log(), 2,
+        drafts,
+        torch.arange(1, NUM_DRAWS + 1) * 2,
+        None if ngram else draft.repeat(NUM_DRAWS, 1),
+        target.repeat(NUM_DRAWS, 1),
+        torch.zeros(NUM_DRAWS, dtype=torch.int64),
+        torch.zeros(NUM_DRAWS, dtype=torch.bool),
+        torch.rand(n, generator=gen),
+        -torch.rand(NUM_DRAWS, VOCAB, generator=gen).log(),
+        2,
     )
     observed = torch.bincount(out[:, 0].long(), minlength=VOCAB).double()
     expected = target[0].double() * NUM_DRAWS
@@ -179,8 +205,12 @@ BROKEN = {
     # Recover from the target itself instead of the residual max(p_t - p_d, 0).
     "recover_from_target": ("_recovered_probs", lambda target, draft, drafts: target.float()),
     # The residual the wrong way round, max(p_draft - p_target, 0) (n-gram: the draft token itself).
-    "recover_reversed": ("_recovered_probs", lambda target, draft, drafts: (
-        _point_mass(drafts, target.shape[-1]) if draft is None else draft.float() - target.float()).clamp(min=0)),
+    "recover_reversed": (
+        "_recovered_probs",
+        lambda target, draft, drafts: (
+            _point_mass(drafts, target.shape[-1]) if draft is None else draft.float() - target.float()
+        ).clamp(min=0),
+    ),
 }
 
 

@@ -150,8 +150,9 @@ def test_store_kvcache_matches_reference(triton_kernels):
 def test_dispatch_picks_triton_for_cuda_tensors(triton_kernels):
     for name in ("paged_attention", "store_kvcache", "rejection_sample"):
         assert kernels._impl(name, "cuda") is getattr(triton_kernels, name)
-        assert kernels._impl(name, "cpu") is getattr(cpu_ops if cpu_available() and hasattr(cpu_ops, name)
-                                                     else reference, name)
+        assert kernels._impl(name, "cpu") is getattr(
+            cpu_ops if cpu_available() and hasattr(cpu_ops, name) else reference, name
+        )
 
 
 def test_bench_kernels_refuses_without_cuda(capsys):
@@ -175,12 +176,30 @@ def test_bench_kernels_cases_and_report_on_cpu(triton_kernels):
         rejection = bench.rejection_case(6, 3, 40, ngram, device="cpu")
         assert torch.equal(triton_kernels.rejection_sample(**rejection), reference.rejection_sample(**rejection))
     check = {"kernel": "store_kvcache", "case": "c", "error": 0.0, "bound": 0.0, "ok": True}
-    timing = {"kernel": "decode attention", "workload": "w", "ms": 1.5, "achieved": "3000 GB/s", "of_copy": 0.75,
-              "torch_ms": 4.0}
-    throughput = {"model": "m", "num_requests": 4, "hf_batch_size": 32, "engine_tok_s": 900.0, "hf_tok_s": 300.0,
-                  "ratio": 3.0}
-    result = {"gpu": "Fake GPU", "checks": [check], "timings": [timing], "copy_gbs": 4000.0,
-              "throughput": throughput, "settings": {}}
+    timing = {
+        "kernel": "decode attention",
+        "workload": "w",
+        "ms": 1.5,
+        "achieved": "3000 GB/s",
+        "of_copy": 0.75,
+        "torch_ms": 4.0,
+    }
+    throughput = {
+        "model": "m",
+        "num_requests": 4,
+        "hf_batch_size": 32,
+        "engine_tok_s": 900.0,
+        "hf_tok_s": 300.0,
+        "ratio": 3.0,
+    }
+    result = {
+        "gpu": "Fake GPU",
+        "checks": [check],
+        "timings": [timing],
+        "copy_gbs": 4000.0,
+        "throughput": throughput,
+        "settings": {},
+    }
     text = bench.format_text(result)
     assert "GPU: Fake GPU" in text and "75%" in text and "ratio 3.00x" in text
     markdown = bench.format_markdown(result, "workbench bench kernels")

@@ -1,7 +1,8 @@
 """A private Redis server (persistence off, loopback only) and kv_transfer_config builders for each connector."""
+
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -34,8 +35,12 @@ def kv_config(request, tmp_path_factory) -> Callable[..., dict]:
         extra = {"shared_storage_path": str(tmp_path_factory.mktemp("kv_store"))}
 
     def make(role: str, policy: str = "recompute", **extra_overrides) -> dict:
-        return {"kv_connector": request.param, "kv_role": role, "kv_load_failure_policy": policy,
-                "kv_connector_extra_config": {**extra, **extra_overrides}}
+        return {
+            "kv_connector": request.param,
+            "kv_role": role,
+            "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {**extra, **extra_overrides},
+        }
 
     make.connector = request.param
     return make

@@ -3,21 +3,24 @@ waits in WAITING_FOR_REMOTE_KVS, saves hold their blocks until stored (delay_fre
 bounded time for a producer's save to land. Outputs equal a single engine's; no block leaks on either side.
 
 A gate (a job that blocks the connector's one transfer thread until released) makes "still in flight" certain."""
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Iterator
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, LLMEngine
 from engine.request import RequestStatus
 from tests.kv_transfer.test_connectors import GREEDY, KW, PREFILL, assert_no_leaks, assert_same, damage, events, run
 
-PROMPTS = ["Asynchronous loads let the decode instance keep stepping while KV arrives from the store, so that",
-           "In a hole in the ground there lived"]
+PROMPTS = [
+    "Asynchronous loads let the decode instance keep stepping while KV arrives from the store, so that",
+    "In a hole in the ground there lived",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +32,13 @@ def reference() -> LLM:
 def engines(kv_config) -> SimpleNamespace:
     def make(role: str, policy: str = "recompute", **extra) -> LLMEngine:
         return LLMEngine(**KW, kv_transfer_config=kv_config(role, policy, async_transfers=True, **extra))
-    return SimpleNamespace(producer=make("kv_producer"), consumer=make("kv_consumer"),
-                           consumer_fail=make("kv_consumer", "fail"),
-                           impatient=make("kv_consumer", load_wait_s=0.2))
+
+    return SimpleNamespace(
+        producer=make("kv_producer"),
+        consumer=make("kv_consumer"),
+        consumer_fail=make("kv_consumer", "fail"),
+        impatient=make("kv_consumer", load_wait_s=0.2),
+    )
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """Connectors in one process, over both stores: a producer engine prefills, a consumer engine loads and decodes.
 Outputs must equal a single engine's; every failure goes by the policy; no block leaks."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,11 @@ from engine.request import Request
 KW = dict(model="tiny-llama", block_size=16, num_kv_blocks=64, max_model_len=512)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
 PREFILL = SamplingParams(temperature=0.0, max_tokens=1)
-PROMPTS = ["The capital of France is a city of light, of river banks and of long avenues where",
-           "Once upon a time", "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
+PROMPTS = [
+    "The capital of France is a city of light, of river banks and of long avenues where",
+    "Once upon a time",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+]
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +110,9 @@ def damage(connector, key: str, layer: int, how: str) -> None:
     manifest = connector._get_manifest(key)
     blob = bytearray(connector._get_layer(key, manifest, layer))
     header_len = int.from_bytes(blob[:8], "little")
-    start, end = json.loads(blob[8:8 + header_len])["value"]["data_offsets"]
+    start, end = json.loads(blob[8 : 8 + header_len])["value"]["data_offsets"]
     at = 8 + header_len + start + (end - start) // 3 + 4  # a few bytes into block 1
-    blob[at:at + 4] = bytes(b ^ 0xFF for b in blob[at:at + 4])
+    blob[at : at + 4] = bytes(b ^ 0xFF for b in blob[at : at + 4])
     if isinstance(connector, ExampleConnector):
         path = connector.entry(key) / f"layer_{layer:03d}.safetensors"
         path.unlink() if how == "missing" else path.write_bytes(bytes(blob))
@@ -197,15 +201,24 @@ def test_a_paused_store_times_out_then_the_policy_applies(engines, kv_config, re
     assert_no_leaks(engines.consumer)
 
 
-@pytest.mark.parametrize("cfg, exc, field", [
-    ({"kv_connector": "nixl", "kv_role": "kv_both"}, ValueError, "kv_connector"),
-    ({"kv_connector": "redis", "kv_role": "both"}, ValueError, "kv_role"),
-    ({"kv_connector": "redis", "kv_role": "kv_both", "kv_load_failure_policy": "retry"}, ValueError,
-     "kv_load_failure_policy"),
-    ({"kv_connector": "redis", "kv_role": "kv_both", "kv_buffer_size": 1}, ValueError, "kv_buffer_size"),
-    ({"kv_connector": "redis", "kv_role": "kv_both", "kv_connector_extra_config": 3}, TypeError,
-     "kv_connector_extra_config"),
-])
+@pytest.mark.parametrize(
+    "cfg, exc, field",
+    [
+        ({"kv_connector": "nixl", "kv_role": "kv_both"}, ValueError, "kv_connector"),
+        ({"kv_connector": "redis", "kv_role": "both"}, ValueError, "kv_role"),
+        (
+            {"kv_connector": "redis", "kv_role": "kv_both", "kv_load_failure_policy": "retry"},
+            ValueError,
+            "kv_load_failure_policy",
+        ),
+        ({"kv_connector": "redis", "kv_role": "kv_both", "kv_buffer_size": 1}, ValueError, "kv_buffer_size"),
+        (
+            {"kv_connector": "redis", "kv_role": "kv_both", "kv_connector_extra_config": 3},
+            TypeError,
+            "kv_connector_extra_config",
+        ),
+    ],
+)
 def test_bad_kv_transfer_config_names_the_field(cfg, exc, field) -> None:
     with pytest.raises(exc, match=field):
         EngineConfig(kv_transfer_config=cfg)
@@ -254,6 +267,7 @@ def test_the_article_s_connector_name_is_vllm_0_33_s_example_connector():
     from engine.config import KVTransferConfig
 
     for name in ("SharedStorageConnector", "ExampleConnector", "shared_storage"):
-        assert KVTransferConfig.from_dict({"kv_connector": name, "kv_role": "kv_both"}).kv_connector == \
-            "ExampleConnector"
+        assert (
+            KVTransferConfig.from_dict({"kv_connector": name, "kv_role": "kv_both"}).kv_connector == "ExampleConnector"
+        )
     assert SharedStorageConnector is ExampleConnector and ExampleConnector.name == "ExampleConnector"

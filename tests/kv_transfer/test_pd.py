@@ -1,5 +1,6 @@
 """PDCluster: prefill and decode engines in separate processes behind a router, over both stores: outputs equal a
 single engine's, tokens stream from the decode instance, and a process that dies fails only its own requests."""
+
 from __future__ import annotations
 
 import os
@@ -7,12 +8,14 @@ import signal
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine import PDCluster
+from engine import LLM, PDCluster, SamplingParams
 
 KW = dict(block_size=16, num_kv_blocks=64, max_model_len=512)
-PROMPTS = ["The capital of France is a city of light, of river banks and of long avenues where",
-           "Once upon a time", [1000 + 3 * i for i in range(40)]]
+PROMPTS = [
+    "The capital of France is a city of light, of river banks and of long avenues where",
+    "Once upon a time",
+    [1000 + 3 * i for i in range(40)],
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
 
 
@@ -28,8 +31,9 @@ def cluster(request):
         request.getfixturevalue("redis_server")  # skips where redis-server is missing
     # async: loads park decode requests in WAITING_FOR_REMOTE_KVS, saves hold prefill blocks until stored
     extra = {"async_transfers": True} if mode == "async" else None
-    with PDCluster(model="tiny-llama", connector=connector, num_prefill=1, num_decode=1,
-                   kv_connector_extra_config=extra, **KW) as c:
+    with PDCluster(
+        model="tiny-llama", connector=connector, num_prefill=1, num_decode=1, kv_connector_extra_config=extra, **KW
+    ) as c:
         yield c
 
 
@@ -93,7 +97,7 @@ def test_streamed_tokens_are_the_outputs_tokens_from_the_decode_instance(cluster
         assert streamed == out.token_ids == w.token_ids  # no duplicate first token, no gap
         text = ""
         for d in deltas:
-            text = text[:d.text_offset] + d.text
+            text = text[: d.text_offset] + d.text
         assert text == out.text == w.text
         assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
         assert deltas[-1].finish_reason == "length" and {d.instance for d in deltas} == {"decode-0"}
@@ -159,8 +163,9 @@ def test_a_prefill_killed_before_answering_fails_its_requests_only(two_prefills,
     lost = two_prefills.submit(PROMPTS[1], GREEDY)
     p1.process.kill()
     by_request = _collect(two_prefills.stream(timeout=60))
-    assert [t for d in by_request[ok] for t in d.token_ids] == two_prefills.pop_output(ok).token_ids \
-        == want[0].token_ids
+    assert (
+        [t for d in by_request[ok] for t in d.token_ids] == two_prefills.pop_output(ok).token_ids == want[0].token_ids
+    )
     failed = two_prefills.pop_output(lost)
     assert by_request[lost][-1].finish_reason == failed.finish_reason == "error"
     assert "prefill-1" in failed.error and by_request[lost][-1].instance == "prefill-1"

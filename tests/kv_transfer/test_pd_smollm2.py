@@ -1,18 +1,20 @@
 """The real model across processes: a PDCluster (1 prefill + 1 decode process) streams the same greedy tokens as a
 single engine, through both stores."""
+
 from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine import PDCluster
+from engine import LLM, PDCluster, SamplingParams
 
 pytestmark = pytest.mark.slow
 
 KW = dict(block_size=16, num_kv_blocks=64, max_model_len=512)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
-PROMPTS = ["<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n",
-           "The three largest cities of France are"]
+PROMPTS = [
+    "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n",
+    "The three largest cities of France are",
+]
 
 
 @pytest.fixture(scope="module")

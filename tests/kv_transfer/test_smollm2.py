@@ -1,5 +1,6 @@
 """The real model through both stores: one kv_both engine (prefix caching off, so only the store can supply KV)
 saves a prompt's KV, then loads it back and decodes; tokens and logprobs equal a plain run's."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,10 @@ import pytest
 from engine import LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
-PROMPT = ("<|im_start|>user\nExplain in two sentences why the sky is blue, and why sunsets are red.<|im_end|>\n"
-          "<|im_start|>assistant\n")
+PROMPT = (
+    "<|im_start|>user\nExplain in two sentences why the sky is blue, and why sunsets are red.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 
 
 def _run(engine: LLMEngine, params: SamplingParams, kv_params: dict | None):
@@ -21,8 +24,13 @@ def _run(engine: LLMEngine, params: SamplingParams, kv_params: dict | None):
 
 @pytest.fixture(scope="module")
 def engine(kv_config, smollm2_path) -> LLMEngine:
-    return LLMEngine(model="smollm2-135m", block_size=16, num_kv_blocks=64, enable_prefix_caching=False,
-                     kv_transfer_config=kv_config("kv_both"))
+    return LLMEngine(
+        model="smollm2-135m",
+        block_size=16,
+        num_kv_blocks=64,
+        enable_prefix_caching=False,
+        kv_transfer_config=kv_config("kv_both"),
+    )
 
 
 def test_smollm2_decode_from_transferred_kv_equals_a_plain_run(engine) -> None:

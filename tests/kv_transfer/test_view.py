@@ -1,5 +1,6 @@
 """The KV-transfer view over synthetic records from two instances; the transfer timeline over a real
 asynchronous prefill -> decode run."""
+
 from __future__ import annotations
 
 from bokeh.document import Document
@@ -8,13 +9,30 @@ from engine import LLMEngine
 from engine.events import KVTransferFail, KVTransferLoad, KVTransferSave, KVUsage, StepRecord
 from tests.kv_transfer.test_async import gate
 from tests.kv_transfer.test_connectors import GREEDY, KW, PREFILL, assert_no_leaks, events
-from workbench.views.kv_transfer import (HELD, LOADING, RUNNING, WAITING, KVTransferView, transfer_timeline,
-                                         transfer_timeline_figure)
+from workbench.views.kv_transfer import (
+    HELD,
+    LOADING,
+    RUNNING,
+    WAITING,
+    KVTransferView,
+    transfer_timeline,
+    transfer_timeline_figure,
+)
 
 
 def _record(step: int, end_ns: int, events: list) -> StepRecord:
-    return StepRecord(step=step, start_ns=end_ns - 1000, end_ns=end_ns, scheduled={}, phases={}, num_waiting=0,
-                      num_running=0, kv=KVUsage(8, 0, 0, 8), timing={}, events=events)
+    return StepRecord(
+        step=step,
+        start_ns=end_ns - 1000,
+        end_ns=end_ns,
+        scheduled={},
+        phases={},
+        num_waiting=0,
+        num_running=0,
+        kv=KVUsage(8, 0, 0, 8),
+        timing={},
+        events=events,
+    )
 
 
 def test_view_accumulates_bytes_per_instance_and_lists_failures() -> None:
@@ -22,17 +40,38 @@ def test_view_accumulates_bytes_per_instance_and_lists_failures() -> None:
     view.panel.get_root(Document())
     assert view.empty.is_empty
     common = dict(connector="SharedStorageConnector", key="k", num_blocks=2, num_tokens=20, ms=2.0, mb_per_s=1.0)
-    view.extend([
-        _record(1, 1_000_000_000, [KVTransferSave(1, request_id="a", instance="prefill-0", num_bytes=2_000_000,
-                                                  **common)]),
-        _record(1, 1_500_000_000, [KVTransferLoad(1, request_id="a", instance="decode-0", num_bytes=2_000_000,
-                                                  remote_request_id="a", **common),
-                                   KVTransferFail(1, request_id="b", instance="decode-0", connector="RedisConnector",
-                                                  failure="timeout", policy_action="recompute",
-                                                  num_recomputed_tokens=31)]),
-        _record(2, 2_000_000_000, [KVTransferSave(2, request_id="c", instance="prefill-0", num_bytes=1_000_000,
-                                                  **common)]),
-    ])
+    view.extend(
+        [
+            _record(
+                1,
+                1_000_000_000,
+                [KVTransferSave(1, request_id="a", instance="prefill-0", num_bytes=2_000_000, **common)],
+            ),
+            _record(
+                1,
+                1_500_000_000,
+                [
+                    KVTransferLoad(
+                        1, request_id="a", instance="decode-0", num_bytes=2_000_000, remote_request_id="a", **common
+                    ),
+                    KVTransferFail(
+                        1,
+                        request_id="b",
+                        instance="decode-0",
+                        connector="RedisConnector",
+                        failure="timeout",
+                        policy_action="recompute",
+                        num_recomputed_tokens=31,
+                    ),
+                ],
+            ),
+            _record(
+                2,
+                2_000_000_000,
+                [KVTransferSave(2, request_id="c", instance="prefill-0", num_bytes=1_000_000, **common)],
+            ),
+        ]
+    )
     assert not view.empty.is_empty
     data = view.points.source.data
     assert data["mb"] == [2.0, 2.0, 2.0, 3.0]  # per instance: the failure moves nothing
@@ -84,10 +123,11 @@ def test_the_transfer_timeline_of_an_async_run(kv_config) -> None:
     assert loading.num_blocks == running.num_blocks >= num_blocks
     first = next(r for r in decode if cid in r.scheduled)
     assert first.step == running.first_step and first.scheduled[cid] == 1  # only the prompt's last token
-    assert all(not r.scheduled for r in decode[:load.step - 1])
+    assert all(not r.scheduled for r in decode[: load.step - 1])
     assert timeline.span("decode", cid, HELD) is None  # nothing saves on the decode side
 
     fig = transfer_timeline_figure(timeline)
     bars = fig.renderers[0].data_source.data
     assert sorted(zip(bars["request_id"], bars["state"])) == sorted(
-        [(pid, WAITING), (pid, RUNNING), (pid, HELD), (cid, WAITING), (cid, LOADING), (cid, RUNNING)])
+        [(pid, WAITING), (pid, RUNNING), (pid, HELD), (cid, WAITING), (cid, LOADING), (cid, RUNNING)]
+    )

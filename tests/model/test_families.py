@@ -22,12 +22,12 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=True),
     "qwen3_moe": lambda: Qwen3MoeConfig(**SMALL, **MOE, head_dim=16, norm_topk_prob=True),
     # Layer 0 dense (mlp_only_layers), layer 1 sparse; top-k weights not renormalised.
-    "qwen3_moe_mixed": lambda: Qwen3MoeConfig(**SMALL, **MOE, head_dim=16, mlp_only_layers=[0],
-                                              norm_topk_prob=False),
+    "qwen3_moe_mixed": lambda: Qwen3MoeConfig(**SMALL, **MOE, head_dim=16, mlp_only_layers=[0], norm_topk_prob=False),
     # Sliding windows shorter than the prompts: every layer (Mistral), or the layers past max_window_layers (Qwen2).
     "mistral_window_6": lambda: MistralConfig(**SMALL, sliding_window=6),
-    "qwen2_window_5_layer_1": lambda: Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=5,
-                                                  max_window_layers=1),
+    "qwen2_window_5_layer_1": lambda: Qwen2Config(
+        **SMALL, use_sliding_window=True, sliding_window=5, max_window_layers=1
+    ),
 }
 
 

@@ -2,6 +2,7 @@
 against Hugging Face in the same dtype the way vLLM checks its own (`check_logprobs_close`, tests/models/utils.py):
 greedy tokens equal up to the first divergence, and where they diverge each side's token is among the other's top
 logprobs; before it, the two sides' logprobs of the tokens they share agree within a stated tolerance."""
+
 from __future__ import annotations
 
 import functools
@@ -16,8 +17,12 @@ from engine.model.linear import Linear
 
 TOP = 5
 MAX_TOKENS = 24
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three primary colours are"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colours are",
+]
 # |logprob ours - logprob HF| of a token both list in their top 5, while the two generations still agree (measured
 # worst over these prompts: 0.36 bf16, 0.0 int8): bf16
 # weights with fp32 arithmetic against HF computing in bf16 throughout; int8 against HF on the same dequantized
@@ -27,8 +32,9 @@ TOLERANCE = {"bfloat16": 0.6, "int8": 1e-3}
 Logprobs = list[dict[int, float]]
 
 
-def check_logprobs_close(ours: list[tuple[list[int], Logprobs]], theirs: list[tuple[list[int], Logprobs]],
-                         tolerance: float) -> int:
+def check_logprobs_close(
+    ours: list[tuple[list[int], Logprobs]], theirs: list[tuple[list[int], Logprobs]], tolerance: float
+) -> int:
     """vLLM's rule, plus a bound on the shared logprobs before the divergence; returns how many tokens matched."""
     matched = 0
     for prompt, ((ids_a, lps_a), (ids_b, lps_b)) in enumerate(zip(ours, theirs, strict=True)):
@@ -40,7 +46,8 @@ def check_logprobs_close(ours: list[tuple[list[int], Logprobs]], theirs: list[tu
             if a != b:
                 assert a in lps_b[step] and b in lps_a[step], (
                     f"prompt {prompt} step {step}: ours {a} not in their top-{TOP} {sorted(lps_b[step])} "
-                    f"or theirs {b} not in ours {sorted(lps_a[step])}")
+                    f"or theirs {b} not in ours {sorted(lps_a[step])}"
+                )
                 break
             matched += 1
     return matched
@@ -49,8 +56,7 @@ def check_logprobs_close(ours: list[tuple[list[int], Logprobs]], theirs: list[tu
 def engine_greedy(path: Path, **kwargs) -> list[tuple[list[int], Logprobs]]:
     llm = LLM(str(path), seed=0, **kwargs)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=TOP, ignore_eos=True)
-    return [(out.token_ids, out.logprobs)
-            for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+    return [(out.token_ids, out.logprobs) for out in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
 def hf_greedy_logprobs(model, tokenizer) -> list[tuple[list[int], Logprobs]]:
@@ -58,10 +64,17 @@ def hf_greedy_logprobs(model, tokenizer) -> list[tuple[list[int], Logprobs]]:
     for prompt in PROMPTS:
         ids = torch.tensor([tokenizer.encode(prompt)])
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                 min_new_tokens=MAX_TOKENS, output_logits=True, return_dict_in_generate=True,
-                                 pad_token_id=tokenizer.eos_token_id)
-        tokens = out.sequences[0, ids.shape[1]:].tolist()
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        tokens = out.sequences[0, ids.shape[1] :].tolist()
         steps = []
         for token, logits in zip(tokens, out.logits):
             lp = torch.log_softmax(logits[0].float(), dim=-1)
@@ -78,7 +91,7 @@ def hf_reference(path: str, dtype: str) -> list[tuple[list[int], Logprobs]]:
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
     if dtype == "int8":  # the same weight-only quantization, dequantized: what our int8 weights mean
-        for name, module in model.named_modules():
+        for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 ours = Linear(module.in_features, module.out_features)
                 ours.weight.data = module.weight.data.clone()
@@ -102,5 +115,6 @@ def test_the_check_fails_when_the_weights_are_not_what_the_reference_dequantizes
     """int8 against HF's bf16: the same tolerance would be exceeded (the check can fail)."""
     path = resolve_model("smollm2-135m")
     with pytest.raises(AssertionError, match="logprobs differ"):
-        check_logprobs_close(engine_greedy(path, quantization="int8"), hf_reference(str(path), "bfloat16"),
-                             TOLERANCE["int8"])
+        check_logprobs_close(
+            engine_greedy(path, quantization="int8"), hf_reference(str(path), "bfloat16"), TOLERANCE["int8"]
+        )

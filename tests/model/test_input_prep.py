@@ -1,5 +1,6 @@
 """The runner's input preparation: the persistent block table, and every step's batch against a per-token
 reference through chunked prefill, prefix hits, verification of drafts, preemption, aborts and reused ids."""
+
 from __future__ import annotations
 
 import random
@@ -53,7 +54,7 @@ def reference_batch(output, block_size: int) -> dict[str, list]:
     tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in output.scheduled]
     for s in output.scheduled:
         start, n = s.num_computed_tokens, s.num_new_tokens
-        ids += (s.request.all_token_ids + s.spec_token_ids)[start:start + n]
+        ids += (s.request.all_token_ids + s.spec_token_ids)[start : start + n]
         for p in range(start, start + n):
             positions.append(p)
             slots.append(s.block_ids[p // block_size] * block_size + p % block_size)
@@ -62,21 +63,39 @@ def reference_batch(output, block_size: int) -> dict[str, list]:
         if s.samples:
             first_rows.append(len(logits))
             logits += range(len(ids) - 1 - len(s.spec_token_ids), len(ids))
-    return {"input_ids": ids, "positions": positions, "slot_mapping": slots, "block_tables": tables,
-            "seq_lens": seq_lens, "query_start_loc": starts, "logits_indices": logits, "first_rows": first_rows}
+    return {
+        "input_ids": ids,
+        "positions": positions,
+        "slot_mapping": slots,
+        "block_tables": tables,
+        "seq_lens": seq_lens,
+        "query_start_loc": starts,
+        "logits_indices": logits,
+        "first_rows": first_rows,
+    }
 
 
 def _as_lists(batch) -> dict[str, list]:
     attn = batch.attn
-    return {"input_ids": batch.input_ids.tolist(), "positions": batch.positions.tolist(),
-            "slot_mapping": attn.slot_mapping.tolist(), "block_tables": attn.block_tables.tolist(),
-            "seq_lens": attn.seq_lens.tolist(), "query_start_loc": attn.query_start_loc.tolist(),
-            "logits_indices": batch.logits_indices.tolist(), "first_rows": batch.first_rows}
+    return {
+        "input_ids": batch.input_ids.tolist(),
+        "positions": batch.positions.tolist(),
+        "slot_mapping": attn.slot_mapping.tolist(),
+        "block_tables": attn.block_tables.tolist(),
+        "seq_lens": attn.seq_lens.tolist(),
+        "query_start_loc": attn.query_start_loc.tolist(),
+        "logits_indices": batch.logits_indices.tolist(),
+        "first_rows": batch.first_rows,
+    }
 
 
 DTYPES = {"input_ids": torch.int64, "positions": torch.int64, "logits_indices": torch.int64}
-ATTN_DTYPES = {"slot_mapping": torch.int64, "block_tables": torch.int32, "seq_lens": torch.int32,
-               "query_start_loc": torch.int32}
+ATTN_DTYPES = {
+    "slot_mapping": torch.int64,
+    "block_tables": torch.int32,
+    "seq_lens": torch.int32,
+    "query_start_loc": torch.int32,
+}
 
 
 class Checker:
@@ -113,14 +132,25 @@ def prompts() -> list[list[int]]:
     rng = random.Random(5)
     shared = [rng.randrange(3, 49152) for _ in range(24)]
     motif = [rng.randrange(3, 49152) for _ in range(5)]
-    return [shared + motif * 3, shared + [rng.randrange(3, 49152) for _ in range(30)], motif * 6,
-            [rng.randrange(3, 49152) for _ in range(50)], shared + motif]
+    return [
+        shared + motif * 3,
+        shared + [rng.randrange(3, 49152) for _ in range(30)],
+        motif * 6,
+        [rng.randrange(3, 49152) for _ in range(50)],
+        shared + motif,
+    ]
 
 
 def test_every_batch_matches_the_reference_and_rows_are_freed(prompts) -> None:
     # a small cache (preemption), a small budget (chunks), a shared prefix (hits), drafts (verification)
-    llm = LLM(model="tiny-llama", block_size=BLOCK_SIZE, num_kv_blocks=40, max_num_batched_tokens=24,
-              long_prefill_token_threshold=16, speculative_config=DRAFT)
+    llm = LLM(
+        model="tiny-llama",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=40,
+        max_num_batched_tokens=24,
+        long_prefill_token_threshold=16,
+        speculative_config=DRAFT,
+    )
     eng = llm.engine
     checker = Checker(eng.runner)
     eng.subscribe(lambda record: checker.seen.update(record.phases.values()))  # phases are the StepRecord's

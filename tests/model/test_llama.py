@@ -99,7 +99,7 @@ def check_model(path, prompt: list[int], other: list[int]) -> None:
     expected = hf_logits(hf, prompt)
     for name, steps in schedules(len(prompt)).items():
         got = run_schedule(model, {0: prompt}, steps)[0]
-        torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL, msg=lambda m, name=name: f"{name}: {m}")
     # A decode beside a whole prefill, then two multi-token chunks over cached context.
     n = len(prompt)
     mixed = [{0: n - 4}, {0: 1, 1: 5}, {0: 3, 1: len(other) - 5}]

@@ -100,7 +100,7 @@ def _tensor_data(rng: np.random.Generator, shape: tuple[int, int], qtype) -> np.
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
         for offset in K_QUANTS[qtype]:  # small finite scales, so no block dequantizes to inf or NaN
-            raw[..., offset:offset + 2] = np.frombuffer(np.float16(rng.uniform(0.001, 0.01)).tobytes(), np.uint8)
+            raw[..., offset : offset + 2] = np.frombuffer(np.float16(rng.uniform(0.001, 0.01)).tobytes(), np.uint8)
         return raw.reshape(shape[0], -1)
     data = (rng.standard_normal(shape) * 0.1).astype(np.float32)
     if qtype == Q.F32:
@@ -125,10 +125,14 @@ def write_tiny_llama_gguf(path: Path, qtype, seed: int = 0) -> None:
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(VOCAB)
     matrices = {
-        "token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN),
-        "blk.0.attn_q.weight": (HIDDEN, HIDDEN), "blk.0.attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "blk.0.attn_v.weight": (KV_HEADS * HEAD_DIM, HIDDEN), "blk.0.attn_output.weight": (HIDDEN, HIDDEN),
-        "blk.0.ffn_gate.weight": (FFN, HIDDEN), "blk.0.ffn_up.weight": (FFN, HIDDEN),
+        "token_embd.weight": (VOCAB, HIDDEN),
+        "output.weight": (VOCAB, HIDDEN),
+        "blk.0.attn_q.weight": (HIDDEN, HIDDEN),
+        "blk.0.attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "blk.0.attn_v.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "blk.0.attn_output.weight": (HIDDEN, HIDDEN),
+        "blk.0.ffn_gate.weight": (FFN, HIDDEN),
+        "blk.0.ffn_up.weight": (FFN, HIDDEN),
         "blk.0.ffn_down.weight": (HIDDEN, FFN),
     }
     for name, shape in matrices.items():
@@ -144,10 +148,18 @@ def write_tiny_llama_gguf(path: Path, qtype, seed: int = 0) -> None:
 
 
 HF_NAMES = {
-    "token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "token_embd": "model.embed_tokens",
+    "output": "lm_head",
+    "output_norm": "model.norm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 
 

@@ -54,15 +54,18 @@ def test_repetition_penalty_equals_transformers():
     for row, penalty in enumerate(penalties):
         # transformers penalises every token of input_ids: the prompt and what was generated
         ids = torch.tensor([PROMPTS[row] + OUTPUTS[row]])
-        expected = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits[row:row + 1].clone())[0]
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits[row : row + 1].clone())[0]
         torch.testing.assert_close(got[row], expected, rtol=0, atol=0)
     assert not torch.equal(got, logits)
 
 
 def test_frequency_and_presence_penalties_follow_their_definition():
     logits = random_logits(3, 1)
-    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
-              SamplingParams(frequency_penalty=-1.0), SamplingParams(presence_penalty=2.0)]
+    params = [
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(frequency_penalty=-1.0),
+        SamplingParams(presence_penalty=2.0),
+    ]
     got = processed(params, PROMPTS, OUTPUTS, logits)
     for row, p in enumerate(params):
         for token in range(V):
@@ -77,7 +80,7 @@ def test_logit_bias_equals_transformers_sequence_bias():
     got = processed([SamplingParams(logit_bias=b) for b in biases], PROMPTS[:2], OUTPUTS[:2], logits)
     for row, bias in enumerate(biases):
         hf = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})
-        expected = hf(torch.tensor([PROMPTS[row]]), logits[row:row + 1].clone())[0]
+        expected = hf(torch.tensor([PROMPTS[row]]), logits[row : row + 1].clone())[0]
         torch.testing.assert_close(got[row], expected, rtol=0, atol=0)
 
 
@@ -88,7 +91,7 @@ def test_bad_words_equal_transformers():
     for row in range(2):
         # vLLM matches against the output only: give transformers the same history
         hf = NoBadWordsLogitsProcessor(words[row], eos_token_id=63)
-        expected = hf(torch.tensor([OUTPUTS[row]]), logits[row:row + 1].clone())[0]
+        expected = hf(torch.tensor([OUTPUTS[row]]), logits[row : row + 1].clone())[0]
         torch.testing.assert_close(got[row], expected, rtol=0, atol=0)
     assert got[0, 7] == float("-inf") and got[0, 9] == float("-inf") and got[0, 50] > float("-inf")
     assert got[1, 8] == float("-inf") and got[1, 5] == float("-inf")
@@ -130,10 +133,12 @@ def test_min_tokens_bans_eos_and_the_stop_ids_until_that_many_tokens_are_out():
     # vLLM 0.33's MinTokensLogitsProcessor: min_tokens is the sampler's rule, not the scheduler's. EOS (2 here)
     # and the stop token ids get -inf while fewer than min_tokens tokens are out (EOS even with ignore_eos)
     eos, stop = 2, 9
-    params = [SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[stop]),
-              SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[stop]),
-              SamplingParams(max_tokens=8, min_tokens=3, ignore_eos=True),
-              SamplingParams(max_tokens=8, stop_token_ids=[stop])]
+    params = [
+        SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[stop]),
+        SamplingParams(max_tokens=8, min_tokens=3, stop_token_ids=[stop]),
+        SamplingParams(max_tokens=8, min_tokens=3, ignore_eos=True),
+        SamplingParams(max_tokens=8, stop_token_ids=[stop]),
+    ]
     outputs = [[5, 6], [5, 6, 7], [5], [5]]
     reqs = []
     for i, (p, output) in enumerate(zip(params, outputs)):
@@ -153,20 +158,23 @@ def test_min_tokens_bans_eos_and_the_stop_ids_until_that_many_tokens_are_out():
     assert got[0].argmax().item() not in (eos, stop)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"presence_penalty": 2.5}, ValueError, r"presence_penalty: must be in \[-2, 2\]"),
-    ({"frequency_penalty": -3}, ValueError, r"frequency_penalty: must be in \[-2, 2\]"),
-    ({"frequency_penalty": "1"}, TypeError, "frequency_penalty"),
-    ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty: must be > 0"),
-    ({"logit_bias": {3: 101}}, ValueError, r"logit_bias\[3\]: must be in \[-100, 100\]"),
-    ({"logit_bias": {"3": 1.0}}, TypeError, "logit_bias"),
-    ({"logit_bias": [3]}, TypeError, "logit_bias"),
-    ({"bad_words": ["ok", ""]}, ValueError, "bad_words: must be a list of non-empty strings"),
-    ({"bad_words": "word"}, TypeError, "bad_words"),
-    ({"allowed_token_ids": []}, ValueError, "allowed_token_ids: must not be empty"),
-    ({"allowed_token_ids": [1, -2]}, ValueError, "allowed_token_ids: token ids must be >= 0"),
-    ({"allowed_token_ids": [1, True]}, TypeError, "allowed_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"presence_penalty": 2.5}, ValueError, r"presence_penalty: must be in \[-2, 2\]"),
+        ({"frequency_penalty": -3}, ValueError, r"frequency_penalty: must be in \[-2, 2\]"),
+        ({"frequency_penalty": "1"}, TypeError, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty: must be > 0"),
+        ({"logit_bias": {3: 101}}, ValueError, r"logit_bias\[3\]: must be in \[-100, 100\]"),
+        ({"logit_bias": {"3": 1.0}}, TypeError, "logit_bias"),
+        ({"logit_bias": [3]}, TypeError, "logit_bias"),
+        ({"bad_words": ["ok", ""]}, ValueError, "bad_words: must be a list of non-empty strings"),
+        ({"bad_words": "word"}, TypeError, "bad_words"),
+        ({"allowed_token_ids": []}, ValueError, "allowed_token_ids: must not be empty"),
+        ({"allowed_token_ids": [1, -2]}, ValueError, "allowed_token_ids: token ids must be >= 0"),
+        ({"allowed_token_ids": [1, True]}, TypeError, "allowed_token_ids"),
+    ],
+)
 def test_bad_values_name_the_field(kwargs, error, match):
     with pytest.raises(error, match=match):
         SamplingParams(**kwargs)
@@ -189,10 +197,17 @@ def test_greedy_with_repetition_penalty_equals_transformers_generate(llm, tiny_m
     hf = hf_model(str(tiny_model_path))
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
-        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
-                               repetition_penalty=1.8, pad_token_id=2)[0, len(PROMPT):].tolist()
-    got = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.8),
-                       use_tqdm=False)[0].token_ids
+        expected = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=16,
+            repetition_penalty=1.8,
+            pad_token_id=2,
+        )[0, len(PROMPT) :].tolist()
+    got = llm.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.8), use_tqdm=False
+    )[0].token_ids
     assert got == expected
     plain = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].token_ids
     assert plain != got  # the penalty changed something: the comparison above can fail
@@ -211,8 +226,11 @@ def test_bad_words_and_allowed_ids_and_bias_steer_generation(llm):
     assert the[0] not in avoided and space_the[0] not in avoided
     # (multi-token words are checked against transformers above)
     allowed = [100, 200, 300]
-    sampled = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
-                                                    allowed_token_ids=allowed), use_tqdm=False)[0]
+    sampled = llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed),
+        use_tqdm=False,
+    )[0]
     assert set(sampled.token_ids) <= set(allowed) and len(set(sampled.token_ids)) > 1
 
 

@@ -155,8 +155,13 @@ def test_greedy_rows_stay_greedy_in_a_mixed_batch():
     gen = torch.Generator().manual_seed(1)
     temperature = [0.0, 1.0, 0.0, 2.0, 1e-6, 0.7]
     # Row 4 (T = 1e-6, no filters) would sample at T = 1 if it were taken for a random row.
-    md = make_metadata(temperature, top_k=[5, 20, 0, 3, 0, 0], top_p=[0.1, 0.9, 1.0, 0.5, 1.0, 0.95],
-                       min_p=[0.5, 0.0, 0.1, 0.0, 0.0, 0.05], default_generator=gen)
+    md = make_metadata(
+        temperature,
+        top_k=[5, 20, 0, 3, 0, 0],
+        top_p=[0.1, 0.9, 1.0, 0.5, 1.0, 0.95],
+        min_p=[0.5, 0.0, 0.1, 0.0, 0.0, 0.05],
+        default_generator=gen,
+    )
     greedy = torch.tensor([t < 1e-5 for t in temperature])
     random_rows_left_argmax = False
     for _ in range(30):
@@ -178,7 +183,9 @@ def test_filtered_tokens_are_never_drawn_on_a_large_vocab():
     sampled = Sampler()(logits, md).sampled_token_ids
     rank = (logits > logits.gather(1, sampled.unsqueeze(1))).sum(dim=1)  # 0 = the most likely
     assert (rank < k).all()
-    probs = (logits / 1.3).topk(40).values.masked_fill(torch.arange(40) >= k.unsqueeze(1), float("-inf")).softmax(dim=-1)
+    probs = (
+        (logits / 1.3).topk(40).values.masked_fill(torch.arange(40) >= k.unsqueeze(1), float("-inf")).softmax(dim=-1)
+    )
     mass_before = (probs.cumsum(dim=-1) - probs).gather(1, rank.unsqueeze(1)).squeeze(1)
     assert (mass_before < p).all()
 
@@ -189,7 +196,7 @@ def test_top_p_candidates_and_full_sort_agree():
     p = torch.rand(64, generator=gen) * 0.98 + 0.01
     from_candidates = apply_top_p(logits.clone(), p, top_p_candidates=64)
     from_sort = apply_top_p(logits.clone(), p, top_p_candidates=1)
-    covered = (logits.softmax(-1).topk(64).values.sum(-1) >= p)
+    covered = logits.softmax(-1).topk(64).values.sum(-1) >= p
     assert 0 < covered.sum() < 64  # both paths were taken
     assert torch.equal(from_candidates.isinf(), from_sort.isinf())
 
@@ -206,8 +213,14 @@ def seeded_tokens(batch_size: int, row: int, seed: int, steps: int = 25, others_
     generators = {row: own}
     if others_seeded:
         generators |= {i: torch.Generator().manual_seed(i) for i in range(batch_size) if i != row}
-    md = make_metadata(temperature, top_k=top_k, top_p=top_p, generators=generators,
-                       default_generator=others, max_num_logprobs=2 if others_seeded else None)
+    md = make_metadata(
+        temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generators=generators,
+        default_generator=others,
+        max_num_logprobs=2 if others_seeded else None,
+    )
     tokens = []
     for _ in range(steps):
         logits = torch.randn(batch_size, 2048, generator=others) * 3
@@ -227,8 +240,9 @@ def test_seeded_row_samples_the_same_tokens_in_any_batch():
 def test_logprobs_are_raw_with_ranks_and_sorted_top_k():
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 500, generator=gen) * 2
-    md = make_metadata([0.0, 2.0, 1.0, 0.5, 3.0, 0.0], top_k=[0, 100, 0, 10, 0, 0],
-                       default_generator=gen, max_num_logprobs=4)
+    md = make_metadata(
+        [0.0, 2.0, 1.0, 0.5, 3.0, 0.0], top_k=[0, 100, 0, 10, 0, 0], default_generator=gen, max_num_logprobs=4
+    )
     out = Sampler()(logits, md)
     ids, lps, ranks = out.logprobs
     raw = torch.log_softmax(logits, dim=-1)

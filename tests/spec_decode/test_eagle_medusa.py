@@ -4,6 +4,7 @@ target's distribution with EAGLE's drafts, configs refused by field, training th
 Heads here are tiny: made for tiny-llama by `workbench.train_draft` (randomly initialised, or trained a few seconds
 on tiny-llama's own greedy answers to the test prompts, so that many drafts are accepted and the accept paths run).
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,7 +19,7 @@ from engine.model.loader import resolve_model
 from engine.model.registry import load_model
 from engine.spec_decode import draft_heads
 from engine.spec_decode.draft_heads import DRAFT_IDS, load_head, save_head
-from engine.spec_decode.eagle import EagleHead, EagleProposer, paged_attention
+from engine.spec_decode.eagle import EagleProposer, paged_attention
 from engine.spec_decode.proposer import DraftRequest, TargetBatch, TargetModel, decode_metadata
 from kernels import reference
 from tests.reference import hf_greedy
@@ -29,7 +30,7 @@ K = 3
 SIGNIFICANCE = 1e-4  # as tests/kernels/test_rejection.py: a correct sampler fails once in 10,000 seeds
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _target_config():
     from transformers import AutoConfig
 
@@ -42,7 +43,7 @@ def _config(method: str, draft_vocab_size: int) -> dict:
     return td.medusa_config(_target_config(), K, draft_vocab_size, "tiny-llama")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _samples() -> tuple[list[td.Sample], torch.nn.Module]:
     """tiny-llama's greedy answers to the exactness prompts (computed for the reference anyway), as features."""
     prompts = [list(p) for p in _prompts("tiny-llama")]
@@ -53,17 +54,33 @@ def _samples() -> tuple[list[td.Sample], torch.nn.Module]:
 def _trainer(method: str, draft_vocab_size: int = 256, seed: int = 0) -> td.Trainer:
     samples, net = _samples()
     draft_ids, _ = td.draft_vocabulary(samples, draft_vocab_size)
-    return td.Trainer(td.new_head(_config(method, len(draft_ids)), seed), method,
-                      net.model.embed_tokens.weight.float(), net.lm_head.weight.float(), draft_ids)
+    return td.Trainer(
+        td.new_head(_config(method, len(draft_ids)), seed),
+        method,
+        net.model.embed_tokens.weight.float(),
+        net.lm_head.weight.float(),
+        draft_ids,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained_head(method: str, root: str) -> str:
     """A head overfitted in a few seconds to tiny-llama's greedy answers: most of its drafts are accepted."""
     samples, _ = _samples()
     trainer = _trainer(method)
-    history = td.train(trainer, samples, samples, epochs=60, batch_size=8, max_len=256, lr=1e-2, seed=0,
-                       noise=0.0, log=lambda _: None, progress=False)
+    history = td.train(
+        trainer,
+        samples,
+        samples,
+        epochs=60,
+        batch_size=8,
+        max_len=256,
+        lr=1e-2,
+        seed=0,
+        noise=0.0,
+        log=lambda _: None,
+        progress=False,
+    )
     assert history["epochs"][-1]["held_out_acceptance"][0] > 0.5
     folder = Path(root) / method
     save_head(folder, _config(method, len(trainer.draft_ids)), td.head_tensors(trainer.head, trainer.draft_ids), {})
@@ -84,8 +101,9 @@ def _spec(method: str, folder: str, k: int = K) -> dict:
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_greedy_is_identical_with_learned_drafts(heads, method, setting) -> None:
-    llm = LLM(model="tiny-llama", speculative_config=_spec(method, heads[method]),
-              **_settings("tiny-llama", K)[setting])
+    llm = LLM(
+        model="tiny-llama", speculative_config=_spec(method, heads[method]), **_settings("tiny-llama", K)[setting]
+    )
     records = []
     llm.engine.subscribe(records.append)
     prompts = [list(p) for p in _prompts("tiny-llama")]
@@ -121,8 +139,11 @@ def test_default_heads_on_smollm2_are_exact(method) -> None:
     manifest = json.loads((draft_heads.default_head_path("smollm2-135m", method) / "manifest.json").read_text())
     untrained = manifest["held_out_acceptance"]["untrained"][0]
     for setting in ("defaults", "chunked"):
-        llm = LLM(model="smollm2-135m", speculative_config={"method": method, "num_speculative_tokens": K},
-                  **_settings("smollm2-135m", K)[setting])
+        llm = LLM(
+            model="smollm2-135m",
+            speculative_config={"method": method, "num_speculative_tokens": K},
+            **_settings("smollm2-135m", K)[setting],
+        )
         assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
         assert llm.engine.spec_stats.acceptance_rate > 2 * untrained
 
@@ -159,9 +180,16 @@ def _first_token_p_value(drafts: torch.Tensor, draft_probs: torch.Tensor, seed: 
     target = (torch.randn(2, VOCAB, generator=gen) * 1.5).softmax(-1)
     n = len(drafts)
     out = reference.rejection_sample(
-        drafts, torch.arange(1, n + 1), draft_probs.repeat(n, 1), target[:1].repeat(n, 1),
-        torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.bool), torch.rand(n, generator=gen),
-        -torch.rand(n, VOCAB, generator=gen).log(), 1)
+        drafts,
+        torch.arange(1, n + 1),
+        draft_probs.repeat(n, 1),
+        target[:1].repeat(n, 1),
+        torch.zeros(n, dtype=torch.int64),
+        torch.zeros(n, dtype=torch.bool),
+        torch.rand(n, generator=gen),
+        -torch.rand(n, VOCAB, generator=gen).log(),
+        1,
+    )
     observed = torch.bincount(out[:, 0].long(), minlength=VOCAB).double()
     expected = target[0].double() * n
     statistic = ((observed - expected) ** 2 / expected).sum()
@@ -181,10 +209,12 @@ def test_random_sampling_with_eagle_and_medusa_is_seeded(heads) -> None:
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
     prompts = [list(p) for p in _prompts("tiny-llama")[:2]]
     for method in ("eagle", "medusa"):
-        a = LLM(model="tiny-llama", speculative_config=_spec(method, heads[method])).generate(prompts, params,
-                                                                                              use_tqdm=False)
-        b = LLM(model="tiny-llama", speculative_config=_spec(method, heads[method])).generate(prompts, params,
-                                                                                              use_tqdm=False)
+        a = LLM(model="tiny-llama", speculative_config=_spec(method, heads[method])).generate(
+            prompts, params, use_tqdm=False
+        )
+        b = LLM(model="tiny-llama", speculative_config=_spec(method, heads[method])).generate(
+            prompts, params, use_tqdm=False
+        )
         assert [o.token_ids for o in a] == [o.token_ids for o in b] and all(len(o.token_ids) == 20 for o in a)
 
 
@@ -197,15 +227,21 @@ def test_eagle_training_forward_equals_the_paged_forward() -> None:
     gen = torch.Generator().manual_seed(0)
     t = 11
     embeds, hidden = torch.randn(t, 64, generator=gen), torch.randn(t, 64, generator=gen)
-    dense = head(embeds, hidden, torch.arange(t), td.UnrolledAttention(1, t, head.config.head_dim ** -0.5))
+    dense = head(embeds, hidden, torch.arange(t), td.UnrolledAttention(1, t, head.config.head_dim**-0.5))
     caches = [(torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16))]
     request = DraftRequest("r", [0] * (t + 1), [2, 0, 3], 1, 0.0, None)
     with torch.inference_mode():
         rows = []
         for pos in range(t):  # one token at a time, as drafting does
             attn = decode_metadata([request], [pos], 4, torch.device("cpu"))
-            rows.append(head(embeds[pos:pos + 1], hidden[pos:pos + 1], torch.tensor([pos]),
-                             paged_attention(attn, caches[0], head.config.head_dim ** -0.5)))
+            rows.append(
+                head(
+                    embeds[pos : pos + 1],
+                    hidden[pos : pos + 1],
+                    torch.tensor([pos]),
+                    paged_attention(attn, caches[0], head.config.head_dim**-0.5),
+                )
+            )
     torch.testing.assert_close(torch.cat(rows), dense, atol=1e-4, rtol=1e-4)
 
 
@@ -215,8 +251,11 @@ def test_unrolled_training_reads_the_heads_own_states_as_drafting_does() -> None
     head = td.new_head(_config("eagle", 8), seed=1).requires_grad_(False)
     gen = torch.Generator().manual_seed(0)
     t, p = 10, 6
-    embed, tokens, hidden = torch.randn(32, 64, generator=gen), torch.randint(32, (t + 1,), generator=gen), \
-        torch.randn(t + 1, 64, generator=gen)
+    embed, tokens, hidden = (
+        torch.randn(32, 64, generator=gen),
+        torch.randint(32, (t + 1,), generator=gen),
+        torch.randn(t + 1, 64, generator=gen),
+    )
     trainer = td.Trainer(head, "eagle", embed, torch.randn(32, 64, generator=gen), torch.arange(8), steps=3)
     preds = trainer.predictions(tokens[None], hidden[None])
     caches = [(torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16))]
@@ -224,12 +263,17 @@ def test_unrolled_training_reads_the_heads_own_states_as_drafting_does() -> None
 
     def step(pos: int, state: torch.Tensor) -> torch.Tensor:
         attn = decode_metadata([request], [pos], 4, torch.device("cpu"))
-        return head(embed[tokens[pos + 1:pos + 2]], state, torch.tensor([pos]),
-                    paged_attention(attn, caches[0], head.config.head_dim ** -0.5))
+        return head(
+            embed[tokens[pos + 1 : pos + 2]],
+            state,
+            torch.tensor([pos]),
+            paged_attention(attn, caches[0], head.config.head_dim**-0.5),
+        )
+
     with torch.inference_mode():
         for pos in range(p):  # what mirror wrote: the target's states
-            step(pos, hidden[pos:pos + 1])
-        state = hidden[p:p + 1]
+            step(pos, hidden[pos : pos + 1])
+        state = hidden[p : p + 1]
         for j in range(3):  # the chain: each step reads the state the step before predicted
             state = step(p + j, state)
             torch.testing.assert_close(state[0], preds[j][0, p], atol=1e-4, rtol=1e-4)
@@ -273,18 +317,44 @@ def test_a_few_seconds_of_training_raise_acceptance(method) -> None:
     trainer = _trainer(method)
     # Medusa's first head guesses two tokens ahead without seeing the one between: it learns more slowly
     epochs, gain = (20, 0.2) if method == "eagle" else (40, 0.1)
-    history = td.train(trainer, samples, samples, epochs=epochs, batch_size=8, max_len=256, lr=1e-2, seed=0,
-                       log=lambda _: None, progress=False)
+    history = td.train(
+        trainer,
+        samples,
+        samples,
+        epochs=epochs,
+        batch_size=8,
+        max_len=256,
+        lr=1e-2,
+        seed=0,
+        log=lambda _: None,
+        progress=False,
+    )
     assert history["epochs"][-1]["held_out_acceptance"][0] > history["untrained"][0] + gain
 
 
 def test_unrolled_training_raises_the_third_drafts_acceptance() -> None:
     samples, net = _samples()
     draft_ids, _ = td.draft_vocabulary(samples, 256)
-    trainer = td.Trainer(td.new_head(_config("eagle", len(draft_ids)), 0), "eagle",
-                         net.model.embed_tokens.weight.float(), net.lm_head.weight.float(), draft_ids, steps=3)
-    history = td.train(trainer, samples, samples, epochs=20, batch_size=8, max_len=256, lr=1e-2, seed=0,
-                       log=lambda _: None, progress=False)
+    trainer = td.Trainer(
+        td.new_head(_config("eagle", len(draft_ids)), 0),
+        "eagle",
+        net.model.embed_tokens.weight.float(),
+        net.lm_head.weight.float(),
+        draft_ids,
+        steps=3,
+    )
+    history = td.train(
+        trainer,
+        samples,
+        samples,
+        epochs=20,
+        batch_size=8,
+        max_len=256,
+        lr=1e-2,
+        seed=0,
+        log=lambda _: None,
+        progress=False,
+    )
     assert len(history["untrained"]) == 3
     assert history["epochs"][-1]["held_out_acceptance"][2] > history["untrained"][2] + 0.2
 
@@ -294,9 +364,32 @@ def test_train_draft_command_writes_a_head_the_engine_loads(tmp_path, monkeypatc
 
     monkeypatch.setattr(td, "trained_heads_dir", lambda: tmp_path / "cache")  # where its answers are kept
     out = tmp_path / "head"
-    assert main(["train-draft", "--method", "medusa", "--model", "tiny-llama", "--out", str(out),
-                 "--num-prompts", "10", "--max-tokens", "8", "--epochs", "1", "--draft-vocab-size", "64",
-                 "--num-heads", "2", "--num-hidden-layers", "2"]) == 0
+    assert (
+        main(
+            [
+                "train-draft",
+                "--method",
+                "medusa",
+                "--model",
+                "tiny-llama",
+                "--out",
+                str(out),
+                "--num-prompts",
+                "10",
+                "--max-tokens",
+                "8",
+                "--epochs",
+                "1",
+                "--draft-vocab-size",
+                "64",
+                "--num-heads",
+                "2",
+                "--num-hidden-layers",
+                "2",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["command"].startswith("workbench train-draft --method medusa")
     assert {"seed", "data", "training", "held_out_acceptance", "engine_acceptance"} <= set(manifest)
@@ -311,8 +404,9 @@ def test_train_draft_command_writes_a_head_the_engine_loads(tmp_path, monkeypatc
 def test_a_longer_prompt_set_generates_only_its_new_answers(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(td, "trained_heads_dir", lambda: tmp_path)
     made, generate = [], td.generate_answers
-    monkeypatch.setattr(td, "generate_answers", lambda model, prompts, *rest: made.append(prompts) or generate(
-        model, prompts, *rest))
+    monkeypatch.setattr(
+        td, "generate_answers", lambda model, prompts, *rest: made.append(prompts) or generate(model, prompts, *rest)
+    )
     prompts = td.prompt_set()[:6]
     first, _, path = td.cached_answers("tiny-llama", prompts[:4], 8, 0.0, 0, lambda _: None)
     again, keys, _ = td.cached_answers("tiny-llama", prompts, 8, 0.0, 0, lambda _: None)
@@ -323,8 +417,18 @@ def test_a_longer_prompt_set_generates_only_its_new_answers(tmp_path, monkeypatc
 
 def test_train_draft_skips_the_engine_check_when_asked(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(td, "trained_heads_dir", lambda: tmp_path / "cache")
-    manifest = td.train_draft("eagle", "tiny-llama", str(tmp_path / "head"), num_prompts=10, max_tokens=8, epochs=1,
-                              draft_vocab_size=64, check_prompts=0, log=lambda _: None, progress=False)
+    manifest = td.train_draft(
+        "eagle",
+        "tiny-llama",
+        str(tmp_path / "head"),
+        num_prompts=10,
+        max_tokens=8,
+        epochs=1,
+        draft_vocab_size=64,
+        check_prompts=0,
+        log=lambda _: None,
+        progress=False,
+    )
     assert "engine_acceptance" not in manifest and "engine_check" not in manifest["seconds"]
     assert json.loads((tmp_path / "head" / "manifest.json").read_text()) == manifest
 
@@ -351,7 +455,7 @@ def test_a_committed_heads_command_names_the_data_it_learned_from(method) -> Non
 
     manifest = json.loads((draft_heads.BUNDLED_HEADS / "smollm2-135m" / method / "manifest.json").read_text())
     args = build_parser().parse_args(shlex.split(manifest["command"])[1:])
-    prompts = td.prompt_set()[:args.num_prompts]
+    prompts = td.prompt_set()[: args.num_prompts]
     assert (args.method, args.model, args.epochs) == (method, manifest["target"], manifest["training"]["epochs"])
     assert len(prompts) == manifest["data"]["prompts"]
     assert len(prompts[9::10]) == manifest["data"]["held_out_prompts"]

@@ -1,4 +1,5 @@
 """Speculative decoding: greedy outputs are identical with and without drafts, under every scheduler setting."""
+
 from __future__ import annotations
 
 import functools
@@ -20,22 +21,29 @@ DRAFT = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens
 
 
 # ---- configuration ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec, field", [
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
-     "prompt_lookup_min"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "method"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
-])
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
+            "prompt_lookup_min",
+        ),
+        ({"method": "mtp", "num_speculative_tokens": 2}, "method"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+    ],
+)
 def test_invalid_speculative_config_names_the_field(spec, field) -> None:
     with pytest.raises(ValueError, match=f"speculative_config.{field}"):
         EngineConfig(speculative_config=spec)
 
 
 def test_an_unknown_method_is_refused_naming_the_known_ones() -> None:
-    for refuse in (lambda: EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
-                   lambda: proposer_class(SpeculativeConfig("mtp", 2))):  # a config built by hand, unchecked
+    for refuse in (
+        lambda: EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
+        lambda: proposer_class(SpeculativeConfig("mtp", 2)),
+    ):  # a config built by hand, unchecked
         with pytest.raises(ValueError, match="speculative_config.method") as error:
             refuse()
         assert "'mtp'" in str(error.value) and all(repr(method) in str(error.value) for method in PROPOSERS)
@@ -61,11 +69,22 @@ def test_draft_model_with_another_vocabulary_is_refused(tmp_path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="vocabulary"):
-        LLM(model="tiny-llama", num_kv_blocks=16,
-            speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+        LLM(
+            model="tiny-llama",
+            num_kv_blocks=16,
+            speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2},
+        )
 
 
 # ---- the n-gram proposer ------------------------------------------------------------------------------
@@ -96,21 +115,28 @@ def test_ngram_proposes_for_each_request_that_finds_a_match() -> None:
 
 
 # ---- exactness ----------------------------------------------------------------------------------------
-_TEXTS = ["Count: one two three four five six seven eight nine ten eleven twelve. Again: one two three",
-          "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return",
-          "The quick brown fox jumps over the lazy dog. " * 3 + "The quick",
-          "Repeat after me: I like green apples and red cherries. I like green",
-          "Paged attention stores keys and values in blocks. " * 6 + "Paged"]
+_TEXTS = [
+    "Count: one two three four five six seven eight nine ten eleven twelve. Again: one two three",
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return",
+    "The quick brown fox jumps over the lazy dog. " * 3 + "The quick",
+    "Repeat after me: I like green apples and red cherries. I like green",
+    "Paged attention stores keys and values in blocks. " * 6 + "Paged",
+]
 
 
 def _tiny_prompts() -> list[list[int]]:
     rng = random.Random(3)
     motif = [rng.randrange(3, 49152) for _ in range(7)]
-    return [motif * 4 + [11], [rng.randrange(3, 49152) for _ in range(45)], motif * 2, [17] * 9,
-            [rng.randrange(3, 49152) for _ in range(130)]]
+    return [
+        motif * 4 + [11],
+        [rng.randrange(3, 49152) for _ in range(45)],
+        motif * 2,
+        [17] * 9,
+        [rng.randrange(3, 49152) for _ in range(130)],
+    ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _prompts(model: str) -> tuple[tuple[int, ...], ...]:
     """N-gram lookup needs text that repeats itself, which a real model continues: smollm2 for n-gram; the
     draft model is checked on tiny-llama drafting for itself."""
@@ -135,8 +161,11 @@ def _settings(model: str, k: int) -> dict[str, dict]:
         "defaults": {},
         "block4_drafts_cross_blocks": {"block_size": 4},
         "chunked": {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 16},
-        "preemption": {"block_size": 4, "num_kv_blocks": _blocks_for_preemption(model, 4, k),
-                       "enable_prefix_caching": False},
+        "preemption": {
+            "block_size": 4,
+            "num_kv_blocks": _blocks_for_preemption(model, 4, k),
+            "enable_prefix_caching": False,
+        },
         "prefix_cache_and_preemption": {"block_size": 4, "num_kv_blocks": _blocks_for_preemption(model, 4, k)},
     }
 
@@ -146,7 +175,7 @@ CASES = {"ngram": ("smollm2-135m", NGRAM), "draft_model": ("tiny-llama", DRAFT)}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(model: str, setting: str, k: int) -> list[list[int]]:
     llm = LLM(model=model, **_settings(model, k)[setting])
     return [o.token_ids for o in llm.generate([list(p) for p in _prompts(model)], PARAMS, use_tqdm=False)]
@@ -191,15 +220,23 @@ def test_prefix_hits_on_blocks_filled_while_speculating() -> None:
 @pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft_model"])
 def test_guided_requests_with_drafts(spec) -> None:
     """Drafts are validated by the matcher and masked per position: the same tokens as without drafts."""
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy"]}},
-              "required": ["a", "b"]}
-    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
-              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(
-                  regex="(ab|abc){2,6}"))]
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy"]}},
+        "required": ["a", "b"],
+    }
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(
+            temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex="(ab|abc){2,6}")
+        ),
+    ]
     base = LLM(model="tiny-llama")
     # prompts that hold the grammar's own text, so n-gram lookup finds drafts the grammar accepts
-    prompts = [base.tokenizer.encode('{"a": 12, "b": "yy"} {"a": 7, "b": "x"} ') * 2,
-               base.tokenizer.encode("ababcabab abcab ab")]
+    prompts = [
+        base.tokenizer.encode('{"a": 12, "b": "yy"} {"a": 7, "b": "x"} ') * 2,
+        base.tokenizer.encode("ababcabab abcab ab"),
+    ]
     ref = base.generate(prompts, params, use_tqdm=False)
     llm = LLM(model="tiny-llama", speculative_config=spec)
     records = []
@@ -216,12 +253,15 @@ def test_spec_events_describe_each_verification() -> None:
     llm = LLM(model="smollm2-135m", speculative_config=NGRAM)
     records = []
     llm.engine.subscribe(records.append)
-    llm.generate([list(_prompts("smollm2-135m")[0])], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [list(_prompts("smollm2-135m")[0])],
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )
     proposed = [e for r in records for e in r.of_kind("spec.proposed")]
     verified = [e for r in records for e in r.of_kind("spec.verified")]
     assert proposed and verified and proposed[0].method == "ngram"
-    assert [e.draft_token_ids for e in verified] == [e.draft_token_ids for e in proposed][:len(verified)]
+    assert [e.draft_token_ids for e in verified] == [e.draft_token_ids for e in proposed][: len(verified)]
     for e in verified:
         n = sum(e.accepted)
         assert list(e.accepted) == [True] * n + [False] * (len(e.draft_token_ids) - n)  # a prefix stands

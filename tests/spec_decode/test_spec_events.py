@@ -3,6 +3,7 @@ target's top token, a sampled request's uniform draw, the tokens' text. Each dec
 numbers alone (greedy: a draft stands iff it is the target's top token; sampled: iff u * q < p), for n-gram (no
 draft distribution: q None, taken as 1; on smollm2, which continues repeating text) and EAGLE (a tiny head trained
 on tiny-llama's answers, so that drafts both stand and fall)."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,8 +26,10 @@ def _verified(model: str, spec: dict, temperature: float) -> tuple[list[SpecVeri
     records = []
     llm.engine.subscribe(records.append)
     prompts = [list(p) for p in _prompts(model)]
-    params = [SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=i if temperature else None)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=i if temperature else None)
+        for i in range(len(prompts))
+    ]
     llm.generate(prompts, params, use_tqdm=False)
     return [e for r in records for e in r.of_kind("spec.verified")], llm.tokenizer
 
@@ -38,8 +41,9 @@ def test_each_decision_follows_from_the_event(method, temperature, request) -> N
         verified, tok = _verified("smollm2-135m", NGRAM, temperature)
     else:
         head = request.getfixturevalue("eagle_head")
-        verified, tok = _verified("tiny-llama", {"method": "eagle", "model": head, "num_speculative_tokens": K},
-                                  temperature)
+        verified, tok = _verified(
+            "tiny-llama", {"method": "eagle", "model": head, "num_speculative_tokens": K}, temperature
+        )
     assert verified
     greedy, verdicts = temperature == 0.0, set()
     for e in verified:
@@ -55,8 +59,7 @@ def test_each_decision_follows_from_the_event(method, temperature, request) -> N
         q = e.p_draft or (1.0,) * n
         num_accepted = sum(e.accepted)
         for i in range(min(num_accepted + 1, n)):  # the accepted prefix and the first rejection were judged
-            stands = (e.draft_token_ids[i] == e.target_argmax[i] if greedy
-                      else e.uniform_probs[i] * q[i] < e.p_target[i])
+            stands = e.draft_token_ids[i] == e.target_argmax[i] if greedy else e.uniform_probs[i] * q[i] < e.p_target[i]
             assert stands == e.accepted[i], (e, i)
             verdicts.add(stands)
         if greedy and not e.bonus:  # greedy recovers with the target's top token

@@ -1,5 +1,6 @@
 """Guided decoding with xgrammar: outputs obey their grammar, greedy equals a masked transformers run,
 a broken grammar fails alone, and compiling never blocks other requests."""
+
 from __future__ import annotations
 
 import json
@@ -29,30 +30,39 @@ SCHEMAS = {
         "type": "object",
         "properties": {
             "status": {"enum": ["pending", "shipped", "delivered"]},
-            "items": {"type": "array", "minItems": 1, "maxItems": 3,
-                      "items": {"type": "object",
-                                "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
-                                               "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-                                "required": ["sku", "qty"]}},
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["sku", "qty"],
+                },
+            },
             "total": {"type": "number", "minimum": 0, "maximum": 1000},
         },
         "required": ["status", "items", "total"],
     },
     "flags": {
         "type": "object",
-        "properties": {"ok": {"type": "boolean"}, "scores": {"type": "array", "items": {"type": "integer"},
-                                                             "maxItems": 4},
-                       "meta": {"type": "object", "properties": {"level": {"enum": [1, 2, 3]}},
-                                "required": ["level"]}},
+        "properties": {
+            "ok": {"type": "boolean"},
+            "scores": {"type": "array", "items": {"type": "integer"}, "maxItems": 4},
+            "meta": {"type": "object", "properties": {"level": {"enum": [1, 2, 3]}}, "required": ["level"]},
+        },
         "required": ["ok", "meta"],
     },
 }
-EXPR_GRAMMAR = r'''
+EXPR_GRAMMAR = r"""
 root ::= term (op term)? (op term)?
 term ::= num | "(" num op num ")"
 op ::= "+" | "-"
 num ::= [1-9] [0-9]?
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +85,11 @@ def test_sampled_json_validates_against_its_schema(llm: LLM) -> None:
     for name, schema in SCHEMAS.items():
         for seed in range(4):
             prompts.append(f"Return one {name} record as JSON: ")
-            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=160,
-                                         structured_outputs=StructuredOutputsParams(json=schema)))
+            params.append(
+                SamplingParams(
+                    temperature=1.0, seed=seed, max_tokens=160, structured_outputs=StructuredOutputsParams(json=schema)
+                )
+            )
             schemas.append(schema)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for out, schema in zip(outs, schemas):
@@ -87,10 +100,12 @@ def test_sampled_json_validates_against_its_schema(llm: LLM) -> None:
 @pytest.mark.slow
 def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
     regex = r"[A-Z][a-z]{2,6}-\d{2,3}"
-    kinds = [("regex", StructuredOutputsParams(regex=regex)),
-             ("choice", StructuredOutputsParams(choice=["Positive", "Negative", "Neutral"])),
-             ("grammar", StructuredOutputsParams(grammar=EXPR_GRAMMAR)),
-             ("json_object", StructuredOutputsParams(json_object=True))]
+    kinds = [
+        ("regex", StructuredOutputsParams(regex=regex)),
+        ("choice", StructuredOutputsParams(choice=["Positive", "Negative", "Neutral"])),
+        ("grammar", StructuredOutputsParams(grammar=EXPR_GRAMMAR)),
+        ("json_object", StructuredOutputsParams(json_object=True)),
+    ]
     prompts, params, names = [], [], []
     for name, so in kinds:
         for seed in range(3):
@@ -140,18 +155,28 @@ def test_greedy_guided_equals_masked_transformers(llm: LLM) -> None:
     path = resolve_model("smollm2-135m")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     backend = XgrammarBackend(llm.tokenizer, llm.engine.runner.vocab_size)
-    cases = [("A person as JSON: ", StructuredOutputsParams(json=SCHEMAS["person"])),
-             ("Sum: ", StructuredOutputsParams(grammar=EXPR_GRAMMAR)),
-             ("Code: ", StructuredOutputsParams(regex=r"[a-z]{3}_[0-9]{4}"))]
-    outs = llm.generate([p for p, _ in cases],
-                        [SamplingParams(temperature=0, max_tokens=48, structured_outputs=so) for _, so in cases],
-                        use_tqdm=False)
+    cases = [
+        ("A person as JSON: ", StructuredOutputsParams(json=SCHEMAS["person"])),
+        ("Sum: ", StructuredOutputsParams(grammar=EXPR_GRAMMAR)),
+        ("Code: ", StructuredOutputsParams(regex=r"[a-z]{3}_[0-9]{4}")),
+    ]
+    outs = llm.generate(
+        [p for p, _ in cases],
+        [SamplingParams(temperature=0, max_tokens=48, structured_outputs=so) for _, so in cases],
+        use_tqdm=False,
+    )
     for (prompt, so), out in zip(cases, outs):
         ids = torch.tensor([llm.tokenizer.encode(prompt)])
         proc = _GrammarLogitsProcessor(backend, grammar_key(so))
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=48,
-                          logits_processor=LogitsProcessorList([proc]), pad_token_id=2)[0, ids.shape[1]:].tolist()
-        assert out.token_ids == ref[:len(out.token_ids)], (out.text, llm.tokenizer.decode(ref))
+        ref = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=48,
+            logits_processor=LogitsProcessorList([proc]),
+            pad_token_id=2,
+        )[0, ids.shape[1] :].tolist()
+        assert out.token_ids == ref[: len(out.token_ids)], (out.text, llm.tokenizer.decode(ref))
         assert len(out.token_ids) == len(ref) or out.finish_reason == "stop"
 
 
@@ -160,16 +185,34 @@ def test_mixed_batch_and_broken_grammar_leave_others_untouched(llm: LLM, monkeyp
     shared = "You are a careful assistant. Always answer in the requested format. " * 6
     healthy = [
         (shared + "Name: ", SamplingParams(temperature=0, max_tokens=12)),
-        (shared + "JSON: ", SamplingParams(temperature=0, max_tokens=80,
-                                           structured_outputs=StructuredOutputsParams(json=SCHEMAS["person"]))),
-        (shared + "Pick: ", SamplingParams(temperature=0, max_tokens=8,
-                                           structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))),
+        (
+            shared + "JSON: ",
+            SamplingParams(
+                temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(json=SCHEMAS["person"])
+            ),
+        ),
+        (
+            shared + "Pick: ",
+            SamplingParams(
+                temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+            ),
+        ),
     ]
     # malformed grammars are refused at add_request (see below); these validate, then fail to compile
-    broken = [("Broken: ", SamplingParams(temperature=0, max_tokens=8,
-                                          structured_outputs=StructuredOutputsParams(grammar='root ::= "late"'))),
-              ("Bad schema: ", SamplingParams(temperature=0, max_tokens=8,
-                                              structured_outputs=StructuredOutputsParams(json='{"title": "late"}')))]
+    broken = [
+        (
+            "Broken: ",
+            SamplingParams(
+                temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(grammar='root ::= "late"')
+            ),
+        ),
+        (
+            "Bad schema: ",
+            SamplingParams(
+                temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(json='{"title": "late"}')
+            ),
+        ),
+    ]
     _fail_compiling(monkeypatch, {'root ::= "late"', '{"title": "late"}'})
     first_run = []
     llm.engine.subscribe(first_run.append)
@@ -177,8 +220,11 @@ def test_mixed_batch_and_broken_grammar_leave_others_untouched(llm: LLM, monkeyp
     llm.engine.unsubscribe(first_run.append)
     records = []
     llm.engine.subscribe(records.append)
-    mixed = llm.generate([healthy[0][0], broken[0][0], healthy[1][0], broken[1][0], healthy[2][0]],
-                         [healthy[0][1], broken[0][1], healthy[1][1], broken[1][1], healthy[2][1]], use_tqdm=False)
+    mixed = llm.generate(
+        [healthy[0][0], broken[0][0], healthy[1][0], broken[1][0], healthy[2][0]],
+        [healthy[0][1], broken[0][1], healthy[1][1], broken[1][1], healthy[2][1]],
+        use_tqdm=False,
+    )
     llm.engine.unsubscribe(records.append)
     assert [o.token_ids for o in (mixed[0], mixed[2], mixed[4])] == [o.token_ids for o in alone]
     for bad in (mixed[1], mixed[3]):
@@ -211,8 +257,14 @@ def tiny(tiny_model_path) -> LLM:
 
 def _engine_state(engine) -> tuple:
     sched = engine.scheduler
-    return (list(sched.requests), len(sched.waiting), [r.request_id for r in sched.running],
-            list(engine.structured.requests), engine.kv_cache_manager.usage(), engine.has_unfinished_requests())
+    return (
+        list(sched.requests),
+        len(sched.waiting),
+        [r.request_id for r in sched.running],
+        list(engine.structured.requests),
+        engine.kv_cache_manager.usage(),
+        engine.has_unfinished_requests(),
+    )
 
 
 def _run_to_completion(engine, rids: list[str]) -> list:
@@ -226,20 +278,43 @@ class _Person(pydantic.BaseModel):
     age: int
 
 
-@pytest.mark.parametrize("constraint, field, detail", [
-    ({"json": {"type": "strng"}}, "structured_outputs.json", "at $.type: 'strng' is not valid"),
-    ({"json": {"type": "object", "properties": {"age": {"type": "integr"}}}}, "structured_outputs.json",
-     "at $.properties.age.type: 'integr' is not valid"),
-    ({"json": {"type": "string", "minLength": -1}}, "structured_outputs.json",  # xgrammar alone accepts this one
-     "at $.minLength: -1 is less than the minimum of 0"),
-    ({"json": '{"type": "object",'}, "structured_outputs.json", "not valid JSON"),
-    ({"json": "[1, 2]"}, "structured_outputs.json", "must be an object or a boolean"),
-    ({"regex": "[a-z"}, "structured_outputs.regex", "invalid regular expression: Regex parsing error at position 5"),
-    ({"regex": r"(a)\1"}, "structured_outputs.regex", "Backreference is not supported"),
-    ({"grammar": "root ::= ("}, "structured_outputs.grammar", "invalid EBNF grammar: EBNF parser error at line 1"),
-    ({"grammar": "root ::= digit"}, "structured_outputs.grammar", 'Rule "digit" is not defined'),
-], ids=["json-type", "json-nested-type", "json-metaschema", "json-string-not-json", "json-not-a-schema",
-        "regex-unclosed", "regex-backreference", "grammar-unclosed", "grammar-undefined-rule"])
+@pytest.mark.parametrize(
+    "constraint, field, detail",
+    [
+        ({"json": {"type": "strng"}}, "structured_outputs.json", "at $.type: 'strng' is not valid"),
+        (
+            {"json": {"type": "object", "properties": {"age": {"type": "integr"}}}},
+            "structured_outputs.json",
+            "at $.properties.age.type: 'integr' is not valid",
+        ),
+        (
+            {"json": {"type": "string", "minLength": -1}},
+            "structured_outputs.json",  # xgrammar alone accepts this one
+            "at $.minLength: -1 is less than the minimum of 0",
+        ),
+        ({"json": '{"type": "object",'}, "structured_outputs.json", "not valid JSON"),
+        ({"json": "[1, 2]"}, "structured_outputs.json", "must be an object or a boolean"),
+        (
+            {"regex": "[a-z"},
+            "structured_outputs.regex",
+            "invalid regular expression: Regex parsing error at position 5",
+        ),
+        ({"regex": r"(a)\1"}, "structured_outputs.regex", "Backreference is not supported"),
+        ({"grammar": "root ::= ("}, "structured_outputs.grammar", "invalid EBNF grammar: EBNF parser error at line 1"),
+        ({"grammar": "root ::= digit"}, "structured_outputs.grammar", 'Rule "digit" is not defined'),
+    ],
+    ids=[
+        "json-type",
+        "json-nested-type",
+        "json-metaschema",
+        "json-string-not-json",
+        "json-not-a-schema",
+        "regex-unclosed",
+        "regex-backreference",
+        "grammar-unclosed",
+        "grammar-undefined-rule",
+    ],
+)
 def test_an_invalid_constraint_is_refused_at_add_request(tiny: LLM, constraint, field, detail) -> None:
     engine = tiny.engine
     engine.events.drain()
@@ -250,16 +325,24 @@ def test_an_invalid_constraint_is_refused_at_add_request(tiny: LLM, constraint, 
     assert str(info.value).startswith(field + ": ") and detail in str(info.value), str(info.value)
     assert _engine_state(engine) == before and engine.events.drain() == []  # nothing queued, emitted or held
     # the id is free and the engine goes on: a valid guided request runs to completion
-    rid = engine.add_request([5, 6, 7], SamplingParams(
-        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")), request_id="checked")
+    rid = engine.add_request(
+        [5, 6, 7],
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")),
+        request_id="checked",
+    )
     [out] = _run_to_completion(engine, [rid])
     assert out.finish_reason == "stop" and re.fullmatch("[ab]{4}", out.text), out
     assert engine.kv_cache_manager.usage().used == 0
 
 
-@pytest.mark.parametrize("constraint, field", [({"regex": 5}, "structured_outputs.regex"),
-                                               ({"json": [1]}, "structured_outputs.json"),
-                                               ({"json": int}, "structured_outputs.json")])
+@pytest.mark.parametrize(
+    "constraint, field",
+    [
+        ({"regex": 5}, "structured_outputs.regex"),
+        ({"json": [1]}, "structured_outputs.json"),
+        ({"json": int}, "structured_outputs.json"),
+    ],
+)
 def test_a_constraint_of_the_wrong_type_is_a_type_error(tiny: LLM, constraint, field) -> None:
     before = _engine_state(tiny.engine)
     with pytest.raises(TypeError, match=re.escape(field)):
@@ -269,12 +352,21 @@ def test_a_constraint_of_the_wrong_type_is_a_type_error(tiny: LLM, constraint, f
 
 def test_valid_constraints_are_accepted_and_run(tiny: LLM) -> None:
     engine = tiny.engine
-    constraints = [{"json": SCHEMAS["order"]}, {"json": json.dumps(SCHEMAS["person"])}, {"json": _Person},
-                   {"json_object": True}, {"regex": r"[A-Z][a-z]{2,6}-\d{2,3}"}, {"choice": ["yes", "no", 'a "b"']},
-                   {"grammar": EXPR_GRAMMAR}]
-    rids = [engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=6,
-                                                        structured_outputs=StructuredOutputsParams(**c)))
-            for c in constraints]
+    constraints = [
+        {"json": SCHEMAS["order"]},
+        {"json": json.dumps(SCHEMAS["person"])},
+        {"json": _Person},
+        {"json_object": True},
+        {"regex": r"[A-Z][a-z]{2,6}-\d{2,3}"},
+        {"choice": ["yes", "no", 'a "b"']},
+        {"grammar": EXPR_GRAMMAR},
+    ]
+    rids = [
+        engine.add_request(
+            [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(**c))
+        )
+        for c in constraints
+    ]
     outs = _run_to_completion(engine, rids)
     assert [o.finish_reason in ("stop", "length") and o.error is None for o in outs] == [True] * len(outs), outs
     assert outs[5].text in ("yes", "no", 'a "b"') and engine.kv_cache_manager.usage().used == 0
@@ -283,10 +375,13 @@ def test_valid_constraints_are_accepted_and_run(tiny: LLM) -> None:
 def test_a_grammar_that_validates_but_fails_to_compile_finishes_alone(tiny: LLM, monkeypatch) -> None:
     engine = tiny.engine
     _fail_compiling(monkeypatch, {"[xy]{3}"})
-    bad = engine.add_request([5, 6, 7], SamplingParams(
-        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[xy]{3}")))
-    good = engine.add_request([8, 9], SamplingParams(
-        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")))
+    bad = engine.add_request(
+        [5, 6, 7],
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[xy]{3}")),
+    )
+    good = engine.add_request(
+        [8, 9], SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}"))
+    )
     plain = engine.add_request([8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     bad_out, good_out, plain_out = _run_to_completion(engine, [bad, good, plain])
     assert bad_out.finish_reason == "error" and bad_out.error.startswith("grammar:") and bad_out.token_ids == []
@@ -306,8 +401,10 @@ def test_compiling_grammar_does_not_block_others(monkeypatch) -> None:
         return real_compile(self, key)
 
     monkeypatch.setattr(XgrammarBackend, "compile", slow_compile)
-    guided = engine.add_request([5, 6, 7], SamplingParams(
-        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")))
+    guided = engine.add_request(
+        [5, 6, 7],
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")),
+    )
     plain = engine.add_request([8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     for _ in range(3):
         record = engine.step()
@@ -332,8 +429,10 @@ def test_a_lone_compiling_request_waits_instead_of_spinning(monkeypatch) -> None
         return real_compile(self, key)
 
     monkeypatch.setattr(XgrammarBackend, "compile", slow_compile)
-    rid = llm.engine.add_request([5, 6, 7], SamplingParams(
-        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")))
+    rid = llm.engine.add_request(
+        [5, 6, 7],
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[ab]{4}")),
+    )
     first = llm.engine.step()
     assert first.scheduled == {rid: 3} and first.of_kind("grammar.compiled")
 

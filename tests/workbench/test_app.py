@@ -1,5 +1,6 @@
 """The Workbench's controls without a browser: clicks are `button.clicks += 1` on the real widgets, the engine
 is tiny-llama; plus the `serve` / `replay` command lines up to where a server would start."""
+
 from __future__ import annotations
 
 import subprocess
@@ -18,8 +19,9 @@ PROMPTS = ("The capital of France is", "A paged KV cache stores keys and values 
 
 @pytest.fixture
 def bench() -> Workbench:
-    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=32, max_num_batched_tokens=64,
-                       max_model_len=256)
+    engine = LLMEngine(
+        model="tiny-llama", block_size=16, num_kv_blocks=32, max_num_batched_tokens=64, max_model_len=256
+    )
     wb = Workbench(engine, play_delay_s=0.0)
     wb.layout.get_root(Document())
     yield wb
@@ -42,7 +44,8 @@ def test_step_and_run_buttons_move_the_engine_and_the_views(bench):
     assert bench.step_text.object == "step 1"
     assert used_cells(bench) == bench.engine.kv_cache_manager.usage().used > 0
     assert sum(bench.dashboard.timeline.segments.source.data["num_tokens"]) == sum(
-        len(bench.engine.get_output(rid).prompt_token_ids) for rid in ids)
+        len(bench.engine.get_output(rid).prompt_token_ids) for rid in ids
+    )
     bench.run_steps.value = 3
     bench.run_button.clicks += 1
     assert bench.step_text.object == "step 4" and bench.engine.step_count == 4
@@ -70,13 +73,16 @@ def test_reset_brings_a_fresh_engine_and_empty_views(bench):
     assert bench.dashboard.timeline.steps.source.data["step"] == []
 
 
-@pytest.mark.parametrize("field, value, error", [
-    ("max_tokens", 0, "max_tokens: must be >= 1"),
-    ("temperature", -1.0, "temperature: must be >= 0"),
-    ("prompt", "", "prompt: must not be empty"),
-    ("guide", "{not json", "structured_outputs.json: not valid JSON"),
-    ("guide", "", "structured_outputs: the JSON schema is empty"),
-])
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("max_tokens", 0, "max_tokens: must be >= 1"),
+        ("temperature", -1.0, "temperature: must be >= 0"),
+        ("prompt", "", "prompt: must not be empty"),
+        ("guide", "{not json", "structured_outputs.json: not valid JSON"),
+        ("guide", "", "structured_outputs: the JSON schema is empty"),
+    ],
+)
 def test_a_bad_request_shows_the_error_and_leaves_the_engine_alone(bench, field, value, error):
     form = bench.request_form
     if field == "guide":
@@ -152,8 +158,12 @@ def test_an_ngram_engine_fills_the_speculative_view(bench):
     knobs.spec_method.value, knobs.spec_k.value = "ngram", 3
     knobs.button.clicks += 1
     # a grammar makes even the random tiny model repeat its prompt, which is what n-gram lookup feeds on
-    bench.engine.add_request("a b c d a b c d a b c d a b c", SamplingParams(
-        temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="( a b c d){3}")))
+    bench.engine.add_request(
+        "a b c d a b c d a b c d a b c",
+        SamplingParams(
+            temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="( a b c d){3}")
+        ),
+    )
     bench.run_steps.value = 50
     bench.run_button.clicks += 1
     spec = bench.dashboard.spec
@@ -197,8 +207,21 @@ def test_an_engine_error_is_shown_not_raised(bench, monkeypatch):
 
 # ---- command lines -----------------------------------------------------------------------------------------
 def test_serve_and_replay_parse_their_flags():
-    args = build_parser().parse_args(["serve", "--port", "7000", "--model", "tiny-llama", "--prompt", "a",
-                                      "--prompt", "b", "--max-num-batched-tokens", "32"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "7000",
+            "--model",
+            "tiny-llama",
+            "--prompt",
+            "a",
+            "--prompt",
+            "b",
+            "--max-num-batched-tokens",
+            "32",
+        ]
+    )
     assert (args.port, args.prompt, args.max_num_batched_tokens, args.num_kv_blocks) == (7000, ["a", "b"], 32, 256)
     assert build_parser().parse_args(["replay", "t.jsonl", "--port", "7001"]).trace == "t.jsonl"
 
@@ -209,8 +232,10 @@ def test_replay_of_a_missing_trace_fails_before_serving(tmp_path, capsys):
 
 
 def test_the_cli_and_the_package_do_not_import_panel():
-    code = ("import sys, workbench, workbench.cli; workbench.cli.build_parser(); "
-            "assert 'panel' not in sys.modules and 'torch' not in sys.modules, 'a heavy import at start'")
+    code = (
+        "import sys, workbench, workbench.cli; workbench.cli.build_parser(); "
+        "assert 'panel' not in sys.modules and 'torch' not in sys.modules, 'a heavy import at start'"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     import workbench
@@ -222,8 +247,14 @@ def test_the_cli_and_the_package_do_not_import_panel():
 def test_a_workbench_attached_mid_run_starts_from_the_engine_state():
     """Attached after 3 steps, with prefix caching on: `step 3`, every request with its status and text, and
     every block as the engine has it (held by whom, cached-free with its hash, free); then it follows records."""
-    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=32, max_num_batched_tokens=64,
-                       max_model_len=256, enable_prefix_caching=True)
+    engine = LLMEngine(
+        model="tiny-llama",
+        block_size=16,
+        num_kv_blocks=32,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        enable_prefix_caching=True,
+    )
     done = engine.add_request(PROMPTS[1] * 3, SamplingParams(temperature=0.0, max_tokens=2))
     going = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=20))
     for _ in range(3):
@@ -243,7 +274,8 @@ def test_a_workbench_attached_mid_run_starts_from_the_engine_state():
     assert [cells["holders"][b - 1] for b in held] == [going] * len(held)
     assert wb.dashboard.kv_blocks.select.options[1:] == [done, going, queued]
     assert len(wb.dashboard.prefix.nodes.source.data["hash"]) == usage.cached_free + sum(
-        1 for b in engine.kv_cache_manager.block_pool.blocks if b.ref_cnt and b.block_hash is not None)
+        1 for b in engine.kv_cache_manager.block_pool.blocks if b.ref_cnt and b.block_hash is not None
+    )
     wb.step_button.clicks += 1  # then it follows: the queued request's request.added is not a second row
     table = wb.dashboard.requests.table.value
     assert wb.step_text.object == "step 4" and list(table["request_id"]) == [done, going, queued]

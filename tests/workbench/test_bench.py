@@ -1,5 +1,6 @@
 """Smoke tests of the benchmarks and the `workbench` CLI on the tiny model: they run, report what they should,
 and write only their own docs section. Never timed assertions."""
+
 import pytest
 
 from workbench.bench.datasets import random_requests, shared_prefix_requests
@@ -44,9 +45,27 @@ def test_write_section_rewrites_only_its_own_section(tmp_path):
 
 def test_throughput_cli_prints_the_ratio_and_writes_docs(tmp_path, capsys):
     doc = tmp_path / "BENCHMARKS.md"
-    argv = ["bench", "throughput", "--model", "tiny-llama", "--num-requests", "4", "--runs", "1",
-            "--input-len-range", "8", "24", "--output-len-range", "2", "6", "--num-kv-blocks", "256",
-            "--write-docs", "--docs-path", str(doc)]
+    argv = [
+        "bench",
+        "throughput",
+        "--model",
+        "tiny-llama",
+        "--num-requests",
+        "4",
+        "--runs",
+        "1",
+        "--input-len-range",
+        "8",
+        "24",
+        "--output-len-range",
+        "2",
+        "6",
+        "--num-kv-blocks",
+        "256",
+        "--write-docs",
+        "--docs-path",
+        str(doc),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "ratio engine / transformers (output tok/s):" in out
@@ -64,10 +83,29 @@ def test_cli_reports_bad_settings_without_a_traceback(capsys):
 def test_throughput_result_has_the_expected_keys():
     from workbench.bench.throughput import run_throughput
 
-    result = run_throughput(num_requests=3, input_len_range=(8, 16), output_len_range=(2, 5), runs=1,
-                            baseline=False, cb_baseline=False, log=lambda _: None, **TINY)
-    assert set(result) == {"model", "settings", "num_prompt_tokens", "num_output_tokens", "engine", "baseline",
-                           "ratio", "baseline_cb", "ratio_cb", "floor", "load_average"}
+    result = run_throughput(
+        num_requests=3,
+        input_len_range=(8, 16),
+        output_len_range=(2, 5),
+        runs=1,
+        baseline=False,
+        cb_baseline=False,
+        log=lambda _: None,
+        **TINY,
+    )
+    assert set(result) == {
+        "model",
+        "settings",
+        "num_prompt_tokens",
+        "num_output_tokens",
+        "engine",
+        "baseline",
+        "ratio",
+        "baseline_cb",
+        "ratio_cb",
+        "floor",
+        "load_average",
+    }
     assert set(result["engine"]) == {"elapsed_s", "output_tok_s", "total_tok_s", "runs_s"}
     assert result["baseline"] is None and result["ratio"] is None
     assert result["baseline_cb"] is None and result["ratio_cb"] is None
@@ -93,8 +131,9 @@ def test_transformers_continuous_batching_baseline_generates_what_was_asked(tiny
 def test_prefix_bench_hits_with_caching_on_only():
     from workbench.bench.prefix import run_prefix
 
-    result = run_prefix(num_prefixes=2, prefix_len=32, suffix_len=8, num_requests=6, output_len=2, runs=1,
-                        log=lambda _: None, **TINY)
+    result = run_prefix(
+        num_prefixes=2, prefix_len=32, suffix_len=8, num_requests=6, output_len=2, runs=1, log=lambda _: None, **TINY
+    )
     on, off = result["on"], result["off"]
     assert on["hit_rate"] > 0 and on["num_cached_tokens"] > 0
     assert off["hit_rate"] == 0 and off["num_cached_tokens"] == 0

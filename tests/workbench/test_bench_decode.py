@@ -1,5 +1,6 @@
 """`workbench bench decode`: every side decodes the same prompt to the same number of tokens, the fast weight
 formats beside float32, transformers beside the engine; bad flags name themselves."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,16 +12,23 @@ from workbench.cli import main
 def test_each_side_decodes_and_the_float32_sides_agree_on_the_tokens():
     result = decode.run_decode(model="tiny-llama", max_tokens=6, runs=2, log=lambda _: None)
     rows = {(r["system"], r["weights"]): r for r in result["rows"]}
-    assert set(rows) == {("engine", "float32"), ("engine", "bfloat16"), ("engine", "int8"),
-                         ("transformers generate", "float32"), ("transformers generate", "bfloat16")}
+    assert set(rows) == {
+        ("engine", "float32"),
+        ("engine", "bfloat16"),
+        ("engine", "int8"),
+        ("transformers generate", "float32"),
+        ("transformers generate", "bfloat16"),
+    }
     assert all(len(r["runs"]) == 2 and r["tok_s"] > 0 for r in rows.values())
     assert rows[("transformers generate", "float32")]["same_tokens_as_engine_fp32"] is True  # greedy == HF
     assert len(result["load_average"]) == 3
     assert "vs transformers fp32" in decode.format_text(result)
 
 
-@pytest.mark.parametrize("spec, message", [("q8_0", "expected FORMAT=PATH, got 'q8_0'"),
-                                           ("q8_0=/nonexistent.gguf", "no such file '/nonexistent.gguf'")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [("q8_0", "expected FORMAT=PATH, got 'q8_0'"), ("q8_0=/nonexistent.gguf", "no such file '/nonexistent.gguf'")],
+)
 def test_a_bad_gguf_flag_names_itself(spec, message):
     with pytest.raises(SystemExit, match=f"--llamacpp-gguf: {message}"):
         main(["bench", "decode", "--model", "tiny-llama", "--llamacpp-gguf", spec])

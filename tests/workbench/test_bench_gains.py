@@ -1,4 +1,5 @@
 """The gains table from kept benchmark results (fixture JSON; nothing runs a model), and the kept results."""
+
 import json
 
 import pytest
@@ -6,14 +7,28 @@ import pytest
 from workbench.bench import gains
 from workbench.bench.report import DEFAULT_RESULTS_DIR, read_result, write_result
 
-PREFIX = {"settings": {"num_requests": 4, "num_prefixes": 2, "prefix_len": 64, "suffix_len": 8, "output_len": 2},
-          "on": {"ttft_mean_ms": 100.0, "total_tok_s": 300.0}, "off": {"ttft_mean_ms": 250.0, "total_tok_s": 100.0}}
+PREFIX = {
+    "settings": {"num_requests": 4, "num_prefixes": 2, "prefix_len": 64, "suffix_len": 8, "output_len": 2},
+    "on": {"ttft_mean_ms": 100.0, "total_tok_s": 300.0},
+    "off": {"ttft_mean_ms": 250.0, "total_tok_s": 100.0},
+}
 GUIDED = {"rows": [{"batch": 8, "steps": 3, "fill_ms": 1.0, "apply_ms": 3.0, "forward_ms": 90.0, "step_ms": 100.0}]}
-SPEC = {"k": 3, "draft_model": "tiny-llama", "rows": [
-    {"workload": "editing", "batch": 1, "method": "none", "tok_s": 10.0, "speedup": 1.0},
-    {"workload": "editing", "batch": 1, "method": "ngram", "tok_s": 15.0, "speedup": 1.5, "acceptance_rate": 0.5},
-    {"workload": "editing", "batch": 1, "method": "draft_model", "tok_s": 8.0, "speedup": 0.8,
-     "acceptance_rate": 1.0}]}
+SPEC = {
+    "k": 3,
+    "draft_model": "tiny-llama",
+    "rows": [
+        {"workload": "editing", "batch": 1, "method": "none", "tok_s": 10.0, "speedup": 1.0},
+        {"workload": "editing", "batch": 1, "method": "ngram", "tok_s": 15.0, "speedup": 1.5, "acceptance_rate": 0.5},
+        {
+            "workload": "editing",
+            "batch": 1,
+            "method": "draft_model",
+            "tok_s": 8.0,
+            "speedup": 0.8,
+            "acceptance_rate": 1.0,
+        },
+    ],
+}
 
 
 @pytest.fixture
@@ -25,8 +40,10 @@ def results_dir(tmp_path):
 
 def test_rows_set_each_feature_against_its_absence(results_dir) -> None:
     rows = gains.gain_rows(gains.load_records(results_dir))
-    got = [(r.feature.split(",")[0].split(" (")[0], r.metric.split(" (")[0], r.without, r.with_, round(r.gain, 3))
-           for r in rows]
+    got = [
+        (r.feature.split(",")[0].split(" (")[0], r.metric.split(" (")[0], r.without, r.with_, round(r.gain, 3))
+        for r in rows
+    ]
     assert got == [
         ("prefix caching", "TTFT mean ms", 250.0, 100.0, 2.5),  # a time: without / with
         ("prefix caching", "total tok/s", 100.0, 300.0, 3.0),  # a rate: with / without
@@ -48,8 +65,10 @@ def test_bench_gains_rewrites_the_gains_section_only(results_dir) -> None:
     run_gains(args, "workbench bench gains --write-docs", lines.append)
     text = doc.read_text()
     assert "prefix body" in text and "<!-- bench:gains:start -->" in text
-    assert "| prefix caching | 4 requests, 2 shared 64-token prefixes + 8-token suffixes, 2 output tokens | " \
-           "TTFT mean ms | 250.00 | 100.00 | 2.50x | `workbench bench prefix --write-docs` |" in text
+    assert (
+        "| prefix caching | 4 requests, 2 shared 64-token prefixes + 8-token suffixes, 2 output tokens | "
+        "TTFT mean ms | 250.00 | 100.00 | 2.50x | `workbench bench prefix --write-docs` |" in text
+    )
     assert "speculative decoding" in lines[0]
 
 
@@ -70,5 +89,8 @@ def test_kept_result_round_trips_with_command_and_machine(tmp_path) -> None:
 
 def test_the_committed_results_build_the_table() -> None:
     rows = gains.gain_rows(gains.load_records(DEFAULT_RESULTS_DIR))
-    assert {r.feature.split(",")[0] for r in rows} == {"prefix caching", "guided decoding (JSON schema)",
-                                                       "speculative decoding"}
+    assert {r.feature.split(",")[0] for r in rows} == {
+        "prefix caching",
+        "guided decoding (JSON schema)",
+        "speculative decoding",
+    }

@@ -1,4 +1,5 @@
 """The profile's input-preparation measures on the tiny model (never timed assertions)."""
+
 import pytest
 
 from workbench.bench.profile import capture_scheduler_output, format_markdown, run_profile
@@ -8,8 +9,16 @@ TINY = {"model": "tiny-llama", "engine_kwargs": {"num_kv_blocks": 64}}
 
 @pytest.fixture(scope="module")
 def result():
-    return run_profile(num_requests=4, prompt_len=16, steps=1, warmup=0, top_ops=0, max_num_batched_tokens=48,
-                       log=lambda _: None, **TINY)
+    return run_profile(
+        num_requests=4,
+        prompt_len=16,
+        steps=1,
+        warmup=0,
+        top_ops=0,
+        max_num_batched_tokens=48,
+        log=lambda _: None,
+        **TINY,
+    )
 
 
 def test_input_preparation_is_its_own_row_and_measured_alone(result) -> None:
@@ -33,8 +42,16 @@ def test_each_model_row_is_a_real_share_of_the_step(result) -> None:
 
 
 def test_time_outside_the_ops_is_part_of_the_step() -> None:
-    result = run_profile(num_requests=2, prompt_len=16, steps=2, warmup=0, top_ops=3, max_num_batched_tokens=48,
-                         log=lambda _: None, **TINY)
+    result = run_profile(
+        num_requests=2,
+        prompt_len=16,
+        steps=2,
+        warmup=0,
+        top_ops=3,
+        max_num_batched_tokens=48,
+        log=lambda _: None,
+        **TINY,
+    )
     assert len(result["torch_ops"]) == 3
     assert 0 < result["inside_ops_ms"] and sum(ms for _, ms, _ in result["torch_ops"]) <= result["inside_ops_ms"]
     assert "outside any torch op" in format_markdown(result, "workbench bench profile")
@@ -42,8 +59,16 @@ def test_time_outside_the_ops_is_part_of_the_step() -> None:
 
 def test_chunked_prefill_measure_needs_a_prompt_longer_than_the_budget() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        run_profile(num_requests=1, prompt_len=8, steps=1, warmup=0, top_ops=0, max_num_batched_tokens=1024,
-                    log=lambda _: None, **TINY)
+        run_profile(
+            num_requests=1,
+            prompt_len=8,
+            steps=1,
+            warmup=0,
+            top_ops=0,
+            max_num_batched_tokens=1024,
+            log=lambda _: None,
+            **TINY,
+        )
 
 
 def test_capture_refuses_a_step_that_ran_nothing() -> None:

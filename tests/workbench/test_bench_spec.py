@@ -1,4 +1,5 @@
 """Smoke test of `workbench bench spec` on the tiny model (no timed assertions)."""
+
 from __future__ import annotations
 
 import torch
@@ -12,19 +13,20 @@ from workbench.bench.spec import format_markdown, format_text, run_spec
 
 
 def _default_heads(tmp_path, monkeypatch) -> None:
-    """Random tiny-llama heads where `workbench train-draft` would put them (the cache of heads), so run_spec finds them."""
+    """Random tiny-llama heads where `workbench train-draft` would put them (the cache of heads), so run_spec finds
+    them."""
     target = AutoConfig.from_pretrained(resolve_model("tiny-llama"))
     monkeypatch.setattr(draft_heads, "trained_heads_dir", lambda: tmp_path)
     ids = torch.arange(256)
     for config in (td.eagle_config(target, 64, 256, "tiny-llama"), td.medusa_config(target, 3, 256, "tiny-llama")):
-        save_head(tmp_path / "tiny-llama" / config["method"], config,
-                  td.head_tensors(td.new_head(config, 0), ids), {})
+        save_head(tmp_path / "tiny-llama" / config["method"], config, td.head_tensors(td.new_head(config, 0), ids), {})
 
 
 def test_spec_bench_reports_every_configuration(tmp_path, monkeypatch) -> None:
     _default_heads(tmp_path, monkeypatch)
-    result = run_spec(model="tiny-llama", k=3, batch_sizes=(1, 4), num_requests=4, output_len=12, runs=1,
-                      log=lambda line: None)
+    result = run_spec(
+        model="tiny-llama", k=3, batch_sizes=(1, 4), num_requests=4, output_len=12, runs=1, log=lambda line: None
+    )
     methods = ("none", "ngram", "draft_model", "eagle", "medusa")
     keys = {(r["workload"], r["batch"], r["method"]) for r in result["rows"]}
     assert keys == {(w, b, m) for w in ("editing", "chat") for b in (1, 4) for m in methods}
@@ -47,10 +49,24 @@ def test_the_methods_take_turns_batch_by_batch(monkeypatch) -> None:
     from workbench.bench import spec
 
     calls, run_batch = [], spec._run_batch
-    monkeypatch.setattr(spec, "_run_batch", lambda llm, batch: calls.append(
-        (llm.engine.spec_stats is None, batch[0].prompt_token_ids)) or run_batch(llm, batch))
-    run_spec(model="tiny-llama", k=2, batch_sizes=(1,), num_requests=3, output_len=4, runs=1, methods_=("ngram",),
-             workloads_=("chat",), log=lambda line: None)
+    monkeypatch.setattr(
+        spec,
+        "_run_batch",
+        lambda llm, batch: (
+            calls.append((llm.engine.spec_stats is None, batch[0].prompt_token_ids)) or run_batch(llm, batch)
+        ),
+    )
+    run_spec(
+        model="tiny-llama",
+        k=2,
+        batch_sizes=(1,),
+        num_requests=3,
+        output_len=4,
+        runs=1,
+        methods_=("ngram",),
+        workloads_=("chat",),
+        log=lambda line: None,
+    )
     prompts = [p for _, p in calls[::2]]
     assert [plain for plain, _ in calls] == [True, False] * 3  # none, then n-gram, for each request
     assert prompts == [p for _, p in calls[1::2]] and len({tuple(p) for p in prompts}) == 3

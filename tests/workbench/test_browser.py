@@ -3,6 +3,7 @@ loop starts paused); `/` leads to `/dashboard`; clicking `Step` three times read
 map; `Play` runs them to the end on the serving loop; a request sent over HTTP with the `openai` client then shows
 its row with its text, and `step N` advances. With WORKBENCH_SCREENSHOTS=DIR (`make screenshots`), a screenshot
 goes to DIR/dashboard.png."""
+
 from __future__ import annotations
 
 import os
@@ -16,14 +17,24 @@ from tests.net import serve_cli
 CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT_DIR = os.environ.get("WORKBENCH_SCREENSHOTS")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.slow,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: `apt-get install -y chromium` "
-                       "(CI installs it) to run the real-browser test"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason=f"{CHROMIUM} is missing: `apt-get install -y chromium` (CI installs it) to run the real-browser test",
+    ),
 ]
 
 BLOCK_KINDS = "() => Array.from(Bokeh.documents[0].get_model_by_name('kv_block_map').data.kind)"
@@ -42,9 +53,23 @@ def _shown_step(page) -> int:
 
 @pytest.fixture
 def server_url():
-    yield from serve_cli(["--model", "smollm2-135m", "--num-kv-blocks", "64", "--max-tokens", "8",
-                          "--served-model-name", "smollm2", "--prompt", "The capital of France is",
-                          "--prompt", "A paged KV cache stores keys and values in fixed-size blocks"], ROOT)
+    yield from serve_cli(
+        [
+            "--model",
+            "smollm2-135m",
+            "--num-kv-blocks",
+            "64",
+            "--max-tokens",
+            "8",
+            "--served-model-name",
+            "smollm2",
+            "--prompt",
+            "The capital of France is",
+            "--prompt",
+            "A paged KV cache stores keys and values in fixed-size blocks",
+        ],
+        ROOT,
+    )
 
 
 def test_step_three_times_then_serve_http_in_chromium(server_url):
@@ -79,8 +104,13 @@ def test_step_three_times_then_serve_http_in_chromium(server_url):
             steps_before = _shown_step(page)
             # a request over HTTP: its row and its text appear, and the step count moves on
             client = openai.OpenAI(base_url=f"{server_url}v1", api_key="none")
-            reply = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4,
-                                              temperature=0, extra_body={"request_id": "from-http"})
+            reply = client.completions.create(
+                model="smollm2",
+                prompt="The capital of France is",
+                max_tokens=4,
+                temperature=0,
+                extra_body={"request_id": "from-http"},
+            )
             # the requests table's cells (the id is also an <option> of the block-table picker, hidden)
             page.locator(".tabulator-cell", has_text="cmpl-from-http").first.wait_for(timeout=15_000)
             page.locator(".tabulator-cell", has_text=reply.choices[0].text.strip()).first.wait_for(timeout=15_000)
@@ -93,6 +123,9 @@ def test_step_three_times_then_serve_http_in_chromium(server_url):
                 page.screenshot(path=str(Path(SCREENSHOT_DIR) / "dashboard.png"))
         finally:
             browser.close()
-    offsite = [url for url in requested if not url.startswith(server_url.rstrip("/"))
-               and not url.startswith(("data:", "blob:", "ws://127.0.0.1"))]
+    offsite = [
+        url
+        for url in requested
+        if not url.startswith(server_url.rstrip("/")) and not url.startswith(("data:", "blob:", "ws://127.0.0.1"))
+    ]
     assert not offsite, f"the page must work offline (resources inline), but it asked for {offsite[:5]}"

@@ -3,6 +3,7 @@ queued (the loop paused). Without the key the dashboard's page is the login form
 refused, the hold routes answer 401, and the engine's step count stays 0. With the key typed once into the form, the
 dashboard works (Step moves the engine to step 1), and the browser stays signed in on reload; a fresh browser is
 refused again."""
+
 from __future__ import annotations
 
 import httpx
@@ -16,8 +17,10 @@ KEY = "door-key-39"
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.slow,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"{CHROMIUM} is missing: `apt-get install -y chromium` "
-                       "(CI installs it) to run the real-browser test"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(),
+        reason=f"{CHROMIUM} is missing: `apt-get install -y chromium` (CI installs it) to run the real-browser test",
+    ),
 ]
 
 # from the page, without the key: does the dashboard's websocket open, and what do the hold routes answer?
@@ -37,8 +40,20 @@ TRY_THE_DOORS = """async () => {
 
 @pytest.fixture
 def keyed_server():
-    for url in serve_cli(["tiny-llama", "--api-key", KEY, "--num-kv-blocks", "64", "--max-tokens", "8",
-                          "--prompt", "The capital of France is"], ROOT):
+    for url in serve_cli(
+        [
+            "tiny-llama",
+            "--api-key",
+            KEY,
+            "--num-kv-blocks",
+            "64",
+            "--max-tokens",
+            "8",
+            "--prompt",
+            "The capital of France is",
+        ],
+        ROOT,
+    ):
         yield url.rstrip("/")
 
 

@@ -1,6 +1,7 @@
 """What the command line says when things go wrong, and that the README's commands are the CLI's: a missing trace
 or a port in use is one line and status 2, said before any "serving ..." and before a model loads; the README's
 `workbench run` names a prompts file that exists and runs; its `workbench bench` line lists every benchmark."""
+
 from __future__ import annotations
 
 import contextlib
@@ -99,8 +100,13 @@ def test_replay_of_a_bad_trace_is_one_line_before_any_announcement(tmp_path, cap
 
 def test_workbench_replay_nope_exits_2_with_one_line(tmp_path):
     """As typed in a shell: `workbench replay nope.jsonl`."""
-    result = subprocess.run([sys.executable, "-m", "workbench.cli", "replay", "nope.jsonl", "--port",
-                             str(free_port())], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "replay", "nope.jsonl", "--port", str(free_port())],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     line = _one_line_error(result.stderr)
     assert "nope.jsonl" in line and "No such file" in line and result.stdout == ""
@@ -145,9 +151,14 @@ def test_bad_port_numbers_are_refused_by_the_parser(capsys):
 def test_replay_announces_its_url_once_it_answers(readme_run):
     _, trace, _, _ = readme_run
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "workbench.cli", "replay", str(trace), "--port", str(port)],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = subprocess.Popen(
+        [sys.executable, "-m", "workbench.cli", "replay", str(trace), "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         said = []  # the first line, printed once the port is bound, before serving
         reader = threading.Thread(target=lambda: said.append(server.stderr.readline()), daemon=True)

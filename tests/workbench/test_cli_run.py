@@ -1,5 +1,6 @@
 """`workbench run` on tiny-llama records a trace of exactly the steps it ran, with the settings it was given;
 `workbench export` turns that trace into a well-formed Chrome trace."""
+
 import contextlib
 import io
 import json
@@ -14,9 +15,30 @@ from workbench.cli import main
 from workbench.trace import read_trace
 
 PROMPTS = ["Hello there", "The capital of France is", "", "Once upon a time, in a land far away, there lived a"]
-RUN_FLAGS = ["--model", "tiny-llama", "--block-size", "8", "--num-kv-blocks", "64", "--max-num-batched-tokens", "16",
-             "--no-prefix-caching", "--scheduling-policy", "priority", "--max-num-seqs", "2",
-             "--max-tokens", "5", "--ignore-eos", "--temperature", "0.8", "--top-k", "50", "--seed", "1"]
+RUN_FLAGS = [
+    "--model",
+    "tiny-llama",
+    "--block-size",
+    "8",
+    "--num-kv-blocks",
+    "64",
+    "--max-num-batched-tokens",
+    "16",
+    "--no-prefix-caching",
+    "--scheduling-policy",
+    "priority",
+    "--max-num-seqs",
+    "2",
+    "--max-tokens",
+    "5",
+    "--ignore-eos",
+    "--temperature",
+    "0.8",
+    "--top-k",
+    "50",
+    "--seed",
+    "1",
+]
 
 
 @dataclass
@@ -111,8 +133,21 @@ def test_bad_input_is_an_error_without_a_traceback_or_a_trace(tmp_path, capsys):
     assert main(["run", "--prompts", str(tmp_path / "blank.txt"), "--trace", str(trace)]) == 2
     assert "no prompt" in capsys.readouterr().err
     (tmp_path / "p.txt").write_text("hello\n")
-    argv = ["run", "--prompts", str(tmp_path / "p.txt"), "--trace", str(trace), "--model", "tiny-llama",
-            "--num-kv-blocks", "4", "--block-size", "4", "--max-tokens", "100"]
+    argv = [
+        "run",
+        "--prompts",
+        str(tmp_path / "p.txt"),
+        "--trace",
+        str(trace),
+        "--model",
+        "tiny-llama",
+        "--num-kv-blocks",
+        "4",
+        "--block-size",
+        "4",
+        "--max-tokens",
+        "100",
+    ]
     assert main(argv) == 2  # needs more blocks than the cache has: refused before any step
     assert "max_tokens" in capsys.readouterr().err and not trace.exists()
     assert main(["export", str(tmp_path / "missing.jsonl"), "--chrome", str(tmp_path / "o.json")]) == 2

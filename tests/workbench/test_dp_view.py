@@ -2,6 +2,7 @@
 (dp.load, dp.routed, dp.replica_dead), headless; the same records through a trace and the replay draw the same;
 and a real run, `workbench run --data-parallel-size 2 --trace` on tiny-llama, writes the front end's records (every
 request added, routed with each replica's score, finished with one engine's greedy text), which replay."""
+
 from __future__ import annotations
 
 import json
@@ -21,34 +22,68 @@ T0 = 1_700_000_000_000_000_000
 
 
 def _record(step: int, events: list) -> StepRecord:
-    return StepRecord(step, T0 + step * 10**8, T0 + step * 10**8 + 1000, {}, {}, 0, 0, KVUsage(62, 0, 0, 62), {},
-                      events)
+    return StepRecord(
+        step, T0 + step * 10**8, T0 + step * 10**8 + 1000, {}, {}, 0, 0, KVUsage(62, 0, 0, 62), {}, events
+    )
 
 
 def _routed(step: int, rid: str, chosen: int, scores: tuple, waiting: tuple, running: tuple) -> DPRouted:
-    return DPRouted(step=step, request_id=rid, replica=f"dp-{chosen}", replica_index=chosen, rule="load",
-                    scores=scores, waiting=waiting, running=running, prefix_hit_blocks=(0, 0), alive=(True, True),
-                    time_ns=T0 + step * 10**8)
+    return DPRouted(
+        step=step,
+        request_id=rid,
+        replica=f"dp-{chosen}",
+        replica_index=chosen,
+        rule="load",
+        scores=scores,
+        waiting=waiting,
+        running=running,
+        prefix_hit_blocks=(0, 0),
+        alive=(True, True),
+        time_ns=T0 + step * 10**8,
+    )
 
 
 def _load(step: int, k: int, waiting: int, running: int, alive: bool = True) -> DPLoad:
-    return DPLoad(step=step, replica=f"dp-{k}", replica_index=k, waiting=waiting, running=running, kv_used=3 * running,
-                  kv_total=31, alive=alive, time_ns=T0 + step * 10**8 + 500)
+    return DPLoad(
+        step=step,
+        replica=f"dp-{k}",
+        replica_index=k,
+        waiting=waiting,
+        running=running,
+        kv_used=3 * running,
+        kv_total=31,
+        alive=alive,
+        time_ns=T0 + step * 10**8 + 500,
+    )
 
 
 RECORDS = [
     _record(1, [_routed(1, "a", 0, (0, 0), (0, 0), (0, 0)), _load(1, 0, 1, 0), _load(1, 1, 0, 0)]),
     _record(2, [_routed(2, "b", 1, (1, 0), (0, 0), (1, 0)), _load(2, 0, 0, 1), _load(2, 1, 0, 1)]),
-    _record(3, [_routed(3, "c", 0, (1, 5), (0, 1), (1, 1)), DPReplicaDead(
-        step=3, replica="dp-1", replica_index=1, error="dp-1: the process is gone (exit code -9)",
-        failed_request_ids=("b",), time_ns=T0 + 3 * 10**8), _load(3, 1, 0, 1, alive=False)]),
+    _record(
+        3,
+        [
+            _routed(3, "c", 0, (1, 5), (0, 1), (1, 1)),
+            DPReplicaDead(
+                step=3,
+                replica="dp-1",
+                replica_index=1,
+                error="dp-1: the process is gone (exit code -9)",
+                failed_request_ids=("b",),
+                time_ns=T0 + 3 * 10**8,
+            ),
+            _load(3, 1, 0, 1, alive=False),
+        ],
+    ),
 ]
 
 
 def _drawn(view: ParallelView) -> tuple[list, list]:
     loads, routes = view.dp.loads.source.data, view.dp.routes.source.data
-    return (list(zip(loads["replica"], loads["what"], loads["count"], loads["t"])),
-            list(zip(routes["request_id"], routes["replica"], routes["scores"], routes["waiting"], routes["running"])))
+    return (
+        list(zip(loads["replica"], loads["what"], loads["count"], loads["t"])),
+        list(zip(routes["request_id"], routes["replica"], routes["scores"], routes["waiting"], routes["running"])),
+    )
 
 
 def test_loads_and_routing_decisions_equal_the_events() -> None:
@@ -57,11 +92,17 @@ def test_loads_and_routing_decisions_equal_the_events() -> None:
     assert not view.dp.panel.visible
     view.extend(RECORDS)
     loads, routes = _drawn(view)
-    assert routes == [("a", "dp-0", "0 · 0", "0 · 0", "0 · 0"), ("b", "dp-1", "1 · 0", "0 · 0", "1 · 0"),
-                      ("c", "dp-0", "1 · 5", "0 · 1", "1 · 1")]
+    assert routes == [
+        ("a", "dp-0", "0 · 0", "0 · 0", "0 · 0"),
+        ("b", "dp-1", "1 · 0", "0 · 0", "1 · 0"),
+        ("c", "dp-0", "1 · 5", "0 · 1", "1 · 1"),
+    ]
     events = [e for r in RECORDS for e in r.of_kind("dp.load")]
-    assert loads == [(e.replica, what, getattr(e, what), (e.time_ns - RECORDS[0].events[0].time_ns) / 1e9)
-                     for e in events for what in ("waiting", "running")]
+    assert loads == [
+        (e.replica, what, getattr(e, what), (e.time_ns - RECORDS[0].events[0].time_ns) / 1e9)
+        for e in events
+        for what in ("waiting", "running")
+    ]
     par = view.state.parallel
     assert par.data_parallel_size == 2 and [d.request_id for d in par.routes] == ["a", "b", "c"]
     assert par.dead == {"dp-1": "dp-1: the process is gone (exit code -9)"}
@@ -96,12 +137,31 @@ def test_workbench_run_with_data_parallelism_traces_the_front_end(tmp_path, caps
     prompts = ["Hello there", "The capital of France is", "One, two, three,", "Paged attention stores"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     trace_path = tmp_path / "dp.jsonl"
-    assert main(["run", "--prompts", str(tmp_path / "prompts.txt"), "--trace", str(trace_path), "--model",
-                 "tiny-llama", "--num-kv-blocks", "64", "--data-parallel-size", "2", "--max-tokens", "6",
-                 "--temperature", "0", "--ignore-eos"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--prompts",
+                str(tmp_path / "prompts.txt"),
+                "--trace",
+                str(trace_path),
+                "--model",
+                "tiny-llama",
+                "--num-kv-blocks",
+                "64",
+                "--data-parallel-size",
+                "2",
+                "--max-tokens",
+                "6",
+                "--temperature",
+                "0",
+                "--ignore-eos",
+            ]
+        )
+        == 0
+    )
     with LLM(model="tiny-llama", num_kv_blocks=64) as one:
-        expected = one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                                use_tqdm=False)
+        expected = one.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert [json.loads(line.split(": ", 1)[1]) for line in lines] == [o.text for o in expected]
     trace = read_trace(trace_path)

@@ -1,5 +1,6 @@
 """The Experts view over a real run of a seeded tiny Qwen3-MoE: the state's per-step and cumulative counts, and the
 cells both heatmaps draw, equal the moe.routed records; the Dashboard adds the Experts tab only for a routing model."""
+
 from __future__ import annotations
 
 import shutil
@@ -44,8 +45,12 @@ def _counts(records: list[StepRecord]) -> list[list[list[int]]]:
     out = []
     for r in records:
         events = r.of_kind("moe.routed")
-        out.append([[sum(e.counts[row][x] for e in events) for x in range(events[0].num_experts)]
-                    for row in range(len(events[0].layers))])
+        out.append(
+            [
+                [sum(e.counts[row][x] for e in events) for x in range(events[0].num_experts)]
+                for row in range(len(events[0].layers))
+            ]
+        )
     return out
 
 

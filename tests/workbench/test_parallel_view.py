@@ -1,6 +1,7 @@
 """The Parallelism tab over a real TP=2 run of tiny-llama: each rank's compute, communication and sampling bars and
 each step's collective bytes equal the parallel.step events; a trace written by TraceWriter and replayed
 (the Replay `workbench replay` serves) draws the same; an unsharded engine is named as such, not drawn empty."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,12 @@ PROMPTS = [[1, 504, 3458, 282, 4649, 314], list(range(20, 41))]
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory) -> tuple[list[StepRecord], str]:
     path = tmp_path_factory.mktemp("trace") / "tp2.jsonl"
-    with LLMEngine(model="tiny-llama", num_kv_blocks=32, block_size=4, max_num_batched_tokens=16,
-                   tensor_parallel_size=2) as engine, TraceWriter(path, engine) as writer:
+    with (
+        LLMEngine(
+            model="tiny-llama", num_kv_blocks=32, block_size=4, max_num_batched_tokens=16, tensor_parallel_size=2
+        ) as engine,
+        TraceWriter(path, engine) as writer,
+    ):
         engine.subscribe(writer)
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
         records = engine.run([engine.add_request(p, params) for p in PROMPTS])
@@ -33,17 +38,21 @@ def _expected(records: list[StepRecord]) -> tuple[list[tuple], list[tuple]]:
         (event,) = record.of_kind("parallel.step")
         for rank in event.ranks:
             comm = sum(c["ms"] for c in rank["collectives"].values())
-            segments += [(record.step, rank["rank"], "compute", rank["forward_ms"] - comm),
-                         (record.step, rank["rank"], "communication", comm),
-                         (record.step, rank["rank"], "sample", rank["sample_ms"])]
+            segments += [
+                (record.step, rank["rank"], "compute", rank["forward_ms"] - comm),
+                (record.step, rank["rank"], "communication", comm),
+                (record.step, rank["rank"], "sample", rank["sample_ms"]),
+            ]
         transfers += [(record.step, kind, c["bytes"]) for kind, c in sorted(event.ranks[0]["collectives"].items())]
     return segments, transfers
 
 
 def _drawn(view: ParallelView) -> tuple[list[tuple], list[tuple]]:
     seg, tr = view.segments.source.data, view.transfers.source.data
-    return (list(zip(seg["step"], seg["rank"], seg["part"], seg["ms"])),
-            [(s, k, round(kb * 1e3)) for s, k, kb in zip(tr["step"], tr["kind"], tr["kb"])])
+    return (
+        list(zip(seg["step"], seg["rank"], seg["part"], seg["ms"])),
+        [(s, k, round(kb * 1e3)) for s, k, kb in zip(tr["step"], tr["kind"], tr["kb"])],
+    )
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """The Chrome trace export: structurally valid Trace Event Format (required fields per phase, slices nest on each
 track, async spans pair up, flows bind to slices), and the spans, counters and arrows it should hold."""
+
 import json
 from collections import defaultdict
 from dataclasses import dataclass
@@ -7,8 +8,16 @@ from numbers import Real
 
 import pytest
 
-from engine.events import (KVUsage, RequestAdded, RequestFinished, RequestPreempted, RequestScheduled,
-                           RequestTokens, StepRecord, StepTiming)
+from engine.events import (
+    KVUsage,
+    RequestAdded,
+    RequestFinished,
+    RequestPreempted,
+    RequestScheduled,
+    RequestTokens,
+    StepRecord,
+    StepTiming,
+)
 from workbench.perfetto import STAGES, chrome_trace, export_chrome_trace
 from workbench.trace import Trace
 
@@ -114,18 +123,41 @@ MS = 1_000_000
 T0 = 1_700_000_000_000_000_000
 
 
-def _record(step: int, events: list, scheduled: dict | None = None, phases: dict | None = None,
-            running: int = 1, waiting: int = 0) -> StepRecord:
+def _record(
+    step: int,
+    events: list,
+    scheduled: dict | None = None,
+    phases: dict | None = None,
+    running: int = 1,
+    waiting: int = 0,
+) -> StepRecord:
     start = T0 + step * 10 * MS
     timing = {"schedule": 1.0, "forward": 5.0, "sample": 1.0, "update": 1.0, "total": 8.0}
     events = events + [StepTiming(step=step, schedule_ms=1.0, forward_ms=5.0, sample_ms=1.0, total_ms=8.0)]
-    return StepRecord(step, start, start + 9 * MS, scheduled or {}, phases or {}, waiting, running,
-                      KVUsage(total=16, used=4, cached_free=2, free=10), timing, events)
+    return StepRecord(
+        step,
+        start,
+        start + 9 * MS,
+        scheduled or {},
+        phases or {},
+        waiting,
+        running,
+        KVUsage(total=16, used=4, cached_free=2, free=10),
+        timing,
+        events,
+    )
 
 
 def _added(step: int, rid: str) -> RequestAdded:
-    return RequestAdded(step=step, request_id=rid, num_prompt_tokens=20, max_tokens=4, priority=0,
-                        arrival_ns=T0 + step * 10 * MS - 3 * MS, prompt="hi")
+    return RequestAdded(
+        step=step,
+        request_id=rid,
+        num_prompt_tokens=20,
+        max_tokens=4,
+        priority=0,
+        arrival_ns=T0 + step * 10 * MS - 3 * MS,
+        prompt="hi",
+    )
 
 
 def _scheduled(step: int, rid: str, phase: str, n: int) -> RequestScheduled:
@@ -138,18 +170,47 @@ def _tokens(step: int, rid: str) -> RequestTokens:
 
 def _preemption_trace() -> Trace:
     """a: chunked prefill, decode, preempted, recomputed, decode, finished. b: never finishes."""
-    return Trace({"schema_version": 1, "model": {"name": "synthetic"}}, [
-        _record(1, [_added(1, "a"), _scheduled(1, "a", "chunk", 12)], {"a": 12}, {"a": "chunk"}),
-        _record(2, [_scheduled(2, "a", "chunk", 8), _tokens(2, "a")], {"a": 8}, {"a": "chunk"}),
-        _record(3, [_added(3, "b"), _scheduled(3, "a", "decode", 1), _tokens(3, "a"), _scheduled(3, "b", "prefill", 4),
-                    _tokens(3, "b")], {"a": 1, "b": 4}, {"a": "decode", "b": "prefill"}),
-        _record(4, [RequestPreempted(step=4, request_id="a", num_computed_tokens=22, num_freed_blocks=2),
-                    _scheduled(4, "b", "decode", 1), _tokens(4, "b")], {"b": 1}, {"b": "decode"}, waiting=1),
-        _record(5, [_scheduled(5, "a", "prefill", 22), _tokens(5, "a")], {"a": 22}, {"a": "prefill"}),
-        _record(6, [_scheduled(6, "a", "decode", 1),
-                    RequestFinished(step=6, request_id="a", reason="length", num_output_tokens=4), _tokens(6, "a")],
-                {"a": 1}, {"a": "decode"}),
-    ])
+    return Trace(
+        {"schema_version": 1, "model": {"name": "synthetic"}},
+        [
+            _record(1, [_added(1, "a"), _scheduled(1, "a", "chunk", 12)], {"a": 12}, {"a": "chunk"}),
+            _record(2, [_scheduled(2, "a", "chunk", 8), _tokens(2, "a")], {"a": 8}, {"a": "chunk"}),
+            _record(
+                3,
+                [
+                    _added(3, "b"),
+                    _scheduled(3, "a", "decode", 1),
+                    _tokens(3, "a"),
+                    _scheduled(3, "b", "prefill", 4),
+                    _tokens(3, "b"),
+                ],
+                {"a": 1, "b": 4},
+                {"a": "decode", "b": "prefill"},
+            ),
+            _record(
+                4,
+                [
+                    RequestPreempted(step=4, request_id="a", num_computed_tokens=22, num_freed_blocks=2),
+                    _scheduled(4, "b", "decode", 1),
+                    _tokens(4, "b"),
+                ],
+                {"b": 1},
+                {"b": "decode"},
+                waiting=1,
+            ),
+            _record(5, [_scheduled(5, "a", "prefill", 22), _tokens(5, "a")], {"a": 22}, {"a": "prefill"}),
+            _record(
+                6,
+                [
+                    _scheduled(6, "a", "decode", 1),
+                    RequestFinished(step=6, request_id="a", reason="length", num_output_tokens=4),
+                    _tokens(6, "a"),
+                ],
+                {"a": 1},
+                {"a": "decode"},
+            ),
+        ],
+    )
 
 
 def test_every_step_is_a_slice_with_its_stages_nested():
@@ -203,25 +264,62 @@ class _Transfer:
     ms: float
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "step": self.step, "request_id": self.request_id, "connector": self.connector,
-                "block_ids": list(self.block_ids), "num_bytes": self.num_bytes, "ms": self.ms}
+        return {
+            "kind": self.kind,
+            "step": self.step,
+            "request_id": self.request_id,
+            "connector": self.connector,
+            "block_ids": list(self.block_ids),
+            "num_bytes": self.num_bytes,
+            "ms": self.ms,
+        }
 
 
 def _pd_traces() -> tuple[Trace, Trace]:
     """A prefill instance saves r's KV in its step 1; a decode instance loads it in its step 2 and decodes."""
-    prefill = Trace({"schema_version": 1, "model": {"name": "synthetic"}, "instance": "prefill"}, [
-        _record(1, [_added(1, "r"), _scheduled(1, "r", "prefill", 20), _tokens(1, "r"),
+    prefill = Trace(
+        {"schema_version": 1, "model": {"name": "synthetic"}, "instance": "prefill"},
+        [
+            _record(
+                1,
+                [
+                    _added(1, "r"),
+                    _scheduled(1, "r", "prefill", 20),
+                    _tokens(1, "r"),
                     _Transfer(1, "kv_transfer.save", "r", "shared_storage", (1, 2), 4096, 2.5),
-                    RequestFinished(step=1, request_id="r", reason="length", num_output_tokens=1)],
-                {"r": 20}, {"r": "prefill"}),
-    ])
-    decode = Trace({"schema_version": 1, "model": {"name": "synthetic"}, "instance": "decode"}, [
-        _record(2, [_added(2, "r"), _Transfer(2, "kv_transfer.load", "r", "shared_storage", (3, 4), 4096, 1.5),
-                    _scheduled(2, "r", "decode", 1), _tokens(2, "r")], {"r": 1}, {"r": "decode"}),
-        _record(3, [_scheduled(3, "r", "decode", 1), _tokens(3, "r"),
-                    RequestFinished(step=3, request_id="r", reason="length", num_output_tokens=3)],
-                {"r": 1}, {"r": "decode"}),
-    ])
+                    RequestFinished(step=1, request_id="r", reason="length", num_output_tokens=1),
+                ],
+                {"r": 20},
+                {"r": "prefill"},
+            ),
+        ],
+    )
+    decode = Trace(
+        {"schema_version": 1, "model": {"name": "synthetic"}, "instance": "decode"},
+        [
+            _record(
+                2,
+                [
+                    _added(2, "r"),
+                    _Transfer(2, "kv_transfer.load", "r", "shared_storage", (3, 4), 4096, 1.5),
+                    _scheduled(2, "r", "decode", 1),
+                    _tokens(2, "r"),
+                ],
+                {"r": 1},
+                {"r": "decode"},
+            ),
+            _record(
+                3,
+                [
+                    _scheduled(3, "r", "decode", 1),
+                    _tokens(3, "r"),
+                    RequestFinished(step=3, request_id="r", reason="length", num_output_tokens=3),
+                ],
+                {"r": 1},
+                {"r": "decode"},
+            ),
+        ],
+    )
     return prefill, decode
 
 
@@ -260,14 +358,17 @@ def _first(events: list[dict], **match) -> dict:
     return next(e for e in events if all(e.get(k) == v for k, v in match.items()))
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda ev: _first(ev, cat="stage").update(dur=1e9), "partial overlap"),
-    (lambda ev: ev.remove([e for e in ev if e["ph"] == "e"][-1]), "'b' without 'e'"),
-    (lambda ev: _first(ev, cat="step").pop("dur"), "lacks"),
-    (lambda ev: _first(ev, ph="C").update(args={"used": "many"}), "args"),
-    (lambda ev: _first(ev, ph="t").update(ts=_first(ev, name="kv_transfer.save")["ts"] - 1), "binds to no slice"),
-    (lambda ev: _first(ev, ph="f").update(ts=0.0), "flow out of order"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda ev: _first(ev, cat="stage").update(dur=1e9), "partial overlap"),
+        (lambda ev: ev.remove([e for e in ev if e["ph"] == "e"][-1]), "'b' without 'e'"),
+        (lambda ev: _first(ev, cat="step").pop("dur"), "lacks"),
+        (lambda ev: _first(ev, ph="C").update(args={"used": "many"}), "args"),
+        (lambda ev: _first(ev, ph="t").update(ts=_first(ev, name="kv_transfer.save")["ts"] - 1), "binds to no slice"),
+        (lambda ev: _first(ev, ph="f").update(ts=0.0), "flow out of order"),
+    ],
+)
 def test_the_checker_catches_what_it_should(mutate, message):
     bad = json.loads(json.dumps(chrome_trace(list(_pd_traces()))))
     check_chrome_trace(bad)

@@ -1,4 +1,5 @@
 """Replay.from_records: the dashboards over StepRecords held in memory, as a notebook shows each P/D instance."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,15 +15,24 @@ from workbench.views import Dashboard
 def records(tmp_path_factory) -> list:
     """A kv_both tiny-llama engine saves a prompt's KV, then loads it back for the same prompt."""
     store = tmp_path_factory.mktemp("kv")
-    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=32, max_model_len=256,
-                       enable_prefix_caching=False, kv_transfer_config={
-                           "kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"shared_storage_path": str(store)}})
+    engine = LLMEngine(
+        model="tiny-llama",
+        block_size=16,
+        num_kv_blocks=32,
+        max_model_len=256,
+        enable_prefix_caching=False,
+        kv_transfer_config={
+            "kv_connector": "SharedStorageConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(store)},
+        },
+    )
     out: list = []
 
     def run(max_tokens: int, kv_params: dict) -> dict | None:
-        rid = engine.add_request(list(range(100, 140)), SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                                 kv_transfer_params=kv_params)
+        rid = engine.add_request(
+            list(range(100, 140)), SamplingParams(temperature=0.0, max_tokens=max_tokens), kv_transfer_params=kv_params
+        )
         while engine.has_unfinished_requests():
             out.append(engine.step())
         return engine.pop_output(rid).kv_transfer_params

@@ -1,5 +1,6 @@
 """The roofline: the model's per-step cost from its shapes, the machine measurements, and a reduced run on
 tiny-llama through the CLI. No timed assertions."""
+
 import pytest
 import torch
 from torch import nn
@@ -46,9 +47,30 @@ def test_machine_measurements_are_positive_rates():
 
 def test_reduced_roofline_through_the_cli(tmp_path, capsys):
     doc = tmp_path / "BENCHMARKS.md"
-    argv = ["bench", "roofline", "--model", "tiny-llama", "--num-kv-blocks", "256", "--batch-sizes", "1", "3",
-            "--prompt-len", "8", "--steps", "2", "--runs", "1", "--bandwidth-mib", "4", "--matmul-n", "64",
-            "--write-docs", "--docs-path", str(doc)]
+    argv = [
+        "bench",
+        "roofline",
+        "--model",
+        "tiny-llama",
+        "--num-kv-blocks",
+        "256",
+        "--batch-sizes",
+        "1",
+        "3",
+        "--prompt-len",
+        "8",
+        "--steps",
+        "2",
+        "--runs",
+        "1",
+        "--bandwidth-mib",
+        "4",
+        "--matmul-n",
+        "64",
+        "--write-docs",
+        "--docs-path",
+        str(doc),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "weights read per decode step float32" in out and "forward / floor" in out
@@ -56,12 +78,23 @@ def test_reduced_roofline_through_the_cli(tmp_path, capsys):
 
 
 def test_roofline_floor_is_the_larger_bound():
-    result = roofline.run_roofline(model="tiny-llama", batch_sizes=(2,), prompt_len=8, steps=2, runs=1,
-                                   weight_formats=("float32", "int8"), bandwidth_bytes=1 << 22, matmul_n=64,
-                                   engine_kwargs={"num_kv_blocks": 256}, log=lambda _: None)
+    result = roofline.run_roofline(
+        model="tiny-llama",
+        batch_sizes=(2,),
+        prompt_len=8,
+        steps=2,
+        runs=1,
+        weight_formats=("float32", "int8"),
+        bandwidth_bytes=1 << 22,
+        matmul_n=64,
+        engine_kwargs={"num_kv_blocks": 256},
+        log=lambda _: None,
+    )
     fp32, int8 = result["rows"]
     assert (fp32["weights"], int8["weights"]) == ("float32", "int8") and int8["bytes"] < fp32["bytes"] / 2
     row = fp32
     assert row["floor_ms"] == max(row["memory_floor_ms"], row["compute_floor_ms"]) > 0
     assert row["context"] == 8 + 1 + 2 + 1 and row["forward_ms"] > 0 and row["total_ms"] >= row["forward_ms"]
-    assert result["weight_bytes"]["float32"] == result["num_params"] * torch.float32.itemsize  # tiny-llama ties its head
+    assert (
+        result["weight_bytes"]["float32"] == result["num_params"] * torch.float32.itemsize
+    )  # tiny-llama ties its head

@@ -1,5 +1,6 @@
 """`workbench bench serve` and its datasets: arrivals, SLO goodput, vLLM's metric keys, on tiny-llama. No timed
 assertions: only counts, orderings and identities that hold however fast the machine is."""
+
 import json
 from collections import Counter
 
@@ -8,17 +9,30 @@ import pytest
 from transformers import AutoTokenizer
 
 from workbench.bench import serve
-from workbench.bench.datasets import (editing_requests, json_schema_requests, len_range, prefix_repetition_requests,
-                                      random_dataset, sample_dataset)
+from workbench.bench.datasets import (
+    editing_requests,
+    json_schema_requests,
+    len_range,
+    prefix_repetition_requests,
+    random_dataset,
+    sample_dataset,
+)
 from workbench.bench.serve import RequestResult, compute_metrics, parse_goodput, request_arrivals
 from workbench.cli import main
 
 TOKENS = (17, 49152)
 TINY = {"model": "tiny-llama", "engine_kwargs": {"num_kv_blocks": 256}, "progress": False}
-VLLM_KEYS = ["duration", "completed", "total_input_tokens", "total_output_tokens", "request_throughput",
-             "request_goodput", "output_throughput", "total_token_throughput",
-             *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-               for stat in ("mean", "median", "std", "p90", "p99"))]
+VLLM_KEYS = [
+    "duration",
+    "completed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p90", "p99")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +59,7 @@ def test_gamma_burstiness_keeps_the_rate_and_sets_the_spread(burstiness):
     gaps = _gaps(request_arrivals(4000, 2.0, burstiness, seed=0))
     assert gaps.mean() == pytest.approx(0.5, rel=0.1)
     # Gamma(shape k): coefficient of variation 1 / sqrt(k): burstier below 1, more regular above
-    assert gaps.std() / gaps.mean() == pytest.approx(burstiness ** -0.5, rel=0.15)
+    assert gaps.std() / gaps.mean() == pytest.approx(burstiness**-0.5, rel=0.15)
 
 
 def test_infinite_rate_sends_everything_at_once_and_bad_rates_are_refused():
@@ -146,9 +160,18 @@ def test_unknown_dataset_or_argument_is_named(tokenizer):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("serve") / "result.json"
-    result = serve.run_serve(num_requests=6, dataset_args={"input_len": 24, "output_len": 5, "range_ratio": 0.5},
-                             request_rate=40.0, goodput={"ttft": 60_000}, baseline=True, hf_batch_size=4,
-                             cb_baseline=True, result_file=str(path), log=lambda _: None, **TINY)
+    result = serve.run_serve(
+        num_requests=6,
+        dataset_args={"input_len": 24, "output_len": 5, "range_ratio": 0.5},
+        request_rate=40.0,
+        goodput={"ttft": 60_000},
+        baseline=True,
+        hf_batch_size=4,
+        cb_baseline=True,
+        result_file=str(path),
+        log=lambda _: None,
+        **TINY,
+    )
     return result, json.loads(path.read_text())
 
 
@@ -161,8 +184,11 @@ def test_serve_reports_every_vllm_key_with_ordered_percentiles(served):
         for metric in ("ttft", "tpot", "itl", "e2el"):
             assert 0 <= m[f"median_{metric}_ms"] <= m[f"p90_{metric}_ms"] <= m[f"p99_{metric}_ms"]
         assert m["request_goodput"] == pytest.approx(m["request_throughput"])  # a one-minute TTFT SLO: all good
-    assert (result["engine"]["total_output_tokens"] == result["baseline"]["total_output_tokens"]
-            == result["baseline_cb"]["total_output_tokens"])
+    assert (
+        result["engine"]["total_output_tokens"]
+        == result["baseline"]["total_output_tokens"]
+        == result["baseline_cb"]["total_output_tokens"]
+    )
     assert set(result["ratio"]) == set(result["ratio_cb"]) == {"output_throughput", "mean_ttft_ms", "mean_e2el_ms"}
     assert "engine / transformers generate_batch: output throughput" in serve.format_text(result)
 
@@ -191,8 +217,14 @@ def test_max_concurrency_caps_the_requests_in_the_engine():
 
 
 def test_guided_requests_are_served_by_both_sides():
-    result = serve.run_serve(dataset="json_schema", num_requests=3, dataset_args={"output_len": 12}, baseline=True,
-                             log=lambda _: None, **TINY)
+    result = serve.run_serve(
+        dataset="json_schema",
+        num_requests=3,
+        dataset_args={"output_len": 12},
+        baseline=True,
+        log=lambda _: None,
+        **TINY,
+    )
     for side in ("engine", "baseline"):
         assert result[side]["completed"] == 3 and 3 <= result[side]["total_output_tokens"] <= 36
 
@@ -206,22 +238,47 @@ def test_the_baseline_decodes_json_schemas_as_the_engine_does(tokenizer, tiny_mo
     hf = HFBaseline(tiny_model_path, batch_size=1)
     grammars = serve.HFGrammars(tiny_model_path, hf.model.config.vocab_size)
     for r in reqs:
-        params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(
-            json=r.json_schema))
+        params = SamplingParams(
+            temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(json=r.json_schema)
+        )
         (want,) = llm.generate([r.prompt_token_ids], params, use_tqdm=False)
         steps = serve._hf_generate(hf, [r], grammars)
-        assert [t[0] for t in steps.tokens][:len(want.token_ids)] == want.token_ids
+        assert [t[0] for t in steps.tokens][: len(want.token_ids)] == want.token_ids
     with pytest.raises(ValueError, match="grammars"):
         serve.run_hf_serve_once(hf, reqs, [0.0] * 3, tokenizer.eos_token_id)
 
 
 def test_serve_cli_returns_0_and_writes_its_section(tmp_path, capsys):
     doc = tmp_path / "BENCHMARKS.md"
-    argv = ["bench", "serve", "--model", "tiny-llama", "--num-kv-blocks", "256", "--num-prompts", "3",
-            "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "16",
-            "--prefix-repetition-suffix-len", "4", "--prefix-repetition-num-prefixes", "2",
-            "--prefix-repetition-output-len", "3", "--request-rate", "50", "--burstiness", "0.5",
-            "--max-concurrency", "2", "--write-docs", "--docs-path", str(doc)]
+    argv = [
+        "bench",
+        "serve",
+        "--model",
+        "tiny-llama",
+        "--num-kv-blocks",
+        "256",
+        "--num-prompts",
+        "3",
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        "16",
+        "--prefix-repetition-suffix-len",
+        "4",
+        "--prefix-repetition-num-prefixes",
+        "2",
+        "--prefix-repetition-output-len",
+        "3",
+        "--request-rate",
+        "50",
+        "--burstiness",
+        "0.5",
+        "--max-concurrency",
+        "2",
+        "--write-docs",
+        "--docs-path",
+        str(doc),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "TTFT p99 ms" in out and "prefix_repetition dataset" in out
@@ -233,11 +290,27 @@ def test_bench_all_runs_each_benchmark_as_its_own_command(tmp_path, monkeypatch)
     from workbench import cli
 
     doc = tmp_path / "BENCHMARKS.md"
-    monkeypatch.setattr(cli, "ALL_BENCHES", {
-        "guided": ["--batch-sizes", "1", "--steps", "1", "--output-len", "8"],
-        "roofline": ["--batch-sizes", "1", "--steps", "1", "--runs", "1", "--prompt-len", "8",
-                     "--bandwidth-mib", "4", "--matmul-n", "64"],
-    })
+    monkeypatch.setattr(
+        cli,
+        "ALL_BENCHES",
+        {
+            "guided": ["--batch-sizes", "1", "--steps", "1", "--output-len", "8"],
+            "roofline": [
+                "--batch-sizes",
+                "1",
+                "--steps",
+                "1",
+                "--runs",
+                "1",
+                "--prompt-len",
+                "8",
+                "--bandwidth-mib",
+                "4",
+                "--matmul-n",
+                "64",
+            ],
+        },
+    )
     argv = ["bench", "all", "--model", "tiny-llama", "--num-kv-blocks", "256", "--write-docs", "--docs-path", str(doc)]
     assert main(argv) == 0
     text = doc.read_text()
@@ -249,14 +322,35 @@ def test_bench_all_runs_each_benchmark_as_its_own_command(tmp_path, monkeypatch)
 def test_chaos_cuts_and_malformed_requests_are_refused_or_cut_and_nothing_is_lost(capsys):
     """`--chaos-disconnect` / `--chaos-malformed` on the engine served in-process: a smoke run whose table says
     what was refused and what was lost (nothing), the server empty after."""
-    argv = ["bench", "serve", "--model", "tiny-llama", "--num-kv-blocks", "256", "--num-prompts", "6",
-            "--random-input-len", "12", "--random-output-len", "12", "--chaos-disconnect", "0.34",
-            "--chaos-malformed", "0.5"]
+    argv = [
+        "bench",
+        "serve",
+        "--model",
+        "tiny-llama",
+        "--num-kv-blocks",
+        "256",
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "12",
+        "--random-output-len",
+        "12",
+        "--chaos-disconnect",
+        "0.34",
+        "--chaos-malformed",
+        "0.5",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "cut mid-stream by the client" in out and "lost (no [DONE]" in out
-    result = serve.run_serve(num_requests=6, dataset_args={"input_len": 12, "output_len": 12},
-                             chaos_disconnect=0.34, chaos_malformed=0.5, log=lambda _: None, **TINY)
+    result = serve.run_serve(
+        num_requests=6,
+        dataset_args={"input_len": 12, "output_len": 12},
+        chaos_disconnect=0.34,
+        chaos_malformed=0.5,
+        log=lambda _: None,
+        **TINY,
+    )
     http = result["http"]
     assert sum(http["requests"].values()) == 6 and set(http["requests"]) <= {"done", "cut"}
     assert http["requests"].get("cut", 0) <= 2 and result["engine"]["completed"] == http["requests"]["done"]

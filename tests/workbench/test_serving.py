@@ -1,6 +1,7 @@
 """`workbench serve`'s parts without a browser, on tiny-llama: the Workbench over a served engine (its Step runs
 exactly one step of the serving loop, Pause holds it, Play releases it, Reset is refused, a closed session stops
 following), and the app: `/` leads to `/dashboard`, which Panel serves on the API's port; `--prompt` starts paused."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,12 @@ from engine import EngineConfig, SamplingParams
 def served_app(tiny_model_path):
     from workbench.serving import build_serving_app
 
-    app, llm = build_serving_app(EngineConfig(model="tiny-llama", num_kv_blocks=64), "tiny",
-                                 prompts=["The capital of France is"], params=SamplingParams(max_tokens=4, ignore_eos=True))
+    app, llm = build_serving_app(
+        EngineConfig(model="tiny-llama", num_kv_blocks=64),
+        "tiny",
+        prompts=["The capital of France is"],
+        params=SamplingParams(max_tokens=4, ignore_eos=True),
+    )
     try:
         yield app, llm
     finally:
@@ -86,8 +91,10 @@ def test_the_dashboard_follows_a_data_parallel_front_end_live(tiny_model_path):
         assert "per replica, not available with data parallelism" in board.notices[board.kv_blocks].object
         assert bench.step_button.disabled and bench.play_button.disabled and bench.pause_button.disabled
         assert "Data parallelism: 2 replicas" in bench.message.object and "data parallel: 2" in bench.title.object
-        rids = [llm.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
-                for p in ("The capital of France is", "Once upon a time", "Hello there")]
+        rids = [
+            llm.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+            for p in ("The capital of France is", "Once upon a time", "Hello there")
+        ]
         assert llm.wait_until_idle(60)
         deadline = time.monotonic() + 10
         while len(board.parallel.dp.routes.source.data["request_id"]) < 3 and time.monotonic() < deadline:
@@ -105,10 +112,12 @@ def test_the_dashboard_follows_a_data_parallel_front_end_live(tiny_model_path):
     assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
 
 
-@pytest.mark.parametrize("host, api_key, loud", [("0.0.0.0", None, True), ("127.0.0.1", None, False),
-                                                 ("0.0.0.0", "k", False)])
-def test_serving_beyond_the_loopback_without_a_key_warns_before_anything_loads(monkeypatch, capsys, host, api_key,
-                                                                               loud):
+@pytest.mark.parametrize(
+    "host, api_key, loud", [("0.0.0.0", None, True), ("127.0.0.1", None, False), ("0.0.0.0", "k", False)]
+)
+def test_serving_beyond_the_loopback_without_a_key_warns_before_anything_loads(
+    monkeypatch, capsys, host, api_key, loud
+):
     """The warning is printed at start, before the model loads or a port is bound (nothing is bound here: the
     build that would follow is replaced by a stop)."""
     import workbench.serving as serving
@@ -132,10 +141,26 @@ def test_serve_flags_reach_the_engine_and_the_server_limits(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(workbench.app, "check_port", lambda port, host: None)
-    monkeypatch.setattr(serving, "serve_openai", lambda config, *args, limits, **kwargs: seen.update(
-        config=config, limits=limits))
-    assert main(["serve", "tiny-llama", "--max-num-seqs", "8", "--max-model-len", "512", "--max-logprobs", "5",
-                 "--max-num-queued-reqs", "7"]) == 0
+    monkeypatch.setattr(
+        serving, "serve_openai", lambda config, *args, limits, **kwargs: seen.update(config=config, limits=limits)
+    )
+    assert (
+        main(
+            [
+                "serve",
+                "tiny-llama",
+                "--max-num-seqs",
+                "8",
+                "--max-model-len",
+                "512",
+                "--max-logprobs",
+                "5",
+                "--max-num-queued-reqs",
+                "7",
+            ]
+        )
+        == 0
+    )
     assert (seen["config"].max_num_seqs, seen["config"].max_model_len, seen["config"].max_logprobs) == (8, 512, 5)
     assert seen["limits"] == serving.ServerLimits(max_num_queued_reqs=7)
 
@@ -146,8 +171,13 @@ def test_the_dashboard_form_says_when_the_served_queue_is_full(tiny_model_path):
     from workbench.app import Workbench
     from workbench.serving import ServerLimits, build_serving_app
 
-    _, llm = build_serving_app(EngineConfig(model="tiny-llama", num_kv_blocks=64), "tiny", prompts=["Held"],
-                               params=SamplingParams(max_tokens=2), limits=ServerLimits(max_num_queued_reqs=1))
+    _, llm = build_serving_app(
+        EngineConfig(model="tiny-llama", num_kv_blocks=64),
+        "tiny",
+        prompts=["Held"],
+        params=SamplingParams(max_tokens=2),
+        limits=ServerLimits(max_num_queued_reqs=1),
+    )
     try:
         bench = Workbench(llm.engine, serving=llm)
         bench.layout.get_root(Document())

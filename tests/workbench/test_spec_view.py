@@ -2,6 +2,7 @@
 outcome and the rule's verdict), and spec.verified's fields through a trace: real runs with n-gram (no draft
 distribution; smollm2, which continues repeating text) and EAGLE (tiny-llama with a tiny trained head), a greedy and
 a sampled request each."""
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,6 @@ from tests.spec_decode.test_eagle_medusa import K, _trained_head
 from tests.spec_decode.test_spec_decoding import NGRAM, _prompts
 from workbench.trace import TraceWriter, read_trace
 from workbench.views import SpecDecodeView
-
 
 USAGE = KVUsage(8, 1, 0, 7)
 
@@ -82,8 +82,18 @@ def test_the_spec_fields_survive_a_trace(method, request) -> None:
 
 
 def test_a_trace_from_before_the_fields_reads_with_their_defaults() -> None:
-    old = {"kind": "spec.verified", "step": 2, "request_id": "r", "draft_token_ids": [5, 6], "accepted": [True, False],
-           "p_target": [0.9, 0.1], "p_draft": [1.0, 1.0], "emitted_token": 7, "bonus": False, "method": "ngram"}
+    old = {
+        "kind": "spec.verified",
+        "step": 2,
+        "request_id": "r",
+        "draft_token_ids": [5, 6],
+        "accepted": [True, False],
+        "p_target": [0.9, 0.1],
+        "p_draft": [1.0, 1.0],
+        "emitted_token": 7,
+        "bonus": False,
+        "method": "ngram",
+    }
     e = Event.from_dict(old)
     assert (e.rule, e.target_argmax, e.uniform_probs, e.draft_texts, e.emitted_text) == ("", (), (), (), "")
     view = SpecDecodeView()
@@ -113,28 +123,83 @@ def test_the_table_holds_each_requests_last_verification(method, request) -> Non
         outcomes = ["accepted"] * num_accepted + (["rejected"] if num_accepted < n else [])
         outcomes += ["not reached"] * (n - len(outcomes)) + ["bonus" if e.bonus else "recovered"]
         assert list(rows["outcome"]) == outcomes
-        judged = list(rows["why"])[:min(num_accepted + 1, n)]
+        judged = list(rows["why"])[: min(num_accepted + 1, n)]
         assert all(("u = " in w) if rid == run.sampled_id else ("top token" in w) for w in judged), judged
     assert ("no distribution" in view.methods.object) == (method == "ngram")
 
 
 def test_the_verdicts_quote_the_numbers() -> None:
     view = SpecDecodeView()
-    greedy = SpecVerified(1, "g", (5, 6, 7), (True, False, False), (0.7, 0.2, 0.4), (0.9, 0.6, 0.5), 8, False,
-                          "eagle", "greedy", (5, 8, 3), (), ("a", " b", "c"), " d")
-    sampled = SpecVerified(1, "s", (5, 6), (True, True), (0.5, 0.3), (0.8, 0.2), 9, True, "eagle", "sampled",
-                           (4, 6), (0.2, 0.99), ("x", "y"), "z")
+    greedy = SpecVerified(
+        1,
+        "g",
+        (5, 6, 7),
+        (True, False, False),
+        (0.7, 0.2, 0.4),
+        (0.9, 0.6, 0.5),
+        8,
+        False,
+        "eagle",
+        "greedy",
+        (5, 8, 3),
+        (),
+        ("a", " b", "c"),
+        " d",
+    )
+    sampled = SpecVerified(
+        1,
+        "s",
+        (5, 6),
+        (True, True),
+        (0.5, 0.3),
+        (0.8, 0.2),
+        9,
+        True,
+        "eagle",
+        "sampled",
+        (4, 6),
+        (0.2, 0.99),
+        ("x", "y"),
+        "z",
+    )
     view.update(StepRecord(1, 0, 1, {}, {}, 0, 2, USAGE, {}, [greedy, sampled]))
     assert list(view.last.value["why"]) == [
-        "the target's top token too", "the target's top token is ' d'", "after the first rejection: never judged",
+        "the target's top token too",
+        "the target's top token is ' d'",
+        "after the first rejection: never judged",
         "the target's own token in place of the rejected draft",
-        "u = 0.200 < min(1, p/q) = 0.625", "u = 0.990 < min(1, p/q) = 1.000",
-        "every draft stood: one more token from the target, after them"]
-    assert list(view.last.value["outcome"]) == ["accepted", "rejected", "not reached", "recovered",
-                                                "accepted", "accepted", "bonus"]
+        "u = 0.200 < min(1, p/q) = 0.625",
+        "u = 0.990 < min(1, p/q) = 1.000",
+        "every draft stood: one more token from the target, after them",
+    ]
+    assert list(view.last.value["outcome"]) == [
+        "accepted",
+        "rejected",
+        "not reached",
+        "recovered",
+        "accepted",
+        "accepted",
+        "bonus",
+    ]
     # a newer verification of a request replaces its rows; a reset empties the table
-    view.update(StepRecord(2, 0, 1, {}, {}, 0, 2, USAGE, {}, [
-        SpecVerified(2, "g", (1,), (False,), (0.1,), (0.3,), 2, False, "eagle", "sampled", (2,), (0.5,), ("e",), "f")]))
+    view.update(
+        StepRecord(
+            2,
+            0,
+            1,
+            {},
+            {},
+            0,
+            2,
+            USAGE,
+            {},
+            [
+                SpecVerified(
+                    2, "g", (1,), (False,), (0.1,), (0.3,), 2, False, "eagle", "sampled", (2,), (0.5,), ("e",), "f"
+                )
+            ],
+        )
+    )
     rows = view.last.value
     assert list(rows["request_id"]) == ["g", "g", "s", "s", "s"] and list(rows["step"])[:2] == [2, 2]
     assert rows["why"][0] == "u = 0.500 >= min(1, p/q) = 0.333"

@@ -1,5 +1,6 @@
 """The token-budget sweep: its workload (a long prompt among short ones), its per-point metrics, and a reduced
 run on tiny-llama through the CLI. No timed assertions."""
+
 import importlib.util
 
 import pytest
@@ -25,8 +26,11 @@ def test_long_prompt_arrives_in_the_middle_of_the_short_ones(tokenizer):
 
 
 def test_point_metrics_separate_the_long_prompt_from_the_short_ones():
-    results = [RequestResult(10, 3, 0.1, 0.3, [0.1, 0.1]), RequestResult(100, 3, 0.9, 1.2, [0.2, 0.1]),
-               RequestResult(10, 3, 0.3, 0.5, [0.4, 0.1])]
+    results = [
+        RequestResult(10, 3, 0.1, 0.3, [0.1, 0.1]),
+        RequestResult(100, 3, 0.9, 1.2, [0.2, 0.1]),
+        RequestResult(10, 3, 0.3, 0.5, [0.4, 0.1]),
+    ]
     m = sweep.point_metrics(results, duration=3.0, long_index=1)
     assert m["ttft_mean_ms"] == pytest.approx(200.0) and m["long_ttft_ms"] == pytest.approx(900.0)
     assert m["itl_max_ms"] == pytest.approx(400.0) and m["itl_mean_ms"] == pytest.approx(1000 / 6)
@@ -36,9 +40,32 @@ def test_point_metrics_separate_the_long_prompt_from_the_short_ones():
 
 def test_reduced_sweep_through_the_cli(tmp_path, capsys):
     doc = tmp_path / "BENCHMARKS.md"
-    argv = ["bench", "sweep", "--model", "tiny-llama", "--num-kv-blocks", "256", "--budgets", "16", "128",
-            "--num-requests", "4", "--input-len", "12", "--output-len", "4", "--long-prompt-len", "100",
-            "--request-rate", "50", "--runs", "1", "--write-docs", "--docs-path", str(doc)]
+    argv = [
+        "bench",
+        "sweep",
+        "--model",
+        "tiny-llama",
+        "--num-kv-blocks",
+        "256",
+        "--budgets",
+        "16",
+        "128",
+        "--num-requests",
+        "4",
+        "--input-len",
+        "12",
+        "--output-len",
+        "4",
+        "--long-prompt-len",
+        "100",
+        "--request-rate",
+        "50",
+        "--runs",
+        "1",
+        "--write-docs",
+        "--docs-path",
+        str(doc),
+    ]
     assert main(argv) == 0
     table = [line for line in capsys.readouterr().out.splitlines() if line.lstrip()[:3] in ("16 ", "128")]
     assert len(table) == 4 and sum("with long prompt" in line for line in table) == 2

@@ -2,6 +2,7 @@
 "browser" opens only after several steps (Run All). Nothing may be sent before it opens; when it opens, what
 was drawn arrives at once and in step order; after that each draw is one message. The real thing is
 tests/test_browser_lab.py."""
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ class _ServerComm(pyviz_comms.Comm):
     def init(self, on_msg=None) -> None:
         self._comm = _Wire()
 
-    def send(self, data=None, metadata=None, buffers=[]) -> None:
+    def send(self, data=None, metadata=None, buffers=None) -> None:
         if not self._comm:
             self.init()
         self._comm.send(data, metadata=metadata, buffers=buffers)
@@ -46,13 +47,14 @@ class _Manager(pyviz_comms.CommManager):
 def displayed(monkeypatch):
     """A Workbench over tiny-llama with two requests queued, displayed; its comm not open yet."""
     monkeypatch.setattr(pn.state, "_comm_manager", _Manager)
-    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=32, max_num_batched_tokens=16,
-                       max_model_len=256)
+    engine = LLMEngine(
+        model="tiny-llama", block_size=16, num_kv_blocks=32, max_num_batched_tokens=16, max_model_len=256
+    )
     for prompt in ("The capital of France is", "A paged KV cache stores keys and values in blocks"):
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8))
     wb = Workbench(engine)
     wb._repr_mimebundle_()
-    (ref, (comm, client_comm)), = wb.layout._comms.items()
+    ((ref, (comm, client_comm)),) = wb.layout._comms.items()
     yield wb, comm, client_comm
     pn.state._views.pop(ref, None)
 
@@ -104,12 +106,16 @@ def test_a_draw_sends_nothing_until_it_ends(displayed):
 
 def _patch(*events: dict) -> dict:
     """A PATCH-DOC as the page's CommManager sends it over the client comm (pyviz_comms has decoded it)."""
-    return {"header": {"msgid": "m1", "msgtype": "PATCH-DOC"}, "metadata": {}, "content": {"events": list(events)},
-            "_buffers": {}}
+    return {
+        "header": {"msgid": "m1", "msgtype": "PATCH-DOC"},
+        "metadata": {},
+        "content": {"events": list(events)},
+        "_buffers": {},
+    }
 
 
 def _model_of(widget) -> object:
-    (model, _), = [widget._models[ref] for ref in widget._models]
+    ((model, _),) = [widget._models[ref] for ref in widget._models]
     return model
 
 
@@ -121,11 +127,17 @@ def test_a_click_sent_with_the_typing_before_it_sees_what_was_typed(displayed):
     client_comm._on_open({})
     prompt, button = _model_of(wb.request_form.prompt), _model_of(wb.request_form.button)
     typed = "Typed just now: the sky over Paris is"
-    click = {"type": "event", "name": "button_click",
-             "values": {"type": "map", "entries": [["model", {"id": button.id}]]}}
-    client_comm._on_msg(_patch({"kind": "ModelChanged", "model": {"id": prompt.id}, "attr": "value_input",
-                                "new": typed},
-                               {"kind": "MessageSent", "msg_type": "bokeh_event", "msg_data": click}))
+    click = {
+        "type": "event",
+        "name": "button_click",
+        "values": {"type": "map", "entries": [["model", {"id": button.id}]]},
+    }
+    client_comm._on_msg(
+        _patch(
+            {"kind": "ModelChanged", "model": {"id": prompt.id}, "attr": "value_input", "new": typed},
+            {"kind": "MessageSent", "msg_type": "bokeh_event", "msg_data": click},
+        )
+    )
     assert wb.engine.snapshot().requests[-1].prompt == typed
 
 
@@ -154,8 +166,9 @@ def test_a_message_that_overtakes_its_comm_open_is_handled_when_the_comm_opens()
     from workbench.views.sync import _EarlyMessages
 
     kernel, received = _Kernel(), []
-    kernel.comm_manager.register_target("dashboard", lambda comm, msg: comm.on_msg(
-        lambda m: received.append(m["header"]["msg_id"])))
+    kernel.comm_manager.register_target(
+        "dashboard", lambda comm, msg: comm.on_msg(lambda m: received.append(m["header"]["msg_id"]))
+    )
     _EarlyMessages.install(kernel)
     _EarlyMessages.install(kernel)  # once per kernel
     handlers = kernel.shell_handlers

@@ -1,5 +1,6 @@
 """Step traces: what TraceWriter writes reads back into equal StepRecords, a file cut short still reads, and
 malformed files fail with the line named."""
+
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -48,8 +49,17 @@ def test_round_trip_gives_equal_step_records(recorded):
     assert trace.records == recorded.records
     kinds = {e.kind for r in trace.records for e in r.events}
     # the run exercises what the views need, so equality covers the interesting payloads
-    assert {"request.added", "request.scheduled", "request.tokens", "request.finished", "kv.allocated",
-            "kv.freed", "kv.cached", "prefix.lookup", "step.timing"} <= kinds
+    assert {
+        "request.added",
+        "request.scheduled",
+        "request.tokens",
+        "request.finished",
+        "kv.allocated",
+        "kv.freed",
+        "kv.cached",
+        "prefix.lookup",
+        "step.timing",
+    } <= kinds
     allocated = next(e for r in trace.records for e in r.events if e.kind == "kv.allocated")
     assert isinstance(allocated.block_ids, tuple) and isinstance(allocated.new_block_ids, tuple)
 
@@ -104,13 +114,16 @@ def test_a_header_only_trace_has_no_records(recorded, tmp_path):
     assert read_trace(header_only) == Trace(read_trace(recorded.path).header, [])
 
 
-@pytest.mark.parametrize("mangle, message", [
-    (lambda lines: lines[:2] + ["{not json\n"] + lines[2:], ":3: not a JSON line"),
-    (lambda lines: [], "empty"),
-    (lambda lines: ['{"schema_version": 99}\n'] + lines[1:], "newer than this reader"),
-    (lambda lines: ['{"config": {}}\n'] + lines[1:], "not a trace header"),
-    (lambda lines: lines[:1] + ["[1, 2]\n"] + lines[1:], ":2: expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "mangle, message",
+    [
+        (lambda lines: lines[:2] + ["{not json\n"] + lines[2:], ":3: not a JSON line"),
+        (lambda lines: [], "empty"),
+        (lambda lines: ['{"schema_version": 99}\n'] + lines[1:], "newer than this reader"),
+        (lambda lines: ['{"config": {}}\n'] + lines[1:], "not a trace header"),
+        (lambda lines: lines[:1] + ["[1, 2]\n"] + lines[1:], ":2: expected a JSON object"),
+    ],
+)
 def test_malformed_files_fail_naming_the_line(recorded, tmp_path, mangle, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(mangle(recorded.path.read_text().splitlines(keepends=True))))

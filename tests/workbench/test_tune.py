@@ -1,6 +1,7 @@
 """`workbench tune`: SLO parsing, the search's budget and pruning, the Pareto front, the verdict when nothing meets
 the SLOs, and a tiny run on tiny-llama whose printed command re-runs the winner. Behaviour only: no timing is
 asserted (the fake measurements below stand for a machine whose latencies follow the knobs as described)."""
+
 import shlex
 
 import pytest
@@ -9,25 +10,46 @@ from workbench.bench import tune
 from workbench.bench.tune_figures import CHROMIUM, FAILED, FEASIBLE, pareto_figure, sweep_figure
 from workbench.cli import main
 
-SPACE = {"max_num_batched_tokens": [64, 256, 1024], "max_num_seqs": [4, 16, 64], "long_prefill_token_threshold": [0],
-         "enable_prefix_caching": [True], "num_speculative_tokens": [0], "block_size": [16]}
+SPACE = {
+    "max_num_batched_tokens": [64, 256, 1024],
+    "max_num_seqs": [4, 16, 64],
+    "long_prefill_token_threshold": [0],
+    "enable_prefix_caching": [True],
+    "num_speculative_tokens": [0],
+    "block_size": [16],
+}
 
 
 def fake_measure(calls):
     """Latency rises with the budget and the sequences per step (ITL), TTFT falls with both; goodput rises."""
+
     def measure(config):
         calls.append(config)
         b, s = config["max_num_batched_tokens"], config["max_num_seqs"]
-        return {"goodput": b / 64 + s / 4, "output_throughput": 1.0,
-                "values": {"itl_p99": 10 * b / 64 + 5 * s, "ttft_p99": 4000 / b + 200 / s}}
+        return {
+            "goodput": b / 64 + s / 4,
+            "output_throughput": 1.0,
+            "values": {"itl_p99": 10 * b / 64 + 5 * s, "ttft_p99": 4000 / b + 200 / s},
+        }
+
     return measure
 
 
 def test_slo_keys_are_parsed_and_bad_ones_refused_naming_the_key():
     assert tune.parse_slo(["ttft_p99:1000", "itl_median:50", "e2el_mean:9000", "tpot_p90.5:20"]) == {
-        "ttft_p99": 1000.0, "itl_median": 50.0, "e2el_mean": 9000.0, "tpot_p90.5": 20.0}
-    for bad, named in (("ttft_p999:5", "ttft_p999"), ("latency_p99:5", "latency_p99"), ("itl:5", "'itl'"),
-                       ("ttft_p99:fast", "ttft_p99"), ("ttft_p99:-1", "ttft_p99"), ("ttft_p99", "ttft_p99")):
+        "ttft_p99": 1000.0,
+        "itl_median": 50.0,
+        "e2el_mean": 9000.0,
+        "tpot_p90.5": 20.0,
+    }
+    for bad, named in (
+        ("ttft_p999:5", "ttft_p999"),
+        ("latency_p99:5", "latency_p99"),
+        ("itl:5", "'itl'"),
+        ("ttft_p99:fast", "ttft_p99"),
+        ("ttft_p99:-1", "ttft_p99"),
+        ("ttft_p99", "ttft_p99"),
+    ):
         with pytest.raises(ValueError, match="--slo") as err:
             tune.parse_slo([bad])
         assert named in str(err.value)
@@ -56,12 +78,16 @@ def test_a_failed_itl_slo_prunes_larger_budgets_and_a_failed_ttft_slo_smaller_on
     for p in result["points"]:
         if "itl_p99" in p["failed"]:  # nothing with a larger budget or more sequences, the rest equal, was run
             c = p["config"]
-            assert not any(o["max_num_batched_tokens"] > c["max_num_batched_tokens"]
-                           and o["max_num_seqs"] == c["max_num_seqs"] for o in calls if o is not c)
+            assert not any(
+                o["max_num_batched_tokens"] > c["max_num_batched_tokens"] and o["max_num_seqs"] == c["max_num_seqs"]
+                for o in calls
+                if o is not c
+            )
     assert result["pruned"] and all("itl_p99" in p["reason"] for p in result["pruned"])
     assert all(p["feasible"] for p in [result["best"]])
-    rule = tune.prune_rules({**tune.start_config(SPACE), "max_num_batched_tokens": 256}, {"ttft_p99": 900.0},
-                            {"ttft_p99": 500.0}, SPACE)
+    rule = tune.prune_rules(
+        {**tune.start_config(SPACE), "max_num_batched_tokens": 256}, {"ttft_p99": 900.0}, {"ttft_p99": 500.0}, SPACE
+    )
     budget = next(r for r in rule if r.knob == "max_num_batched_tokens")
     others = tune.start_config(SPACE)
     assert budget.prunes({**others, "max_num_batched_tokens": 64})
@@ -74,9 +100,13 @@ def test_the_pareto_front_is_non_dominated_and_holds_every_undominated_point():
     front, points = tune.pareto_front(result["points"], "ttft_p99"), result["points"]
     assert front
     for p in points:
-        beaten = any(q["goodput"] >= p["goodput"] and q["values"]["ttft_p99"] <= p["values"]["ttft_p99"]
-                     and q is not p and (q["goodput"], q["values"]["ttft_p99"]) != (p["goodput"], p["values"]["ttft_p99"])
-                     for q in points)
+        beaten = any(
+            q["goodput"] >= p["goodput"]
+            and q["values"]["ttft_p99"] <= p["values"]["ttft_p99"]
+            and q is not p
+            and (q["goodput"], q["values"]["ttft_p99"]) != (p["goodput"], p["values"]["ttft_p99"])
+            for q in points
+        )
         assert (p in front) == (not beaten)
 
 
@@ -90,10 +120,40 @@ def test_an_impossible_slo_names_the_closest_configuration():
 
 def test_tiny_tune_through_the_cli_and_its_command_re_runs_the_winner(tmp_path, capsys):
     out_json, doc = tmp_path / "tune.json", tmp_path / "BENCHMARKS.md"
-    workload = ["--model", "tiny-llama", "--num-kv-blocks", "256", "--num-prompts", "4", "--random-input-len", "16",
-                "--random-output-len", "4", "--request-rate", "50", "--slo", "ttft_p99:60000", "itl_p99:60000"]
-    argv = ["tune", *workload, "--max-num-batched-tokens", "32", "128", "--max-num-seqs", "4", "16",
-            "--max-runs", "3", "--output-json", str(out_json), "--write-docs", "--docs-path", str(doc)]
+    workload = [
+        "--model",
+        "tiny-llama",
+        "--num-kv-blocks",
+        "256",
+        "--num-prompts",
+        "4",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "4",
+        "--request-rate",
+        "50",
+        "--slo",
+        "ttft_p99:60000",
+        "itl_p99:60000",
+    ]
+    argv = [
+        "tune",
+        *workload,
+        "--max-num-batched-tokens",
+        "32",
+        "128",
+        "--max-num-seqs",
+        "4",
+        "16",
+        "--max-runs",
+        "3",
+        "--output-json",
+        str(out_json),
+        "--write-docs",
+        "--docs-path",
+        str(doc),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     import json
@@ -114,10 +174,15 @@ def test_tiny_tune_through_the_cli_and_its_command_re_runs_the_winner(tmp_path, 
     assert again["best"]["feasible"]
 
 
-@pytest.mark.parametrize("bad, named", [(["--slo", "ttft_p999:5"], "ttft_p999"),
-                                        (["--max-num-seqs", "0"], "--max-num-seqs"),
-                                        (["--block-size", "12"], "--block-size"),
-                                        (["--enable-prefix-caching", "maybe"], "--enable-prefix-caching")])
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        (["--slo", "ttft_p999:5"], "ttft_p999"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--block-size", "12"], "--block-size"),
+        (["--enable-prefix-caching", "maybe"], "--enable-prefix-caching"),
+    ],
+)
 def test_bad_flags_are_refused_naming_the_flag(bad, named, capsys):
     try:
         code = main(["tune", "--model", "tiny-llama", *bad])
@@ -132,28 +197,60 @@ def test_runs_left_after_the_one_knob_passes_go_to_configurations_that_change_se
 
     def measure(config):  # the start, (64, 4), is the best of all: no one-knob change beats it
         calls.append(config)
-        return {"goodput": 10.0 if (config["max_num_batched_tokens"], config["max_num_seqs"]) == (64, 4) else 1.0,
-                "output_throughput": 1.0, "values": {"ttft_p99": 1.0}}
+        return {
+            "goodput": 10.0 if (config["max_num_batched_tokens"], config["max_num_seqs"]) == (64, 4) else 1.0,
+            "output_throughput": 1.0,
+            "values": {"ttft_p99": 1.0},
+        }
 
     result = tune.tune(space, measure, {"ttft_p99": 100.0}, 4, "ttft_p99")
-    assert [(c["max_num_batched_tokens"], c["max_num_seqs"]) for c in calls] == [(64, 4), (256, 4), (64, 16),
-                                                                                 (256, 16)]
+    assert [(c["max_num_batched_tokens"], c["max_num_seqs"]) for c in calls] == [(64, 4), (256, 4), (64, 16), (256, 16)]
     assert result["untried"] == 0 and result["best"]["config"]["max_num_batched_tokens"] == 64
 
 
 # Llama-3.1-70B on 8 simulated H100s: 1024-token prompts, so a 2048-token budget takes a whole prompt in a step that
 # stalls every decode beside it (ITL ~40 simulated ms) and a 256-token budget chunks it (ITL ~15 ms, TTFT later)
-SIMULATED_70B = ["--model", "llama-3.1-70b", "--executor", "simulated", "--hardware", "h100-sxm",
-                 "--tensor-parallel-size", "8", "--num-prompts", "16", "--random-input-len", "1024",
-                 "--random-output-len", "32", "--request-rate", "8", "--slo", "ttft_p99:250", "itl_p99:30"]
+SIMULATED_70B = [
+    "--model",
+    "llama-3.1-70b",
+    "--executor",
+    "simulated",
+    "--hardware",
+    "h100-sxm",
+    "--tensor-parallel-size",
+    "8",
+    "--num-prompts",
+    "16",
+    "--random-input-len",
+    "1024",
+    "--random-output-len",
+    "32",
+    "--request-rate",
+    "8",
+    "--slo",
+    "ttft_p99:250",
+    "itl_p99:30",
+]
 
 
 def test_a_simulated_70b_tune_is_deterministic_and_its_winner_meets_the_slo_again(tmp_path, capsys):
     import json
 
     out_json = tmp_path / "tune.json"
-    argv = ["tune", *SIMULATED_70B, "--max-num-batched-tokens", "256", "2048", "--max-num-seqs", "8", "64",
-            "--max-runs", "3", "--output-json", str(out_json)]
+    argv = [
+        "tune",
+        *SIMULATED_70B,
+        "--max-num-batched-tokens",
+        "256",
+        "2048",
+        "--max-num-seqs",
+        "8",
+        "64",
+        "--max-runs",
+        "3",
+        "--output-json",
+        str(out_json),
+    ]
     assert main(argv) == 0
     first = capsys.readouterr().out
     result = json.loads(out_json.read_text())
@@ -179,8 +276,11 @@ def test_a_simulated_70b_tune_is_deterministic_and_its_winner_meets_the_slo_agai
 def test_the_figures_show_every_run_the_front_the_winner_and_the_bound():
     slos = {"itl_p99": 100.0}
     search = tune.tune(SPACE, fake_measure([]), slos, 6, "itl_p99")
-    result = {**search, "front": tune.pareto_front(search["points"], "itl_p99"),
-              "settings": {"primary": "itl_p99", "slos": slos, "engine_kwargs": {}}}
+    result = {
+        **search,
+        "front": tune.pareto_front(search["points"], "itl_p99"),
+        "settings": {"primary": "itl_p99", "slos": slos, "engine_kwargs": {}},
+    }
     points, best = result["points"], result["best"]
     assert any(p["feasible"] for p in points) and not all(p["feasible"] for p in points)
     fig = pareto_figure(result)
@@ -189,11 +289,14 @@ def test_the_figures_show_every_run_the_front_the_winner_and_the_bound():
         data = fig.select_one({"name": name}).data_source.data
         shown.update(zip(data["run"], zip(data["latency"], data["goodput"], data["color"])))
         assert all(p["feasible"] == feasible for p in points if p["run"] in data["run"])
-    assert shown == {p["run"]: (p["values"]["itl_p99"], p["goodput"], FEASIBLE if p["feasible"] else FAILED)
-                     for p in points}
+    assert shown == {
+        p["run"]: (p["values"]["itl_p99"], p["goodput"], FEASIBLE if p["feasible"] else FAILED) for p in points
+    }
     front = fig.select_one({"name": "front"}).data_source.data
-    assert (front["x"], front["y"]) == ([p["values"]["itl_p99"] for p in result["front"]],
-                                        [p["goodput"] for p in result["front"]])
+    assert (front["x"], front["y"]) == (
+        [p["values"]["itl_p99"] for p in result["front"]],
+        [p["goodput"] for p in result["front"]],
+    )
     star = fig.select_one({"name": "winner"}).data_source.data
     assert (star["x"], star["y"]) == ([best["values"]["itl_p99"]], [best["goodput"]]) and best["feasible"]
     assert [span.location for span in fig.center if type(span).__name__ == "Span"] == [100.0]

@@ -1,5 +1,6 @@
 """Each dashboard view in pure Python: build its Bokeh model, push the StepRecords of a real tiny-llama run
 (shared prefixes, chunked prefill, a preemption, evictions), and check the data it would draw."""
+
 from __future__ import annotations
 
 import ast
@@ -13,12 +14,28 @@ from bokeh.document import Document
 
 import workbench.views
 from engine import LLMEngine, SamplingParams, StepRecord, StructuredOutputsParams
-from engine.events import (GrammarCompiled, GrammarStep, KVTransferFail, KVTransferLoad, KVTransferSave, KVUsage,
-                           SpecProposed, SpecVerified)
+from engine.events import (
+    GrammarCompiled,
+    GrammarStep,
+    KVTransferFail,
+    KVTransferLoad,
+    KVTransferSave,
+    KVUsage,
+    SpecProposed,
+    SpecVerified,
+)
 from workbench.state import EngineState
 from workbench.trace import write_trace
-from workbench.views import (Dashboard, GrammarView, KVBlockMap, MetricsView, PrefixCacheView, RequestsView,
-                             SchedulerTimeline, SpecDecodeView)
+from workbench.views import (
+    Dashboard,
+    GrammarView,
+    KVBlockMap,
+    MetricsView,
+    PrefixCacheView,
+    RequestsView,
+    SchedulerTimeline,
+    SpecDecodeView,
+)
 from workbench.views.base import SourceBuffer
 from workbench.views.colors import CACHED_FREE_COLOR, FREE_COLOR, request_color
 from workbench.views.metrics import latency_bin
@@ -38,8 +55,9 @@ class Run:
 def run() -> Run:
     """Two requests share a 40-token prefix, a third does not, a fourth arrives at step 3; 11 usable blocks
     force a preemption and, late in the run, evictions of cached-free blocks."""
-    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=12, max_num_batched_tokens=BUDGET,
-                       max_model_len=512)
+    engine = LLMEngine(
+        model="tiny-llama", block_size=16, num_kv_blocks=12, max_num_batched_tokens=BUDGET, max_model_len=512
+    )
     prefix = list(range(100, 140))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     ids = [engine.add_request(prefix + [200 + i] * 6, params) for i in range(2)]
@@ -47,8 +65,13 @@ def run() -> Run:
     records, tables = [], []
     while engine.has_unfinished_requests():
         records.append(engine.step())
-        tables.append({rid: engine.kv_cache_manager.get_block_ids(rid) for rid in ids
-                       if engine.kv_cache_manager.get_block_ids(rid)})
+        tables.append(
+            {
+                rid: engine.kv_cache_manager.get_block_ids(rid)
+                for rid in ids
+                if engine.kv_cache_manager.get_block_ids(rid)
+            }
+        )
         if len(records) == 3:
             ids.append(engine.add_request(list(range(400, 436)), params))
     kinds = Counter(e.kind for r in records for e in r.events)
@@ -109,7 +132,8 @@ def test_block_map_draws_the_selected_request_block_table_in_order(run):
     assert table["order"] == [str(i) for i in range(len(run.tables[0][rid]))]
     cells = view.cells.source.data
     assert [(x, y) for x, y in zip(table["x"], table["y"])] == [
-        (cells["x"][b - 1], cells["y"][b - 1]) for b in run.tables[0][rid]]
+        (cells["x"][b - 1], cells["y"][b - 1]) for b in run.tables[0][rid]
+    ]
     view.extend(run.records[1:])
     assert view.table.source.data["block_id"] == [], "a finished request holds no block"
 
@@ -140,8 +164,13 @@ def test_timeline_says_when_each_step_s_tokens_came_back():
     from engine import LLMEngine, SamplingParams
 
     def timeline(asynchronous: bool) -> SchedulerTimeline:
-        engine = LLMEngine(executor="scripted", token_script={"r": [5, 6, 7]}, num_kv_blocks=8, block_size=4,
-                           async_scheduling=asynchronous)
+        engine = LLMEngine(
+            executor="scripted",
+            token_script={"r": [5, 6, 7]},
+            num_kv_blocks=8,
+            block_size=4,
+            async_scheduling=asynchronous,
+        )
         engine.add_request([10, 11, 12], SamplingParams(max_tokens=3), request_id="r")
         view = rendered(SchedulerTimeline())
         view.extend(engine.run())
@@ -162,7 +191,8 @@ def test_requests_table_text_grows_into_the_engine_output(run):
     first = view.table.value
     assert list(first["request_id"]) == run.ids[:3]
     assert dict(zip(first["request_id"], first["status"])) == {
-        rid: "running" if rid in run.records[0].scheduled else "waiting" for rid in run.ids[:3]}
+        rid: "running" if rid in run.records[0].scheduled else "waiting" for rid in run.ids[:3]
+    }
     view.extend(run.records[1:])
     table = view.table.value
     assert list(table["request_id"]) == run.ids
@@ -205,8 +235,18 @@ def test_metrics_histograms_and_kv_usage(run):
 
 # ---- views of features not built yet --------------------------------------------------------------------------
 def _record(step: int, events: list) -> StepRecord:
-    return StepRecord(step=step, start_ns=0, end_ns=1_000_000, scheduled={}, phases={}, num_waiting=0,
-                      num_running=0, kv=KVUsage(8, 0, 0, 8), timing={}, events=events)
+    return StepRecord(
+        step=step,
+        start_ns=0,
+        end_ns=1_000_000,
+        scheduled={},
+        phases={},
+        num_waiting=0,
+        num_running=0,
+        kv=KVUsage(8, 0, 0, 8),
+        timing={},
+        events=events,
+    )
 
 
 def test_grammar_view_is_empty_until_grammar_events(run):
@@ -214,11 +254,18 @@ def test_grammar_view_is_empty_until_grammar_events(run):
     view.extend(run.records)
     assert view.empty.is_empty and view.empty.message.visible
     step = len(run.records) + 1
-    view.update(_record(step, [
-        GrammarCompiled(step, request_id="g", ms=9.0, cache_hit=False),
-        GrammarStep(step, request_id="g", num_allowed_tokens=12, sampled_token=90, terminated=False),
-        GrammarStep(step, request_id="g", num_allowed_tokens=1, sampled_token=91, terminated=True,
-                    jump_forward='"}')]))
+    view.update(
+        _record(
+            step,
+            [
+                GrammarCompiled(step, request_id="g", ms=9.0, cache_hit=False),
+                GrammarStep(step, request_id="g", num_allowed_tokens=12, sampled_token=90, terminated=False),
+                GrammarStep(
+                    step, request_id="g", num_allowed_tokens=1, sampled_token=91, terminated=True, jump_forward='"}'
+                ),
+            ],
+        )
+    )
     assert not view.empty.is_empty and view.empty.content.visible
     assert view.cells.source.data["x"] == [0, 1]
     assert view.cells.source.data["num_allowed_tokens"] == [12, 1]
@@ -231,12 +278,34 @@ def test_spec_view_is_empty_until_spec_events(run):
     view = rendered(SpecDecodeView())
     view.extend(run.records)
     assert view.empty.is_empty
-    view.update(_record(1, [
-        SpecProposed(1, request_id="s", method="ngram", draft_token_ids=(5, 6, 7)),
-        SpecVerified(1, request_id="s", draft_token_ids=(5, 6, 7), accepted=(True, True, False),
-                     p_target=(0.9, 0.8, 0.1), p_draft=(1.0, 1.0, 1.0), emitted_token=3, bonus=False),
-        SpecVerified(1, request_id="s", draft_token_ids=(8, 9), accepted=(True, True), p_target=(0.7, 0.6),
-                     p_draft=(1.0, 1.0), emitted_token=4, bonus=True)]))
+    view.update(
+        _record(
+            1,
+            [
+                SpecProposed(1, request_id="s", method="ngram", draft_token_ids=(5, 6, 7)),
+                SpecVerified(
+                    1,
+                    request_id="s",
+                    draft_token_ids=(5, 6, 7),
+                    accepted=(True, True, False),
+                    p_target=(0.9, 0.8, 0.1),
+                    p_draft=(1.0, 1.0, 1.0),
+                    emitted_token=3,
+                    bonus=False,
+                ),
+                SpecVerified(
+                    1,
+                    request_id="s",
+                    draft_token_ids=(8, 9),
+                    accepted=(True, True),
+                    p_target=(0.7, 0.6),
+                    p_draft=(1.0, 1.0),
+                    emitted_token=4,
+                    bonus=True,
+                ),
+            ],
+        )
+    )
     assert not view.empty.is_empty and "ngram" in view.methods.object
     cells = view.cells.source.data
     assert cells["outcome"] == ["accepted", "accepted", "rejected", "recovered", "accepted", "accepted", "bonus"]
@@ -245,8 +314,15 @@ def test_spec_view_is_empty_until_spec_events(run):
     assert acceptance["proposed"] == [2, 2, 1] and acceptance["rate"] == [1.0, 1.0, 0.0]
     assert "cut by the grammar" not in view.methods.object
     # a guided request's drafts: the grammar cut 2 of them, then all 3 (nothing left to verify)
-    view.update(_record(2, [SpecProposed(2, "g", "ngram", (5,), num_cut_by_grammar=2),
-                            SpecProposed(2, "g", "ngram", (), num_cut_by_grammar=3)]))
+    view.update(
+        _record(
+            2,
+            [
+                SpecProposed(2, "g", "ngram", (5,), num_cut_by_grammar=2),
+                SpecProposed(2, "g", "ngram", (), num_cut_by_grammar=3),
+            ],
+        )
+    )
     assert view.state.spec.num_cut_by_grammar == 5 and "drafts cut by the grammar: 5" in view.methods.object
     assert len(view.cells.source.data["x"]) == 7  # nothing verified: no new cells
 
@@ -286,8 +362,15 @@ def test_shared_state_views_are_fed_by_their_dashboard(run):
 
 
 def test_views_render_alone_in_panel(run):
-    for view in (SchedulerTimeline(), KVBlockMap(), PrefixCacheView(), RequestsView(), MetricsView(),
-                 GrammarView(), SpecDecodeView()):
+    for view in (
+        SchedulerTimeline(),
+        KVBlockMap(),
+        PrefixCacheView(),
+        RequestsView(),
+        MetricsView(),
+        GrammarView(),
+        SpecDecodeView(),
+    ):
         assert pn.panel(view).get_root(Document()) is not None
 
 
@@ -296,8 +379,16 @@ def test_replay_moves_through_a_trace_with_the_slider(run, tmp_path):
     from workbench.app import Workbench
 
     path = tmp_path / "run.jsonl"
-    write_trace(path, {"schema_version": 1, "config": {"max_num_batched_tokens": BUDGET},
-                       "model": {"name": "tiny-llama"}, "created": "now"}, run.records)
+    write_trace(
+        path,
+        {
+            "schema_version": 1,
+            "config": {"max_num_batched_tokens": BUDGET},
+            "model": {"name": "tiny-llama"},
+            "created": "now",
+        },
+        run.records,
+    )
     replay = Workbench.from_trace(path)
     replay.layout.get_root(Document())
     n = len(run.records)
@@ -353,9 +444,23 @@ def test_grammar_and_speculative_views_label_their_rows_and_explain_their_colour
     assert any(type(r).__name__ == "ColorBar" for r in grammar_fig.right)
     spec_fig = spec.empty.content.objects[1].objects[0].object
     assert spec_fig.yaxis[0].formatter.args["source"] is spec.cells.source
-    spec.update(StepRecord(1, 0, 1, {"0": 3}, {"0": "verify"}, 0, 1, KVUsage(8, 1, 0, 7), {}, [
-        SpecProposed(1, "0", "ngram", (5, 6)),
-        SpecVerified(1, "0", (5, 6), (True, False), (0.9, 0.1), (1.0, 1.0), 7, False)]))
+    spec.update(
+        StepRecord(
+            1,
+            0,
+            1,
+            {"0": 3},
+            {"0": "verify"},
+            0,
+            1,
+            KVUsage(8, 1, 0, 7),
+            {},
+            [
+                SpecProposed(1, "0", "ngram", (5, 6)),
+                SpecVerified(1, "0", (5, 6), (True, False), (0.9, 0.1), (1.0, 1.0), 7, False),
+            ],
+        )
+    )
     assert spec.cells.source.data["row"][0] == "step 1 · 0"
     assert {item.label["field"] for item in spec_fig.legend[0].items} == {"outcome"}
 
@@ -380,12 +485,20 @@ def test_no_view_reads_the_events_of_a_record():
 @pytest.fixture(scope="module")
 def guided() -> list[StepRecord]:
     """An n-gram engine with guided requests: grammar.* and spec.* events besides the prefix cache's."""
-    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=32, max_num_batched_tokens=64,
-                       max_model_len=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = LLMEngine(
+        model="tiny-llama",
+        block_size=16,
+        num_kv_blocks=32,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
     repeat = StructuredOutputsParams(regex="( a b c d){3}")  # the random tiny model repeats: drafts to verify
     for guide, max_tokens in ((repeat, 12), (repeat, 12), (StructuredOutputsParams(regex="(yes|no)"), 6)):
-        engine.add_request("a b c d a b c d a b c d a b c", SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                          structured_outputs=guide))
+        engine.add_request(
+            "a b c d a b c d a b c d a b c",
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=guide),
+        )
     records = []
     while engine.has_unfinished_requests():
         records.append(engine.step())
@@ -410,12 +523,15 @@ def _events(records: list[StepRecord], kind: str) -> list:
 def test_state_holds_the_grammar_steps_the_grammar_view_draws(guided):
     state, dashboard = _fed(guided)
     steps = _events(guided, "grammar.step")
-    expected = {rid: [e.num_allowed_tokens for e in steps if e.request_id == rid]
-                for rid in dict.fromkeys(e.request_id for e in steps)}
+    expected = {
+        rid: [e.num_allowed_tokens for e in steps if e.request_id == rid]
+        for rid in dict.fromkeys(e.request_id for e in steps)
+    }
     assert {rid: [p.num_allowed_tokens for p in ps] for rid, ps in state.grammar.positions.items()} == expected
     assert all([p.position for p in ps] == list(range(len(ps))) for ps in state.grammar.positions.values())
     assert [(c.request_id, c.ms) for c in state.grammar.compiles] == [
-        (e.request_id, e.ms) for e in _events(guided, "grammar.compiled")]
+        (e.request_id, e.ms) for e in _events(guided, "grammar.compiled")
+    ]
     cells = dashboard.grammar.cells.source.data
     assert cells["num_allowed_tokens"] == [e.num_allowed_tokens for e in steps]
     assert cells["request_id"] == [e.request_id for e in steps]
@@ -425,7 +541,8 @@ def test_state_holds_the_verifications_the_spec_view_draws(guided):
     state, dashboard = _fed(guided)
     verified = _events(guided, "spec.verified")
     assert [(v.request_id, v.draft_token_ids, v.accepted, v.emitted_token) for v in state.spec.verifications] == [
-        (e.request_id, e.draft_token_ids, e.accepted, e.emitted_token) for e in verified]
+        (e.request_id, e.draft_token_ids, e.accepted, e.emitted_token) for e in verified
+    ]
     depth = max(len(e.draft_token_ids) for e in verified)
     proposed = [sum(len(e.accepted) > i for e in verified) for i in range(depth)]
     accepted = [sum(len(e.accepted) > i and e.accepted[i] for e in verified) for i in range(depth)]
@@ -443,7 +560,8 @@ def test_state_holds_the_lookups_and_chains_the_prefix_view_draws(run):
     lookups = _events(run.records, "prefix.lookup")
     last = {e.request_id: e for e in lookups}
     assert {rid: (lu.hit_tokens, lu.hit_blocks) for rid, lu in state.prefix.lookups.items()} == {
-        rid: (e.num_hit_tokens, e.num_hit_blocks) for rid, e in last.items()}
+        rid: (e.num_hit_tokens, e.num_hit_blocks) for rid, e in last.items()
+    }
     assert state.prefix.hit_tokens == sum(e.num_hit_tokens for e in lookups)
     assert state.prefix.hit_rate == view.rate.source.data["hit_rate"][-1]
     evicted: dict[str, bool] = {}  # hash -> evicted, replaying the events in order
@@ -455,30 +573,48 @@ def test_state_holds_the_lookups_and_chains_the_prefix_view_draws(run):
     assert [h for d in deltas for h in d.cached] == [e.block_hash for e in _events(run.records, "kv.cached")]
     nodes = view.nodes.source.data
     assert [(h[:12], "evicted" if node.evicted else "cached") for h, node in state.prefix.chains.items()] == list(
-        zip(nodes["hash"], nodes["status"]))
+        zip(nodes["hash"], nodes["status"])
+    )
 
 
 def test_state_holds_the_transfers_per_instance_the_transfer_view_draws():
     common = dict(connector="SharedStorageConnector", key="k", num_blocks=2, num_tokens=20, ms=2.0, mb_per_s=1.0)
-    records = [_record(1, [KVTransferSave(1, request_id="a", instance="prefill-0", num_bytes=2_000_000, **common)]),
-               _record(2, [KVTransferLoad(2, request_id="a", instance="decode-0", num_bytes=3_000_000, **common),
-                           KVTransferFail(2, request_id="b", instance="decode-0", connector="RedisConnector",
-                                          failure="timeout", policy_action="recompute", num_recomputed_tokens=31)])]
+    records = [
+        _record(1, [KVTransferSave(1, request_id="a", instance="prefill-0", num_bytes=2_000_000, **common)]),
+        _record(
+            2,
+            [
+                KVTransferLoad(2, request_id="a", instance="decode-0", num_bytes=3_000_000, **common),
+                KVTransferFail(
+                    2,
+                    request_id="b",
+                    instance="decode-0",
+                    connector="RedisConnector",
+                    failure="timeout",
+                    policy_action="recompute",
+                    num_recomputed_tokens=31,
+                ),
+            ],
+        ),
+    ]
     dashboard = Dashboard()
     dashboard.extend(records)
     moved = dashboard.state.kv_transfer
     assert moved.mb_by_instance == {"prefill-0": 2.0, "decode-0": 3.0} and moved.origin_ns == 0
     assert [(t.kind, t.instance, t.mb, t.instance_mb, t.failure) for t in moved.transfers] == [
-        ("kv_transfer.save", "prefill-0", 2.0, 2.0, ""), ("kv_transfer.load", "decode-0", 3.0, 3.0, ""),
-        ("kv_transfer.fail", "decode-0", 0.0, 3.0, "timeout")]
+        ("kv_transfer.save", "prefill-0", 2.0, 2.0, ""),
+        ("kv_transfer.load", "decode-0", 3.0, 3.0, ""),
+        ("kv_transfer.fail", "decode-0", 0.0, 3.0, "timeout"),
+    ]
     assert dashboard.kv_transfer.points.source.data["mb"] == [t.instance_mb for t in moved.transfers]
     assert dashboard.kv_transfer.rows.source.data["kind"] == ["save", "load", "fail"]
 
 
 def test_a_snapshot_state_holds_its_cached_chains_parents_first():
     """A view attached mid-run draws the chains of `EngineState.load` (show_state): each hash after its parent."""
-    engine = LLMEngine(model="tiny-llama", block_size=16, num_kv_blocks=16, max_num_batched_tokens=64,
-                       max_model_len=256)
+    engine = LLMEngine(
+        model="tiny-llama", block_size=16, num_kv_blocks=16, max_num_batched_tokens=64, max_model_len=256
+    )
     engine.add_request(list(range(100, 150)), SamplingParams(temperature=0.0, max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()

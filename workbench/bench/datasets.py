@@ -1,6 +1,7 @@
 """Seeded synthetic workloads, made locally (nothing downloaded): random token-id prompts (vLLM's `random` and
 `prefix_repetition`), JSON-schema requests for guided decoding, and input-grounded editing prompts whose answers
 repeat spans of their input (the case speculative decoding is for)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,13 @@ def token_id_range(tokenizer) -> tuple[int, int]:
     return low, len(tokenizer)
 
 
-def random_requests(num_requests: int, input_len_range: tuple[int, int], output_len_range: tuple[int, int],
-                    token_range: tuple[int, int], seed: int = 0) -> list[BenchRequest]:
+def random_requests(
+    num_requests: int,
+    input_len_range: tuple[int, int],
+    output_len_range: tuple[int, int],
+    token_range: tuple[int, int],
+    seed: int = 0,
+) -> list[BenchRequest]:
     """`num_requests` prompts of uniform random length and token ids, each with a uniform random output length
     (ranges inclusive). The same arguments always give the same requests."""
     _check_range("input_len_range", input_len_range)
@@ -40,19 +46,29 @@ def random_requests(num_requests: int, input_len_range: tuple[int, int], output_
     requests = []
     for _ in range(num_requests):
         prompt_len = rng.randint(*input_len_range)
-        requests.append(BenchRequest([rng.randrange(low, high) for _ in range(prompt_len)],
-                                     rng.randint(*output_len_range)))
+        requests.append(
+            BenchRequest([rng.randrange(low, high) for _ in range(prompt_len)], rng.randint(*output_len_range))
+        )
     return requests
 
 
-def shared_prefix_requests(num_prefixes: int, prefix_len: int, suffix_len: int, num_requests: int,
-                           output_len: int, token_range: tuple[int, int], seed: int = 0) -> list[BenchRequest]:
+def shared_prefix_requests(
+    num_prefixes: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_requests: int,
+    output_len: int,
+    token_range: tuple[int, int],
+    seed: int = 0,
+) -> list[BenchRequest]:
     """`num_requests` prompts, each one of `num_prefixes` random shared prefixes (round robin, so every prefix
     is reused equally) followed by its own random suffix: the system-prompt / few-shot pattern prefix caching
     is for."""
     if num_prefixes < 1 or prefix_len < 0 or suffix_len < 1:
-        raise ValueError(f"num_prefixes >= 1, prefix_len >= 0, suffix_len >= 1 expected, got "
-                         f"{num_prefixes}, {prefix_len}, {suffix_len}")
+        raise ValueError(
+            f"num_prefixes >= 1, prefix_len >= 0, suffix_len >= 1 expected, got "
+            f"{num_prefixes}, {prefix_len}, {suffix_len}"
+        )
     rng = random.Random(seed)
     low, high = token_range
     prefixes = [[rng.randrange(low, high) for _ in range(prefix_len)] for _ in range(num_prefixes)]
@@ -77,31 +93,44 @@ def len_range(length: int, range_ratio: float) -> tuple[int, int]:
     return max(1, math.floor(length * (1 - range_ratio))), math.ceil(length * (1 + range_ratio))
 
 
-def random_dataset(num_requests: int, input_len: int, output_len: int, range_ratio: float,
-                   token_range: tuple[int, int], seed: int = 0) -> list[BenchRequest]:
+def random_dataset(
+    num_requests: int, input_len: int, output_len: int, range_ratio: float, token_range: tuple[int, int], seed: int = 0
+) -> list[BenchRequest]:
     """vLLM's `random` dataset: random token ids, input and output lengths spread by `range_ratio` around
     `input_len` and `output_len`; every request generates exactly its output length."""
-    return random_requests(num_requests, len_range(input_len, range_ratio), len_range(output_len, range_ratio),
-                           token_range, seed)
+    return random_requests(
+        num_requests, len_range(input_len, range_ratio), len_range(output_len, range_ratio), token_range, seed
+    )
 
 
-def prefix_repetition_requests(num_requests: int, prefix_len: int, suffix_len: int, num_prefixes: int,
-                               output_len: int, token_range: tuple[int, int], seed: int = 0) -> list[BenchRequest]:
+def prefix_repetition_requests(
+    num_requests: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    token_range: tuple[int, int],
+    seed: int = 0,
+) -> list[BenchRequest]:
     """vLLM's `prefix_repetition` dataset: `num_prefixes` random prefixes, each repeated over an equal share of
     the requests (the first `num_requests % num_prefixes` prefixes get one more, so exactly `num_requests` come
     out), each with its own random suffix; then shuffled, so a prefix's requests arrive spread out."""
     if not 1 <= num_prefixes <= num_requests or prefix_len < 0 or suffix_len < 1 or output_len < 1:
-        raise ValueError(f"prefix_repetition: expected 1 <= num_prefixes <= num_requests, prefix_len >= 0, "
-                         f"suffix_len >= 1, output_len >= 1; got num_prefixes={num_prefixes}, num_requests="
-                         f"{num_requests}, prefix_len={prefix_len}, suffix_len={suffix_len}, output_len={output_len}")
+        raise ValueError(
+            f"prefix_repetition: expected 1 <= num_prefixes <= num_requests, prefix_len >= 0, "
+            f"suffix_len >= 1, output_len >= 1; got num_prefixes={num_prefixes}, num_requests="
+            f"{num_requests}, prefix_len={prefix_len}, suffix_len={suffix_len}, output_len={output_len}"
+        )
     rng = random.Random(seed)
     low, high = token_range
     requests = []
     for j in range(num_prefixes):
         prefix = [rng.randrange(low, high) for _ in range(prefix_len)]
         share = num_requests // num_prefixes + (j < num_requests % num_prefixes)
-        requests += [BenchRequest(prefix + [rng.randrange(low, high) for _ in range(suffix_len)], output_len)
-                     for _ in range(share)]
+        requests += [
+            BenchRequest(prefix + [rng.randrange(low, high) for _ in range(suffix_len)], output_len)
+            for _ in range(share)
+        ]
     rng.shuffle(requests)
     return requests
 
@@ -109,8 +138,11 @@ def prefix_repetition_requests(num_requests: int, prefix_len: int, suffix_len: i
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     """`text` as one user turn through the tokenizer's chat template (plain encoding without one)."""
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -118,16 +150,35 @@ _STR = {"type": "string", "maxLength": 24}
 _LIST = {"type": "array", "items": _STR, "maxItems": 3}
 # Entities and their fields; a request's schema requires a seeded subset of one entity's fields (in this order).
 _ENTITIES: dict[str, dict[str, dict[str, Any]]] = {
-    "person": {"name": _STR, "age": {"type": "integer", "minimum": 0, "maximum": 120}, "email": _STR,
-               "city": _STR, "hobbies": _LIST},
-    "book": {"title": _STR, "author": _STR, "year": {"type": "integer", "minimum": 1450, "maximum": 2030},
-             "genres": _LIST, "in_print": {"type": "boolean"}},
-    "product": {"name": _STR, "price": {"type": "number", "minimum": 0},
-                "currency": {"type": "string", "enum": ["USD", "EUR", "VND"]}, "tags": _LIST,
-                "in_stock": {"type": "boolean"}},
+    "person": {
+        "name": _STR,
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": _STR,
+        "city": _STR,
+        "hobbies": _LIST,
+    },
+    "book": {
+        "title": _STR,
+        "author": _STR,
+        "year": {"type": "integer", "minimum": 1450, "maximum": 2030},
+        "genres": _LIST,
+        "in_print": {"type": "boolean"},
+    },
+    "product": {
+        "name": _STR,
+        "price": {"type": "number", "minimum": 0},
+        "currency": {"type": "string", "enum": ["USD", "EUR", "VND"]},
+        "tags": _LIST,
+        "in_stock": {"type": "boolean"},
+    },
     "city": {"name": _STR, "country": _STR, "population": {"type": "integer", "minimum": 0}, "landmarks": _LIST},
-    "event": {"title": _STR, "venue": _STR, "attendees": {"type": "integer", "minimum": 0},
-              "online": {"type": "boolean"}, "speakers": _LIST},
+    "event": {
+        "title": _STR,
+        "venue": _STR,
+        "attendees": {"type": "integer", "minimum": 0},
+        "online": {"type": "boolean"},
+        "speakers": _LIST,
+    },
 }
 _PLACES = ("Hanoi", "Lyon", "Osaka", "Lima", "Nairobi", "Oslo", "Austin", "Porto")
 
@@ -142,13 +193,23 @@ def entity_schemas(num_schemas: int, seed: int = 0) -> list[tuple[str, dict[str,
         names = list(_ENTITIES[entity])
         kept = [n for n in names if rng.random() < 0.7]
         kept = kept if len(kept) >= 2 else names[:2]
-        schemas.append((entity, {"type": "object", "properties": {n: _ENTITIES[entity][n] for n in kept},
-                                 "required": kept, "additionalProperties": False}))
+        schemas.append(
+            (
+                entity,
+                {
+                    "type": "object",
+                    "properties": {n: _ENTITIES[entity][n] for n in kept},
+                    "required": kept,
+                    "additionalProperties": False,
+                },
+            )
+        )
     return schemas
 
 
-def json_schema_requests(num_requests: int, tokenizer, output_len: int = 128, num_schemas: int = 8,
-                         seed: int = 0) -> list[BenchRequest]:
+def json_schema_requests(
+    num_requests: int, tokenizer, output_len: int = 128, num_schemas: int = 8, seed: int = 0
+) -> list[BenchRequest]:
     """Guided-decoding requests: each asks for an entity from a seeded place as JSON and carries the schema it
     must follow, one of `num_schemas` (entity_schemas), so schemas repeat and the grammar compile cache sees hits
     as in real traffic. `output_len` is a cap: a request ends when its JSON is complete."""
@@ -159,10 +220,13 @@ def json_schema_requests(num_requests: int, tokenizer, output_len: int = 128, nu
     requests = []
     for _ in range(num_requests):
         entity, schema = rng.choice(schemas)
-        text = (f"Describe a {entity} from {rng.choice(_PLACES)} as a JSON object with the fields "
-                f"{', '.join(schema['required'])}, following this JSON schema: {json.dumps(schema)}")
-        requests.append(BenchRequest(chat_prompt_ids(tokenizer, text), output_len, ignore_eos=False,
-                                     json_schema=schema))
+        text = (
+            f"Describe a {entity} from {rng.choice(_PLACES)} as a JSON object with the fields "
+            f"{', '.join(schema['required'])}, following this JSON schema: {json.dumps(schema)}"
+        )
+        requests.append(
+            BenchRequest(chat_prompt_ids(tokenizer, text), output_len, ignore_eos=False, json_schema=schema)
+        )
     return requests
 
 
@@ -186,14 +250,27 @@ def _code_passage(rng: random.Random, num_functions: int) -> tuple[str, list[str
         what, init, aug, acc = rng.choice(_KINDS)
         op, cmp = rng.choice(_OPS)
         args.append(f"{noun}_list")
-        functions.append(_FUNCTION.format(name=f"{what}_of_{noun}", arg=args[-1], what=what, noun=noun, cmp=cmp,
-                                          limit=rng.randint(1, 99), acc=acc, init=init, item=noun[:-1], op=op,
-                                          aug=aug))
+        functions.append(
+            _FUNCTION.format(
+                name=f"{what}_of_{noun}",
+                arg=args[-1],
+                what=what,
+                noun=noun,
+                cmp=cmp,
+                limit=rng.randint(1, 99),
+                acc=acc,
+                init=init,
+                item=noun[:-1],
+                op=op,
+                aug=aug,
+            )
+        )
     return "\n\n".join(functions), args
 
 
-def editing_requests(num_requests: int, tokenizer, num_functions: tuple[int, int] = (2, 4),
-                     seed: int = 0) -> list[BenchRequest]:
+def editing_requests(
+    num_requests: int, tokenizer, num_functions: tuple[int, int] = (2, 4), seed: int = 0
+) -> list[BenchRequest]:
     """Input-grounded editing prompts: a seeded passage of Python functions and an instruction to rewrite it whole
     with one identifier renamed, so the answer repeats long spans of the prompt (what n-gram and other drafters
     predict well). Each request may stop at EOS; its cap is the passage's length plus a quarter plus 16."""
@@ -205,8 +282,10 @@ def editing_requests(num_requests: int, tokenizer, num_functions: tuple[int, int
     for _ in range(num_requests):
         code, args = _code_passage(rng, rng.randint(lo, hi))
         old = rng.choice(args)
-        text = (f"Rewrite the following Python code in full, renaming `{old}` to `{old.split('_')[0]}_seq` "
-                f"everywhere and changing nothing else.\n\n```python\n{code}```")
+        text = (
+            f"Rewrite the following Python code in full, renaming `{old}` to `{old.split('_')[0]}_seq` "
+            f"everywhere and changing nothing else.\n\n```python\n{code}```"
+        )
         passage_len = len(tokenizer.encode(code, add_special_tokens=False))
         requests.append(BenchRequest(chat_prompt_ids(tokenizer, text), passage_len * 5 // 4 + 16, ignore_eos=False))
     return requests

@@ -6,14 +6,16 @@ it is installed and `--llamacpp-gguf` names them. Sides alternate round by round
 The floor of a token is its weights over the read bandwidth (`bench roofline`); this benchmark says how far each
 system is from the others, and its load-average line says how much the machine was shared meanwhile.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -39,8 +41,9 @@ class Side:
     tok_s: list[float]
 
 
-def engine_side(model: str, weights: str, prompt_ids: list[int], max_tokens: int, seed: int,
-                engine_kwargs: dict[str, Any]) -> Side:
+def engine_side(
+    model: str, weights: str, prompt_ids: list[int], max_tokens: int, seed: int, engine_kwargs: dict[str, Any]
+) -> Side:
     llm = LLM(model=model, seed=seed, **{**engine_kwargs, **WEIGHT_FORMATS[weights]})
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return Side("engine", weights, lambda: llm.generate([prompt_ids], params, use_tqdm=False)[0].token_ids, [])
@@ -57,9 +60,15 @@ def transformers_side(path: str, weights: str, prompt_ids: list[int], max_tokens
 
     def decode() -> list[int]:
         with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-                              min_new_tokens=max_tokens, pad_token_id=hf.generation_config.eos_token_id)
-        return out[0, len(prompt_ids):].tolist()
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                pad_token_id=hf.generation_config.eos_token_id,
+            )
+        return out[0, len(prompt_ids) :].tolist()
 
     return Side("transformers generate", weights, decode, [])
 
@@ -69,8 +78,9 @@ def llamacpp_side(label: str, gguf: str, prompt_ids: list[int], max_tokens: int)
         from llama_cpp import Llama
     except ImportError as exc:
         raise SystemExit("bench decode: --llamacpp-gguf needs llama-cpp-python (pip install llama-cpp-python)") from exc
-    llama = Llama(model_path=gguf, n_ctx=len(prompt_ids) + max_tokens + 8, n_threads=torch.get_num_threads(),
-                  verbose=False)
+    llama = Llama(
+        model_path=gguf, n_ctx=len(prompt_ids) + max_tokens + 8, n_threads=torch.get_num_threads(), verbose=False
+    )
 
     def decode() -> list[int]:
         llama.reset()
@@ -97,10 +107,17 @@ def parse_gguf(specs: Sequence[str]) -> dict[str, str]:
     return named
 
 
-def run_decode(model: str = "smollm2-135m", weight_formats: Sequence[str] = tuple(WEIGHT_FORMATS),
-               max_tokens: int = 128, runs: int = 3, seed: int = 0, baseline: bool = True,
-               llamacpp_gguf: dict[str, str] | None = None, engine_kwargs: dict[str, Any] | None = None,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_decode(
+    model: str = "smollm2-135m",
+    weight_formats: Sequence[str] = tuple(WEIGHT_FORMATS),
+    max_tokens: int = 128,
+    runs: int = 3,
+    seed: int = 0,
+    baseline: bool = True,
+    llamacpp_gguf: dict[str, str] | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Build every side, check each makes its tokens, then `runs` rounds in which every side decodes once (the
     same order each round, so a burst of load falls on all); the median tok/s per side, and which sides made the
     same tokens as the engine in float32."""
@@ -124,49 +141,91 @@ def run_decode(model: str = "smollm2-135m", weight_formats: Sequence[str] = tupl
             side.tok_s.append(len(made) / (time.perf_counter() - t0))
         loads.append(os.getloadavg()[0])
         log(f"round {round_ + 1}/{runs}: " + ", ".join(f"{s.system} {s.weights} {s.tok_s[-1]:.1f}" for s in sides))
-    rows = [{"system": s.system, "weights": s.weights, "tok_s": statistics.median(s.tok_s), "runs": s.tok_s,
-             "same_tokens_as_engine_fp32": None if reference is None else tokens[(s.system, s.weights)] == reference}
-            for s in sides]
-    return {"model": model, "prompt": PROMPT, "prompt_len": len(prompt_ids), "threads": torch.get_num_threads(),
-            "load_average": loads, "rows": rows,
-            "settings": {"weight_formats": list(weight_formats), "max_tokens": max_tokens, "runs": runs, "seed": seed,
-                         "baseline": baseline, "engine_kwargs": engine_kwargs}}
+    rows = [
+        {
+            "system": s.system,
+            "weights": s.weights,
+            "tok_s": statistics.median(s.tok_s),
+            "runs": s.tok_s,
+            "same_tokens_as_engine_fp32": None if reference is None else tokens[(s.system, s.weights)] == reference,
+        }
+        for s in sides
+    ]
+    return {
+        "model": model,
+        "prompt": PROMPT,
+        "prompt_len": len(prompt_ids),
+        "threads": torch.get_num_threads(),
+        "load_average": loads,
+        "rows": rows,
+        "settings": {
+            "weight_formats": list(weight_formats),
+            "max_tokens": max_tokens,
+            "runs": runs,
+            "seed": seed,
+            "baseline": baseline,
+            "engine_kwargs": engine_kwargs,
+        },
+    }
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser, budget=False)
-    parser.add_argument("--weight-formats", nargs="+", choices=tuple(WEIGHT_FORMATS), default=list(WEIGHT_FORMATS),
-                        help="how the engine stores its weights, a side each (default: all)")
+    parser.add_argument(
+        "--weight-formats",
+        nargs="+",
+        choices=tuple(WEIGHT_FORMATS),
+        default=list(WEIGHT_FORMATS),
+        help="how the engine stores its weights, a side each (default: all)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="greedy tokens per decode (default: 128)")
     parser.add_argument("--no-baseline", action="store_true", help="leave out transformers generate")
-    parser.add_argument("--llamacpp-gguf", nargs="+", default=[], metavar="FORMAT=PATH",
-                        help="GGUF files of the same weights for llama.cpp (needs llama-cpp-python)")
+    parser.add_argument(
+        "--llamacpp-gguf",
+        nargs="+",
+        default=[],
+        metavar="FORMAT=PATH",
+        help="GGUF files of the same weights for llama.cpp (needs llama-cpp-python)",
+    )
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """`workbench bench decode`: run_decode with the command line's settings."""
     if args.max_tokens < 1:
         raise SystemExit(f"bench decode: --max-tokens: must be >= 1, got {args.max_tokens}")
-    return run_with_flags(run_decode, args, baseline=not args.no_baseline,
-                          llamacpp_gguf=parse_gguf(args.llamacpp_gguf))
+    return run_with_flags(run_decode, args, baseline=not args.no_baseline, llamacpp_gguf=parse_gguf(args.llamacpp_gguf))
 
 
 _HEADERS = ("system", "weights", "tok/s (median)", "runs", "vs transformers fp32", "same tokens as engine fp32")
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
-    base = next((r["tok_s"] for r in result["rows"]
-                 if r["system"] == "transformers generate" and r["weights"] == "float32"), None)
-    return [[r["system"], r["weights"], r["tok_s"], " ".join(f"{x:.1f}" for x in r["runs"]),
-             "-" if base is None else f"{r['tok_s'] / base:.2f}x",
-             {True: "yes", False: "no", None: "-"}[r["same_tokens_as_engine_fp32"]]] for r in result["rows"]]
+    base = next(
+        (r["tok_s"] for r in result["rows"] if r["system"] == "transformers generate" and r["weights"] == "float32"),
+        None,
+    )
+    return [
+        [
+            r["system"],
+            r["weights"],
+            r["tok_s"],
+            " ".join(f"{x:.1f}" for x in r["runs"]),
+            "-" if base is None else f"{r['tok_s'] / base:.2f}x",
+            {True: "yes", False: "no", None: "-"}[r["same_tokens_as_engine_fp32"]],
+        ]
+        for r in result["rows"]
+    ]
 
 
-_TEXT = ("{model}: a {prompt_len}-token prompt, {max_tokens} greedy tokens, {threads} threads, median of {runs} "
-         "alternating rounds; load average (1 min) {loads}")
-_DOCS = _TEXT + (". The engine's bfloat16 and int8 store the weights so and compute in float32 (checked against "
-                 "Hugging Face in tests/model/test_fast_dtypes.py); transformers bfloat16 computes in bfloat16."
-                 "{note}")
+_TEXT = (
+    "{model}: a {prompt_len}-token prompt, {max_tokens} greedy tokens, {threads} threads, median of {runs} "
+    "alternating rounds; load average (1 min) {loads}"
+)
+_DOCS = _TEXT + (
+    ". The engine's bfloat16 and int8 store the weights so and compute in float32 (checked against "
+    "Hugging Face in tests/model/test_fast_dtypes.py); transformers bfloat16 computes in bfloat16."
+    "{note}"
+)
 
 
 def _parts(result: dict[str, Any]) -> list:

@@ -5,12 +5,14 @@ Before each step in which every request of the batch decodes, the bitmask fill t
 by calling the engine's own `StructuredOutputManager.grammar_bitmask` for the running requests (filling reads
 the matchers' state and changes nothing), and the apply by masking a logits tensor of the step's shape with it.
 """
+
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -61,13 +63,26 @@ def guided_step_costs(llm: LLM, prompts: Sequence[BenchRequest], steps: int, war
     if not samples:
         raise RuntimeError(f"guided: no step had all {batch} requests decoding (outputs too short? raise output_len)")
     fill, apply, forward, total = (statistics.median(column) for column in zip(*samples))
-    return {"batch": batch, "steps": len(samples), "fill_ms": fill, "apply_ms": apply, "forward_ms": forward,
-            "step_ms": total}
+    return {
+        "batch": batch,
+        "steps": len(samples),
+        "fill_ms": fill,
+        "apply_ms": apply,
+        "forward_ms": forward,
+        "step_ms": total,
+    }
 
 
-def run_guided(model: str = "smollm2-135m", batch_sizes: Sequence[int] = (1, 8, 32), steps: int = 8,
-               output_len: int = 256, seed: int = 0, max_num_batched_tokens: int = 2048,
-               engine_kwargs: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_guided(
+    model: str = "smollm2-135m",
+    batch_sizes: Sequence[int] = (1, 8, 32),
+    steps: int = 8,
+    output_len: int = 256,
+    seed: int = 0,
+    max_num_batched_tokens: int = 2048,
+    engine_kwargs: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Guidance cost per step at each batch size, on one engine, with seeded JSON-schema requests (greedy;
     `output_len` caps each JSON). Fewer than `steps` samples where requests finish early."""
     engine_kwargs = dict(engine_kwargs or {})
@@ -76,12 +91,20 @@ def run_guided(model: str = "smollm2-135m", batch_sizes: Sequence[int] = (1, 8, 
     for batch in batch_sizes:
         prompts = json_schema_requests(batch, llm.tokenizer, output_len, seed=seed)
         rows.append(guided_step_costs(llm, prompts, steps))
-        log(f"batch {batch}: fill {rows[-1]['fill_ms']:.2f} ms, apply {rows[-1]['apply_ms']:.2f} ms, "
-            f"forward {rows[-1]['forward_ms']:.1f} ms")
+        log(
+            f"batch {batch}: fill {rows[-1]['fill_ms']:.2f} ms, apply {rows[-1]['apply_ms']:.2f} ms, "
+            f"forward {rows[-1]['forward_ms']:.1f} ms"
+        )
     return {
         "model": model,
-        "settings": {"batch_sizes": list(batch_sizes), "steps": steps, "output_len": output_len, "seed": seed,
-                     "max_num_batched_tokens": max_num_batched_tokens, "engine_kwargs": engine_kwargs},
+        "settings": {
+            "batch_sizes": list(batch_sizes),
+            "steps": steps,
+            "output_len": output_len,
+            "seed": seed,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "engine_kwargs": engine_kwargs,
+        },
         "rows": rows,
     }
 
@@ -98,24 +121,48 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return run_with_flags(run_guided, args)
 
 
-_WORKLOAD = ("{model}: B JSON-schema requests (seed {seed}, greedy, at most {output_len} tokens) decoding together; "
-             "medians over up to {steps} steps in which all B decode")
-_DOCS = _WORKLOAD + (". Fill: `StructuredOutputManager.grammar_bitmask` for the B requests (xgrammar "
-                     "`fill_next_token_bitmask` per row, plus counting the allowed tokens for the grammar.step event); "
-                     "apply: `apply_token_bitmask_inplace` on [B, vocab] fp32 logits. Forward: the step's model + LM "
-                     "head time, which includes the apply; step: the whole engine step, which includes the fill. "
-                     "max_num_batched_tokens={max_num_batched_tokens}.{note}")
+_WORKLOAD = (
+    "{model}: B JSON-schema requests (seed {seed}, greedy, at most {output_len} tokens) decoding together; "
+    "medians over up to {steps} steps in which all B decode"
+)
+_DOCS = _WORKLOAD + (
+    ". Fill: `StructuredOutputManager.grammar_bitmask` for the B requests (xgrammar "
+    "`fill_next_token_bitmask` per row, plus counting the allowed tokens for the grammar.step event); "
+    "apply: `apply_token_bitmask_inplace` on [B, vocab] fp32 logits. Forward: the step's model + LM "
+    "head time, which includes the apply; step: the whole engine step, which includes the fill. "
+    "max_num_batched_tokens={max_num_batched_tokens}.{note}"
+)
 
-_HEADERS = ("batch", "steps", "fill ms", "fill us / request", "apply ms", "guidance ms", "forward ms", "step ms",
-            "guidance / forward")
+_HEADERS = (
+    "batch",
+    "steps",
+    "fill ms",
+    "fill us / request",
+    "apply ms",
+    "guidance ms",
+    "forward ms",
+    "step ms",
+    "guidance / forward",
+)
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
     rows = []
     for r in result["rows"]:
         guidance = r["fill_ms"] + r["apply_ms"]
-        rows.append([r["batch"], r["steps"], r["fill_ms"], r["fill_ms"] * 1e3 / r["batch"], r["apply_ms"], guidance,
-                     r["forward_ms"], r["step_ms"], f"{guidance / r['forward_ms']:.1%}"])
+        rows.append(
+            [
+                r["batch"],
+                r["steps"],
+                r["fill_ms"],
+                r["fill_ms"] * 1e3 / r["batch"],
+                r["apply_ms"],
+                guidance,
+                r["forward_ms"],
+                r["step_ms"],
+                f"{guidance / r['forward_ms']:.1%}",
+            ]
+        )
     return rows
 
 

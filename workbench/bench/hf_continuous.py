@@ -8,13 +8,14 @@ step (`max_batch_tokens`). Left alone, transformers sizes them from the free mem
 host is most of its RAM: tens of seconds to allocate and a dense attention mask over every cached token at each
 step. Here the cache holds the whole workload at once (as the engine's does) and the budget is the engine's
 `max_num_batched_tokens`. Everything else is transformers' default (page size, scheduler "fifo", sdpa attention)."""
+
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -45,25 +46,34 @@ class HFContinuousBaseline:
         from transformers.utils import logging
 
         if any(r.json_schema is not None for r in workload):
-            raise ValueError("cb baseline: JSON-schema requests need per-request logits processors, which "
-                             "transformers' continuous batching does not take; run it on another dataset")
+            raise ValueError(
+                "cb baseline: JSON-schema requests need per-request logits processors, which "
+                "transformers' continuous batching does not take; run it on another dataset"
+            )
         logging.set_verbosity_error()
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         gen = self.model.generation_config
         self.eos_token_id = gen.eos_token_id[0] if isinstance(gen.eos_token_id, list) else gen.eos_token_id
-        config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in workload),
-                                  eos_token_id=self.eos_token_id, pad_token_id=gen.pad_token_id)
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max(r.output_len for r in workload),
+            eos_token_id=self.eos_token_id,
+            pad_token_id=gen.pad_token_id,
+        )
         page = ContinuousBatchingConfig().page_size
         # room for every request of the workload at once, prompt and output, in whole pages (plus one spare each)
         num_blocks = sum(math.ceil((len(r.prompt_token_ids) + r.output_len) / page) + 1 for r in workload)
         cb_config = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
-        hints = WorkloadHints(max_prompt_length=max(len(r.prompt_token_ids) for r in workload),
-                              max_generated_length=config.max_new_tokens, num_requests=len(workload))
+        hints = WorkloadHints(
+            max_prompt_length=max(len(r.prompt_token_ids) for r in workload),
+            max_generated_length=config.max_new_tokens,
+            num_requests=len(workload),
+        )
         self.max_batch_tokens = max_batch_tokens
         self.num_blocks = num_blocks
-        self.manager = self.model.init_continuous_batching(generation_config=config,
-                                                           continuous_batching_config=cb_config,
-                                                           workload_hints=hints)
+        self.manager = self.model.init_continuous_batching(
+            generation_config=config, continuous_batching_config=cb_config, workload_hints=hints
+        )
         self.manager.start()
         self._count = 0
 
@@ -81,9 +91,13 @@ class HFContinuousBaseline:
     def _add(self, request: BenchRequest) -> str:
         self._count += 1
         # eos_token_id=-1: no token ends the request, as ignore_eos on the engine side
-        rid = self.manager.add_request(request.prompt_token_ids, request_id=f"wb-{self._count}",
-                                       max_new_tokens=request.output_len, record_timestamps=True,
-                                       eos_token_id=-1 if request.ignore_eos else self.eos_token_id)
+        rid = self.manager.add_request(
+            request.prompt_token_ids,
+            request_id=f"wb-{self._count}",
+            max_new_tokens=request.output_len,
+            record_timestamps=True,
+            eos_token_id=-1 if request.ignore_eos else self.eos_token_id,
+        )
         if rid is None:
             raise RuntimeError("cb baseline: transformers' continuous batching manager refused a request")
         return rid
@@ -94,14 +108,16 @@ class HFContinuousBaseline:
         ids = [self._add(r) for r in requests]
         outputs = self._collect(set(ids), lambda: None)
         elapsed = time.perf_counter() - t0
-        short = [i for i, (rid, r) in enumerate(zip(ids, requests))
-                 if r.ignore_eos and len(outputs[rid].generated_tokens) != r.output_len]
+        short = [
+            i
+            for i, (rid, r) in enumerate(zip(ids, requests))
+            if r.ignore_eos and len(outputs[rid].generated_tokens) != r.output_len
+        ]
         if short:
             raise RuntimeError(f"cb baseline: requests {short} did not generate their requested lengths")
         return elapsed
 
-    def serve(self, requests: Sequence[BenchRequest],
-              arrivals: Sequence[float]) -> tuple[list[TokenTimeline], float]:
+    def serve(self, requests: Sequence[BenchRequest], arrivals: Sequence[float]) -> tuple[list[TokenTimeline], float]:
         """Each request added at its arrival (s after the start), while earlier ones run; returns per request the
         times of its tokens from its arrival (the manager stamps each token as it is sampled), and the duration
         (start to last token, s)."""
@@ -124,8 +140,7 @@ class HFContinuousBaseline:
             i = ids[rid]
             stamps = out.timestamps or []
             last = max([last, *stamps])
-            timelines[i] = TokenTimeline(len(requests[i].prompt_token_ids),
-                                         [t - (start + arrivals[i]) for t in stamps])
+            timelines[i] = TokenTimeline(len(requests[i].prompt_token_ids), [t - (start + arrivals[i]) for t in stamps])
         return timelines, last - start
 
     def _collect(self, ids: set[str] | None, admit, total: int | None = None) -> dict:

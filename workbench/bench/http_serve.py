@@ -8,6 +8,7 @@ number of requests: an absurd `n`, a wrong type, an unknown field, a body that i
 them; meanwhile `/health` is polled. What is reported: each request's outcome (finished with [DONE], cut, refused
 with a status, lost), the malformed ones' statuses, /health's answers, and what the server still holds once idle
 (requests running and waiting, KV cache usage, from its /metrics). Lost must be 0, and so must what it holds."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,9 +18,10 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine import LLM
@@ -33,7 +35,7 @@ MALFORMED: tuple[tuple[str, dict[str, Any] | bytes], ...] = (
     ("not JSON", b'{"prompt": "Hello", "max_tokens": 4'),
     ("logprobs past max_logprobs", {"prompt": "Hello", "logprobs": 10_000}),
     ("a prompt nested three deep", {"prompt": [[[1, 2, 3]]]}),
-    ("a token id outside the vocabulary", {"prompt": [10 ** 12], "stream": True}),
+    ("a token id outside the vocabulary", {"prompt": [10**12], "stream": True}),
     ("1000 stop strings", {"prompt": "Hello", "stop": ["x"] * 1000}),
 )
 HEALTH_EVERY_S = 0.2
@@ -86,8 +88,14 @@ class Outcomes:
         return self.requests["lost"] + sum(n for status, n in self.malformed.items() if not status.startswith("4"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requests": dict(self.requests), "malformed": dict(self.malformed), "health_ok": self.health_ok,
-                "health_failed": self.health_failed, "left": self.left, "lost": self.lost}
+        return {
+            "requests": dict(self.requests),
+            "malformed": dict(self.malformed),
+            "health_ok": self.health_ok,
+            "health_failed": self.health_failed,
+            "left": self.left,
+            "lost": self.lost,
+        }
 
 
 @dataclass
@@ -104,11 +112,17 @@ class Streamed:
 
 
 def _root(base_url: str) -> str:
-    return base_url[:-len("/v1")] if base_url.rstrip("/").endswith("/v1") else base_url.rstrip("/")
+    return base_url[: -len("/v1")] if base_url.rstrip("/").endswith("/v1") else base_url.rstrip("/")
 
 
-async def _stream(client: Any, base_url: str, body: dict[str, Any], arrival: float, semaphore: asyncio.Semaphore,
-                  cut_after: int | None) -> Streamed:
+async def _stream(
+    client: Any,
+    base_url: str,
+    body: dict[str, Any],
+    arrival: float,
+    semaphore: asyncio.Semaphore,
+    cut_after: int | None,
+) -> Streamed:
     """One streamed completion at its arrival time, read as raw SSE; the client leaves after `cut_after` chunks."""
     await asyncio.sleep(max(0.0, arrival - time.monotonic()))
     seen = Streamed(len(body["prompt"]))
@@ -126,7 +140,7 @@ async def _stream(client: Any, base_url: str, body: dict[str, Any], arrival: flo
                     if line == "data: [DONE]":
                         seen.outcome = "done"
                         break
-                    chunk = json.loads(line[len("data: "):])
+                    chunk = json.loads(line[len("data: ") :])
                     if "error" in chunk:  # the request failed after the stream began: lost
                         break
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -149,8 +163,9 @@ async def _malformed(client: Any, base_url: str, body: dict[str, Any] | bytes, a
     await asyncio.sleep(max(0.0, arrival - time.monotonic()))
     try:
         if isinstance(body, bytes):
-            response = await client.post(f"{base_url}/completions", content=body,
-                                         headers={"content-type": "application/json"})
+            response = await client.post(
+                f"{base_url}/completions", content=body, headers={"content-type": "application/json"}
+            )
         else:
             response = await client.post(f"{base_url}/completions", json=body)
         return str(response.status_code)
@@ -168,7 +183,7 @@ async def _poll_health(client: Any, root: str, outcomes: Outcomes, stop: asyncio
         outcomes.health_failed += not ok
         try:
             await asyncio.wait_for(stop.wait(), HEALTH_EVERY_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -177,8 +192,11 @@ def server_load(root: str, headers: dict[str, str] | None = None) -> dict[str, f
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-             "vllm:kv_cache_usage_perc": "kv_cache_usage_perc"}
+    names = {
+        "vllm:num_requests_running": "running",
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+    }
     load = {v: 0.0 for v in names.values()}
     for family in text_string_to_metric_families(httpx.get(f"{root}/metrics", headers=headers, timeout=30).text):
         for sample in family.samples:
@@ -197,9 +215,14 @@ def wait_idle(root: str, timeout: float = 60.0, headers: dict[str, str] | None =
         time.sleep(0.1)
 
 
-def run_http_serve_once(base_url: str, model: str, requests: Sequence["BenchRequest"], arrivals: Sequence[float],
-                        max_concurrency: int | None = None, chaos: Chaos = Chaos()
-                        ) -> tuple[list[Streamed], float, Outcomes]:
+def run_http_serve_once(
+    base_url: str,
+    model: str,
+    requests: Sequence[BenchRequest],
+    arrivals: Sequence[float],
+    max_concurrency: int | None = None,
+    chaos: Chaos = Chaos(),
+) -> tuple[list[Streamed], float, Outcomes]:
     """Send `requests` at `arrivals` to an OpenAI-compatible server at `base_url` (ending in /v1), as `model`,
     streamed, with `chaos`'s bad client among them. Returns what the client saw of each request, in order, the
     duration (first send to last finish, s) and the outcomes (the server's load read once it is idle)."""
@@ -207,16 +230,25 @@ def run_http_serve_once(base_url: str, model: str, requests: Sequence["BenchRequ
 
     cuts = chaos.cuts(len(requests))
     rng = random.Random(chaos.seed + 1)
-    bad = [(rng.choice(MALFORMED)[1], rng.uniform(0, max(arrivals, default=0.0)))
-           for _ in range(chaos.num_malformed(len(requests)))]
+    bad = [
+        (rng.choice(MALFORMED)[1], rng.uniform(0, max(arrivals, default=0.0)))
+        for _ in range(chaos.num_malformed(len(requests)))
+    ]
     outcomes = Outcomes()
     key = os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
 
-    def body(r: "BenchRequest") -> dict[str, Any]:
+    def body(r: BenchRequest) -> dict[str, Any]:
         # vLLM's extras: exactly output_len tokens where the dataset says so; JSON-schema requests guided
-        b = {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len, "temperature": 0.0,
-             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": r.ignore_eos}
+        b = {
+            "model": model,
+            "prompt": r.prompt_token_ids,
+            "max_tokens": r.output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": r.ignore_eos,
+        }
         if r.json_schema is not None:
             b["structured_outputs"] = {"json": r.json_schema}
         return b
@@ -230,8 +262,12 @@ def run_http_serve_once(base_url: str, model: str, requests: Sequence["BenchRequ
             health = asyncio.ensure_future(_poll_health(client, _root(base_url), outcomes, stop))
             start = time.monotonic()
             try:
-                sent = asyncio.gather(*(_stream(client, base_url, body(r), start + a, semaphore, cuts.get(i))
-                                        for i, (r, a) in enumerate(zip(requests, arrivals))))
+                sent = asyncio.gather(
+                    *(
+                        _stream(client, base_url, body(r), start + a, semaphore, cuts.get(i))
+                        for i, (r, a) in enumerate(zip(requests, arrivals))
+                    )
+                )
                 broken = asyncio.gather(*(_malformed(client, base_url, b, start + a) for b, a in bad))
                 results, statuses = await asyncio.gather(sent, broken)
             finally:
@@ -249,7 +285,7 @@ def run_http_serve_once(base_url: str, model: str, requests: Sequence["BenchRequ
 
 
 @contextmanager
-def served_in_process(llm: "LLM", model_name: str) -> Iterator[str]:
+def served_in_process(llm: LLM, model_name: str) -> Iterator[str]:
     """`llm`'s engine behind the OpenAI-compatible server on a free loopback port, stepped by an AsyncLLM, while the
     block runs; yields the base URL (ending in /v1). The server and the loop stop after; the engine stays `llm`'s."""
     import socket

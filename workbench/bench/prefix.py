@@ -4,13 +4,15 @@ share a few long prefixes (system prompts, few-shot examples) and differ in thei
 Every request arrives at t=0, so TTFT includes queueing behind the others' prefills: that is where the skipped
 prefix work shows.
 """
+
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from engine import LLM
 from workbench.bench.args import add_common_args, add_positive_ints, run_with_flags
@@ -40,12 +42,16 @@ class PrefixRun:
     def summary(self) -> dict[str, float]:
         ms = [t * 1e3 for t in self.ttft_s]
         return {
-            "ttft_mean_ms": statistics.fmean(ms), "ttft_median_ms": statistics.median(ms),
-            "ttft_p90_ms": percentile(ms, 90), "elapsed_s": self.elapsed_s,
+            "ttft_mean_ms": statistics.fmean(ms),
+            "ttft_median_ms": statistics.median(ms),
+            "ttft_p90_ms": percentile(ms, 90),
+            "elapsed_s": self.elapsed_s,
             "output_tok_s": self.num_output_tokens / self.elapsed_s,
             "total_tok_s": (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s,
-            "hit_rate": self.hit_rate, "num_cached_tokens": self.num_cached_tokens,
-            "num_preemptions": self.num_preemptions, "peak_kv_blocks": self.peak_kv_blocks,
+            "hit_rate": self.hit_rate,
+            "num_cached_tokens": self.num_cached_tokens,
+            "num_preemptions": self.num_preemptions,
+            "peak_kv_blocks": self.peak_kv_blocks,
         }
 
 
@@ -82,18 +88,38 @@ def _median_summary(runs: list[PrefixRun]) -> dict[str, float]:
     return {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
 
 
-def run_prefix(model: str = "smollm2-135m", num_prefixes: int = 5, prefix_len: int = 512, suffix_len: int = 128,
-               num_requests: int = 64, output_len: int = 16, runs: int = 3, seed: int = 0,
-               max_num_batched_tokens: int = 2048, block_size: int = 16,
-               engine_kwargs: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_prefix(
+    model: str = "smollm2-135m",
+    num_prefixes: int = 5,
+    prefix_len: int = 512,
+    suffix_len: int = 128,
+    num_requests: int = 64,
+    output_len: int = 16,
+    runs: int = 3,
+    seed: int = 0,
+    max_num_batched_tokens: int = 2048,
+    block_size: int = 16,
+    engine_kwargs: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """The shared-prefix workload on two engines (prefix caching on, off), alternating, `runs` times each;
     per-metric medians. `engine_kwargs`: more EngineConfig fields. Returns settings and one summary per mode,
     plus on/off speedups."""
     engine_kwargs = dict(engine_kwargs or {})
-    engines = {mode: LLM(model=model, enable_prefix_caching=on, max_num_batched_tokens=max_num_batched_tokens,
-                         block_size=block_size, seed=seed, **engine_kwargs) for mode, on in MODES.items()}
-    requests = shared_prefix_requests(num_prefixes, prefix_len, suffix_len, num_requests, output_len,
-                                      token_id_range(engines["on"].tokenizer), seed)
+    engines = {
+        mode: LLM(
+            model=model,
+            enable_prefix_caching=on,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            seed=seed,
+            **engine_kwargs,
+        )
+        for mode, on in MODES.items()
+    }
+    requests = shared_prefix_requests(
+        num_prefixes, prefix_len, suffix_len, num_requests, output_len, token_id_range(engines["on"].tokenizer), seed
+    )
     warmup = [BenchRequest(r.prompt_token_ids[:16], 2) for r in requests[:2]]
     for llm in engines.values():
         run_prefix_once(llm, warmup)
@@ -105,10 +131,18 @@ def run_prefix(model: str = "smollm2-135m", num_prefixes: int = 5, prefix_len: i
     on, off = _median_summary(results["on"]), _median_summary(results["off"])
     return {
         "model": model,
-        "settings": {"num_prefixes": num_prefixes, "prefix_len": prefix_len, "suffix_len": suffix_len,
-                     "num_requests": num_requests, "output_len": output_len, "runs": runs, "seed": seed,
-                     "max_num_batched_tokens": max_num_batched_tokens, "block_size": block_size,
-                     "engine_kwargs": engine_kwargs},
+        "settings": {
+            "num_prefixes": num_prefixes,
+            "prefix_len": prefix_len,
+            "suffix_len": suffix_len,
+            "num_requests": num_requests,
+            "output_len": output_len,
+            "runs": runs,
+            "seed": seed,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "block_size": block_size,
+            "engine_kwargs": engine_kwargs,
+        },
         "on": on,
         "off": off,
         "ttft_mean_speedup": off["ttft_mean_ms"] / on["ttft_mean_ms"],
@@ -118,8 +152,9 @@ def run_prefix(model: str = "smollm2-135m", num_prefixes: int = 5, prefix_len: i
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser)
-    add_positive_ints(parser, num_prefixes=5, prefix_len=512, suffix_len=128, num_requests=64, output_len=16,
-                      block_size=16)
+    add_positive_ints(
+        parser, num_prefixes=5, prefix_len=512, suffix_len=128, num_requests=64, output_len=16, block_size=16
+    )
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,28 +162,54 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return run_with_flags(run_prefix, args)
 
 
-_HEADERS = ("prefix caching", "TTFT mean ms", "TTFT median ms", "TTFT p90 ms", "output tok/s", "total tok/s",
-            "hit rate", "preemptions", "peak KV blocks")
+_HEADERS = (
+    "prefix caching",
+    "TTFT mean ms",
+    "TTFT median ms",
+    "TTFT p90 ms",
+    "output tok/s",
+    "total tok/s",
+    "hit rate",
+    "preemptions",
+    "peak KV blocks",
+)
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
-    return [[mode, s["ttft_mean_ms"], s["ttft_median_ms"], s["ttft_p90_ms"], s["output_tok_s"], s["total_tok_s"],
-             f"{s['hit_rate']:.1%}", int(s["num_preemptions"]), int(s["peak_kv_blocks"])]
-            for mode, s in ((m, result[m]) for m in MODES)]
+    return [
+        [
+            mode,
+            s["ttft_mean_ms"],
+            s["ttft_median_ms"],
+            s["ttft_p90_ms"],
+            s["output_tok_s"],
+            s["total_tok_s"],
+            f"{s['hit_rate']:.1%}",
+            int(s["num_preemptions"]),
+            int(s["peak_kv_blocks"]),
+        ]
+        for mode, s in ((m, result[m]) for m in MODES)
+    ]
 
 
 def speedup_line(result: dict[str, Any]) -> str:
     on, off = result["on"], result["off"]
-    return (f"caching on vs off: mean TTFT {on['ttft_mean_ms']:.0f} vs {off['ttft_mean_ms']:.0f} ms "
-            f"({result['ttft_mean_speedup']:.2f}x faster), total throughput {result['throughput_speedup']:.2f}x")
+    return (
+        f"caching on vs off: mean TTFT {on['ttft_mean_ms']:.0f} vs {off['ttft_mean_ms']:.0f} ms "
+        f"({result['ttft_mean_speedup']:.2f}x faster), total throughput {result['throughput_speedup']:.2f}x"
+    )
 
 
-_WORKLOAD = ("{model}: {num_requests} requests = one of {num_prefixes} shared {prefix_len}-token prefixes + a "
-             "{suffix_len}-token random suffix, {output_len} output tokens each, all arriving at t=0; median of {runs} "
-             "alternating runs")
-_DOCS = _WORKLOAD + (". Greedy, EOS ignored; block_size={block_size}, max_num_batched_tokens="
-                     "{max_num_batched_tokens}, seed {seed}. TTFT = first token time - arrival time. Hit rate = "
-                     "prefix-cache hit tokens / queried prompt tokens.{note}")
+_WORKLOAD = (
+    "{model}: {num_requests} requests = one of {num_prefixes} shared {prefix_len}-token prefixes + a "
+    "{suffix_len}-token random suffix, {output_len} output tokens each, all arriving at t=0; median of {runs} "
+    "alternating runs"
+)
+_DOCS = _WORKLOAD + (
+    ". Greedy, EOS ignored; block_size={block_size}, max_num_batched_tokens="
+    "{max_num_batched_tokens}, seed {seed}. TTFT = first token time - arrival time. Hit rate = "
+    "prefix-cache hit tokens / queried prompt tokens.{note}"
+)
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:

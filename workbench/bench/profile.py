@@ -10,14 +10,16 @@ StepRecord without any profiler (a lower bound: building the payloads at the cal
 The runner's input preparation is also timed alone, without any profiler, on a captured SchedulerOutput of the
 decode workload and of one chunk of a chunked prefill.
 """
+
 from __future__ import annotations
 
 import argparse
 import cProfile
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import fields
-from typing import Any, Callable
+from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -28,8 +30,8 @@ from engine.events import EventLog
 from engine.llm_engine import LLMEngine
 from engine.model.llama import LlamaForCausalLM
 from engine.model.runner import ModelRunner
-from engine.sample.sampler import Sampler
 from engine.output_processor import IncrementalDetokenizer
+from engine.sample.sampler import Sampler
 from workbench.bench.args import add_common_args, add_positive_ints, non_negative_int, positive_int, run_with_flags
 from workbench.bench.datasets import random_requests, token_id_range
 from workbench.bench.report import Line, Part, Table, described, docs_only, formatters
@@ -58,8 +60,12 @@ _FUNCS = {
 }
 PREP_REPEATS = 50  # calls timed by input_prep_ms
 # Rows that are the model's own arithmetic; every other row is engine overhead around it.
-MODEL_ROWS = ("model: attention (KV write + paged attention)", "model: linear layers", "model: other (norms, RoPE, "
-              "embedding, activations)", "LM head (logits)")
+MODEL_ROWS = (
+    "model: attention (KV write + paged attention)",
+    "model: linear layers",
+    "model: other (norms, RoPE, embedding, activations)",
+    "LM head (logits)",
+)
 
 
 def _cumulative_ms(profiler: cProfile.Profile, steps: int) -> dict[str, float]:
@@ -75,8 +81,10 @@ def stage_split(ms: dict[str, float]) -> list[tuple[str, float]]:
     rows = [
         ("scheduler: schedule", ms["schedule"]),
         ("runner: input preparation", ms["prepare_inputs"]),
-        ("runner: sampling metadata, logits rows, results", ms["execute_model"] - ms["prepare_inputs"] - ms["model"]
-         - ms["compute_logits"] - ms["sampler"]),
+        (
+            "runner: sampling metadata, logits rows, results",
+            ms["execute_model"] - ms["prepare_inputs"] - ms["model"] - ms["compute_logits"] - ms["sampler"],
+        ),
         (MODEL_ROWS[0], attention),
         (MODEL_ROWS[1], linear),
         (MODEL_ROWS[2], ms["model"] - attention - linear),
@@ -143,8 +151,10 @@ def _two_chunk_prompt_len(eng: LLMEngine, budget: int) -> int:
     """Two `budget`-token chunks, or less where max_model_len or the KV cache asks; more than one chunk."""
     fits = min(eng.config.max_model_len, eng.kv_cache_manager.num_usable_blocks * eng.config.block_size) - 1
     if fits <= budget:
-        raise ValueError(f"max_num_batched_tokens: {budget} takes the longest prompt that fits ({fits} tokens: "
-                         "max_model_len, KV cache) in one step: no chunked prefill to measure")
+        raise ValueError(
+            f"max_num_batched_tokens: {budget} takes the longest prompt that fits ({fits} tokens: "
+            "max_model_len, KV cache) in one step: no chunked prefill to measure"
+        )
     return min(2 * budget, fits)
 
 
@@ -223,8 +233,9 @@ def _step_costs(plain: list[StepRecord], ms: dict[str, float]) -> dict[str, Any]
     }
 
 
-def _input_prep(llm: LLM, ids: list[str], chunked_prompt_len: int, seed: int,
-                log: Callable[[str], None]) -> dict[str, Any]:
+def _input_prep(
+    llm: LLM, ids: list[str], chunked_prompt_len: int, seed: int, log: Callable[[str], None]
+) -> dict[str, Any]:
     """Input preparation alone: at the running decodes `ids` (then aborted), and at a chunk of a chunked prefill."""
     eng = llm.engine
     decode_output = capture_scheduler_output(eng)
@@ -235,15 +246,28 @@ def _input_prep(llm: LLM, ids: list[str], chunked_prompt_len: int, seed: int,
         eng.abort(rid)
         eng.pop_output(rid)
     tokens, context, prefill_ms = _chunked_prefill_input_prep(llm, chunked_prompt_len, seed)
-    log(f"input preparation: {decode_ms:.3f} ms at {len(ids)} decodes, {prefill_ms:.3f} ms at a "
-        f"{tokens}-token chunk")
-    return {"decode_ms": decode_ms, "decode_requests": len(ids), "prefill_ms": prefill_ms, "prefill_tokens": tokens,
-            "prefill_context": context}
+    log(f"input preparation: {decode_ms:.3f} ms at {len(ids)} decodes, {prefill_ms:.3f} ms at a {tokens}-token chunk")
+    return {
+        "decode_ms": decode_ms,
+        "decode_requests": len(ids),
+        "prefill_ms": prefill_ms,
+        "prefill_tokens": tokens,
+        "prefill_context": context,
+    }
 
 
-def run_profile(model: str = "smollm2-135m", num_requests: int = 32, prompt_len: int = 256, steps: int = 5,
-                warmup: int = 2, top_ops: int = 10, seed: int = 0, max_num_batched_tokens: int = 2048,
-                engine_kwargs: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_profile(
+    model: str = "smollm2-135m",
+    num_requests: int = 32,
+    prompt_len: int = 256,
+    steps: int = 5,
+    warmup: int = 2,
+    top_ops: int = 10,
+    seed: int = 0,
+    max_num_batched_tokens: int = 2048,
+    engine_kwargs: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Profile `steps` decode steps of `num_requests` requests three ways (plain, cProfile, torch.profiler).
     `engine_kwargs`: more EngineConfig fields. Returns the plain step time, the stage split, the events' cost
     and the top ops."""
@@ -261,8 +285,15 @@ def run_profile(model: str = "smollm2-135m", num_requests: int = 32, prompt_len:
     input_prep = _input_prep(llm, ids, chunked_prompt_len, seed, log)
     return {
         "model": model,
-        "settings": {"num_requests": num_requests, "prompt_len": prompt_len, "steps": steps, "warmup": warmup,
-                     "seed": seed, "max_num_batched_tokens": max_num_batched_tokens, "engine_kwargs": engine_kwargs},
+        "settings": {
+            "num_requests": num_requests,
+            "prompt_len": prompt_len,
+            "steps": steps,
+            "warmup": warmup,
+            "seed": seed,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "engine_kwargs": engine_kwargs,
+        },
         **_step_costs(plain, ms),
         "torch_ops": ops,
         "inside_ops_ms": inside_ops_ms,
@@ -275,8 +306,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_positive_ints(parser, num_requests=32, prompt_len=256)
     parser.add_argument("--steps", type=positive_int, default=5, help="steps per method (plain, cProfile, torch)")
     parser.add_argument("--warmup", type=non_negative_int, default=2)
-    parser.add_argument("--top-ops", type=non_negative_int, default=10,
-                        help="aten ops to list (0: skip torch.profiler)")
+    parser.add_argument(
+        "--top-ops", type=non_negative_int, default=10, help="aten ops to list (0: skip torch.profiler)"
+    )
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -300,9 +332,11 @@ _OP_HEADERS = ("op (torch.profiler, self CPU)", "ms/step", "calls/step", "of pla
 
 def events_line(result: dict[str, Any]) -> str:
     replayed = result["events_ms_replayed"]
-    return (f"events + StepRecord: {result['events_per_step']:.0f} events/step; {result['events_ms_profiled']:.2f} ms "
-            f"= {result['events_share_profiled']:.1%} of the step under cProfile; replayed without a profiler "
-            f"{replayed:.2f} ms = {replayed / result['step_ms']:.1%} of a plain {result['step_ms']:.1f} ms step")
+    return (
+        f"events + StepRecord: {result['events_per_step']:.0f} events/step; {result['events_ms_profiled']:.2f} ms "
+        f"= {result['events_share_profiled']:.1%} of the step under cProfile; replayed without a profiler "
+        f"{replayed:.2f} ms = {replayed / result['step_ms']:.1%} of a plain {result['step_ms']:.1f} ms step"
+    )
 
 
 def largest_line(result: dict[str, Any]) -> str:
@@ -310,36 +344,51 @@ def largest_line(result: dict[str, Any]) -> str:
     total = result["profiled_step_ms"]
     overhead = sorted(((ms, name) for name, ms in result["stages"] if name not in MODEL_ROWS), reverse=True)
     (ms1, name1), (ms2, name2) = overhead[:2]
-    return (f"Largest non-model cost: {name1} ({ms1:.2f} ms, {ms1 / total:.1%}); next: {name2} ({ms2:.2f} ms, "
-            f"{ms2 / total:.1%})")
+    return (
+        f"Largest non-model cost: {name1} ({ms1:.2f} ms, {ms1 / total:.1%}); next: {name2} ({ms2:.2f} ms, "
+        f"{ms2 / total:.1%})"
+    )
 
 
 def eager_line(result: dict[str, Any]) -> str:
     """What runs between the ops: the most that compiling the forward (or capturing it as a graph) could remove."""
     outside = result["step_ms"] - result["inside_ops_ms"]
-    return (f"outside any torch op (Python, scheduling, dispatch between ops): {outside:.2f} ms = "
-            f"{outside / result['step_ms']:.1%} of a plain step (plain step minus the ops' self CPU time per step "
-            f"under torch.profiler)")
+    return (
+        f"outside any torch op (Python, scheduling, dispatch between ops): {outside:.2f} ms = "
+        f"{outside / result['step_ms']:.1%} of a plain step (plain step minus the ops' self CPU time per step "
+        f"under torch.profiler)"
+    )
 
 
 def input_prep_line(result: dict[str, Any]) -> str:
     prep = result["input_prep"]
-    return (f"input preparation alone (no profiler, median of {PREP_REPEATS} calls on a captured SchedulerOutput): "
-            f"{prep['decode_ms']:.3f} ms at {prep['decode_requests']} decoding requests "
-            f"({prep['decode_ms'] / result['step_ms']:.2%} of a plain step); {prep['prefill_ms']:.3f} ms for a "
-            f"{prep['prefill_tokens']}-token prefill chunk (context {prep['prefill_context']})")
+    return (
+        f"input preparation alone (no profiler, median of {PREP_REPEATS} calls on a captured SchedulerOutput): "
+        f"{prep['decode_ms']:.3f} ms at {prep['decode_requests']} decoding requests "
+        f"({prep['decode_ms'] / result['step_ms']:.2%} of a plain step); {prep['prefill_ms']:.3f} ms for a "
+        f"{prep['prefill_tokens']}-token prefill chunk (context {prep['prefill_context']})"
+    )
 
 
-_WORKLOAD = ("{model}: {num_requests} requests mid-decode ({prompt_len}-token prompts), {steps} steps per method "
-             "after {warmup} warm-up steps")
-_DOCS = _WORKLOAD + (".{note} Plain step (no profiler): {step_ms:.1f} ms. Split by cProfile cumulative times (each row "
-                     "exclusive; the profiler adds its own overhead to Python-heavy rows):")
+_WORKLOAD = (
+    "{model}: {num_requests} requests mid-decode ({prompt_len}-token prompts), {steps} steps per method "
+    "after {warmup} warm-up steps"
+)
+_DOCS = _WORKLOAD + (
+    ".{note} Plain step (no profiler): {step_ms:.1f} ms. Split by cProfile cumulative times (each row "
+    "exclusive; the profiler adds its own overhead to Python-heavy rows):"
+)
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
     largest, prep, events = largest_line(result), input_prep_line(result), events_line(result)
-    parts = [described(result, _WORKLOAD, _DOCS), Table(_STAGE_HEADERS, _stage_rows(result)),
-             Line(largest, f"**{largest}.**"), Line(prep, prep + "."), Line(events, events + ".")]
+    parts = [
+        described(result, _WORKLOAD, _DOCS),
+        Table(_STAGE_HEADERS, _stage_rows(result)),
+        Line(largest, f"**{largest}.**"),
+        Line(prep, prep + "."),
+        Line(events, events + "."),
+    ]
     if result["torch_ops"]:
         eager = eager_line(result)
         parts += [Line(eager, eager + "."), docs_only("Heaviest aten ops:"), Table(_OP_HEADERS, _op_rows(result))]

@@ -1,6 +1,7 @@
 """Benchmark reporting: the machine description, plain-text and Markdown tables, the reports a benchmark states
 once as parts (lines and tables) and gets both in the terminal and as its docs section, and docs sections that each
 benchmark rewrites on its own (delimited by HTML comment markers)."""
+
 from __future__ import annotations
 
 import datetime
@@ -9,9 +10,10 @@ import json
 import os
 import platform
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 DEFAULT_DOCS_PATH = Path("docs") / "BENCHMARKS.md"
 DEFAULT_RESULTS_DIR = Path("docs") / "bench"  # one committed JSON per benchmark: the numbers behind its section
@@ -153,10 +155,12 @@ def described(result: dict[str, Any], text: str, docs: str, **values: Any) -> Li
     return Line(describe(text, result, **values), describe(docs, result, **values))
 
 
-def formatters(title: str, parts: Callable[[dict[str, Any]], list[Part]]) -> tuple[
-        Callable[[dict[str, Any]], str], Callable[[dict[str, Any], str], str]]:
+def formatters(
+    title: str, parts: Callable[[dict[str, Any]], list[Part]]
+) -> tuple[Callable[[dict[str, Any]], str], Callable[[dict[str, Any], str], str]]:
     """A benchmark's `format_text(result)` (what it prints) and `format_markdown(result, command)` (its docs
     section, under `## title`), both from the one list of parts it states for a result."""
+
     def format_text(result: dict[str, Any]) -> str:
         return text_report(parts(result))
 
@@ -167,7 +171,7 @@ def formatters(title: str, parts: Callable[[dict[str, Any]], list[Part]]) -> tup
 
 
 def engine_settings_note(engine_kwargs: dict[str, object]) -> str:
-    """" Other engine settings: k=v, ..." for the EngineConfig fields a benchmark was given beyond its own."""
+    """ " Other engine settings: k=v, ..." for the EngineConfig fields a benchmark was given beyond its own."""
     if not engine_kwargs:
         return ""
     return " Other engine settings: " + ", ".join(f"{k}={v}" for k, v in engine_kwargs.items()) + "."

@@ -6,6 +6,7 @@ Over this machine's measured memory bandwidth and matmul throughput, that gives 
 max(bytes / bandwidth, FLOPs / throughput). Batch 1 is memory-bound (weights dominate); as the batch grows the
 same weights serve more tokens, until compute binds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,9 @@ import os
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,14 +53,17 @@ def linear_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "in_features") and getattr(m, "weight", None) is not None]
 
 
-def model_cost(model: nn.Module, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
-               kv_element_size: int = 4) -> ModelCost:
+def model_cost(
+    model: nn.Module, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_element_size: int = 4
+) -> ModelCost:
     """The decode cost of `model` (an engine LlamaForCausalLM: parameters shared by tying are counted once, each in
     the dtype it is stored in, int8 weights with their per-row scales)."""
     params = {p.data_ptr(): p for p in model.parameters()}  # tied parameters once
     linears = linear_layers(model)
-    tensors = {**params, **{m.weight_scale.data_ptr(): m.weight_scale for m in linears
-                            if getattr(m, "weight_scale", None) is not None}}
+    tensors = {
+        **params,
+        **{m.weight_scale.data_ptr(): m.weight_scale for m in linears if getattr(m, "weight_scale", None) is not None},
+    }
     embed = model.get_submodule("model.embed_tokens").weight
     tied = any(m.weight.data_ptr() == embed.data_ptr() for m in linears)
     stored = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -97,11 +102,12 @@ def measure_matmul(n: int = 2048, runs: int = 5) -> dict[str, float]:
     """fp32 matmul throughput (FLOP/s) of an n x n by n x n product, median of `runs`: torch's default (MKL) and
     oneDNN with the weight as is (where torch has it); the better one is the machine's compute peak."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    rates = {"mkl": 2 * n ** 3 / _median_s(lambda: a @ b, runs)}
+    rates = {"mkl": 2 * n**3 / _median_s(lambda: a @ b, runs)}
     if torch.backends.mkldnn.is_available():
         w = b.t().contiguous()
-        rates["onednn"] = 2 * n ** 3 / _median_s(
-            lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), runs)
+        rates["onednn"] = (
+            2 * n**3 / _median_s(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), runs)
+        )
     return rates
 
 
@@ -115,8 +121,9 @@ def time_linears(model: nn.Module, batch: int, runs: int = 5) -> float:
     return _median_s(lambda: [m(inputs[m.in_features]) for m in layers], runs)
 
 
-def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int = 2,
-                   seed: int = 0) -> dict[str, float]:
+def decode_step_ms(
+    llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int = 2, seed: int = 0
+) -> dict[str, float]:
     """Steady decode of `batch` requests with `prompt_len`-token prompts: after their prefills and `warmup`
     decode steps, the median forward and total ms of `steps` steps in which all of them decode."""
     eng = llm.engine
@@ -138,57 +145,108 @@ def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: in
         eng.abort(rid)
         eng.pop_output(rid)
     if len(forward) < steps:
-        raise RuntimeError(f"roofline: only {len(forward)} of {steps} steps decoded all {batch} requests "
-                           "(max_num_seqs or the KV cache too small for the batch?)")
-    return {"forward_ms": statistics.median(forward), "total_ms": statistics.median(total),
-            "context": prompt_len + 1 + warmup + steps // 2}
+        raise RuntimeError(
+            f"roofline: only {len(forward)} of {steps} steps decoded all {batch} requests "
+            "(max_num_seqs or the KV cache too small for the batch?)"
+        )
+    return {
+        "forward_ms": statistics.median(forward),
+        "total_ms": statistics.median(total),
+        "context": prompt_len + 1 + warmup + steps // 2,
+    }
 
 
 # how a decode step's weights are stored on a CPU (the arithmetic is float32 in each): the engine's settings
 WEIGHT_FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
 
 
-def run_roofline(model: str = "smollm2-135m", batch_sizes: Sequence[int] = (1, 8, 64), prompt_len: int = 128,
-                 weight_formats: Sequence[str] = tuple(WEIGHT_FORMATS),
-                 steps: int = 10, runs: int = 5, bandwidth_bytes: int = 1 << 30, matmul_n: int = 2048, seed: int = 0,
-                 max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
-                 log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_roofline(
+    model: str = "smollm2-135m",
+    batch_sizes: Sequence[int] = (1, 8, 64),
+    prompt_len: int = 128,
+    weight_formats: Sequence[str] = tuple(WEIGHT_FORMATS),
+    steps: int = 10,
+    runs: int = 5,
+    bandwidth_bytes: int = 1 << 30,
+    matmul_n: int = 2048,
+    seed: int = 0,
+    max_num_batched_tokens: int = 2048,
+    engine_kwargs: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Measure the machine (bandwidth, matmul peak), compute the model's per-step cost, and time the engine's
     decode step at each batch size; returns the floors and where the engine stands."""
     engine_kwargs = dict(engine_kwargs or {})
     bandwidth = measure_bandwidth(bandwidth_bytes, runs)
     rates = measure_matmul(matmul_n, runs)
     peak = max(rates.values())
-    log(f"bandwidth {bandwidth['read'] / 1e9:.1f} GB/s read ({bandwidth['threads']} threads), matmul "
-        + ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in rates.items()) + " GFLOP/s")
+    log(
+        f"bandwidth {bandwidth['read'] / 1e9:.1f} GB/s read ({bandwidth['threads']} threads), matmul "
+        + ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in rates.items())
+        + " GFLOP/s"
+    )
     rows, costs = [], {}
     for weights in weight_formats:
-        llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
-                  **{**engine_kwargs, **WEIGHT_FORMATS[weights]})
+        llm = LLM(
+            model=model,
+            max_num_batched_tokens=max_num_batched_tokens,
+            seed=seed,
+            **{**engine_kwargs, **WEIGHT_FORMATS[weights]},
+        )
         model_ = llm.engine.runner.model
         shape = model_.shape
-        costs[weights] = cost = model_cost(model_, shape.num_layers, shape.num_heads, shape.num_kv_heads,
-                                           shape.head_dim, llm.engine.config.torch_dtype.itemsize)
+        costs[weights] = cost = model_cost(
+            model_,
+            shape.num_layers,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            llm.engine.config.torch_dtype.itemsize,
+        )
         decode_step_ms(llm, 1, prompt_len, 1, warmup=0, seed=seed)  # first steps pay for allocation: untimed
         for batch in batch_sizes:
             measured = decode_step_ms(llm, batch, prompt_len, steps, seed=seed)
             nbytes, flops = cost.step(batch, measured["context"])
             memory_ms, compute_ms = nbytes / bandwidth["read"] * 1e3, flops / peak * 1e3
-            rows.append({"weights": weights, "batch": batch, **measured, "bytes": nbytes, "flops": flops,
-                         "memory_floor_ms": memory_ms, "compute_floor_ms": compute_ms,
-                         "floor_ms": max(memory_ms, compute_ms), "linears_ms": time_linears(model_, batch, runs) * 1e3})
-            log(f"{weights} batch {batch}: forward {measured['forward_ms']:.1f} ms, floor {rows[-1]['floor_ms']:.1f} ms")
+            rows.append(
+                {
+                    "weights": weights,
+                    "batch": batch,
+                    **measured,
+                    "bytes": nbytes,
+                    "flops": flops,
+                    "memory_floor_ms": memory_ms,
+                    "compute_floor_ms": compute_ms,
+                    "floor_ms": max(memory_ms, compute_ms),
+                    "linears_ms": time_linears(model_, batch, runs) * 1e3,
+                }
+            )
+            log(
+                f"{weights} batch {batch}: forward {measured['forward_ms']:.1f} ms, floor {rows[-1]['floor_ms']:.1f} ms"
+            )
         del llm, model_
     first = costs[weight_formats[0]]
     return {
         "model": model,
-        "settings": {"batch_sizes": list(batch_sizes), "prompt_len": prompt_len, "steps": steps, "runs": runs,
-                     "bandwidth_bytes": bandwidth_bytes, "matmul_n": matmul_n, "seed": seed,
-                     "max_num_batched_tokens": max_num_batched_tokens, "engine_kwargs": engine_kwargs,
-                     "weight_formats": list(weight_formats)},
-        "num_params": first.num_params, "weight_bytes": {w: c.weight_bytes for w, c in costs.items()},
+        "settings": {
+            "batch_sizes": list(batch_sizes),
+            "prompt_len": prompt_len,
+            "steps": steps,
+            "runs": runs,
+            "bandwidth_bytes": bandwidth_bytes,
+            "matmul_n": matmul_n,
+            "seed": seed,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "engine_kwargs": engine_kwargs,
+            "weight_formats": list(weight_formats),
+        },
+        "num_params": first.num_params,
+        "weight_bytes": {w: c.weight_bytes for w, c in costs.items()},
         "flops_per_token": first.linear_flops_per_token,
-        "bandwidth": bandwidth, "matmul_flops": peak, "matmul_rates": rates, "load_average": os.getloadavg(),
+        "bandwidth": bandwidth,
+        "matmul_flops": peak,
+        "matmul_rates": rates,
+        "load_average": os.getloadavg(),
         "rows": rows,
     }
 
@@ -196,8 +254,13 @@ def run_roofline(model: str = "smollm2-135m", batch_sizes: Sequence[int] = (1, 8
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser)
     parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--weight-formats", nargs="+", choices=tuple(WEIGHT_FORMATS), default=list(WEIGHT_FORMATS),
-                        help="how the weights are stored, each a set of rows (default: all)")
+    parser.add_argument(
+        "--weight-formats",
+        nargs="+",
+        choices=tuple(WEIGHT_FORMATS),
+        default=list(WEIGHT_FORMATS),
+        help="how the weights are stored, each a set of rows (default: all)",
+    )
     add_positive_ints(parser, prompt_len=128)
     parser.add_argument("--steps", type=positive_int, default=10, help="decode steps timed per batch size")
     parser.add_argument("--bandwidth-mib", type=positive_int, default=1024, help="array size for the bandwidth test")
@@ -209,40 +272,75 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return run_with_flags(run_roofline, args, bandwidth_bytes=args.bandwidth_mib << 20)
 
 
-_HEADERS = ("weights", "batch", "context", "MB read", "GFLOP", "memory floor ms", "compute floor ms", "floor ms",
-            "linears alone ms", "forward ms", "step ms", "forward / floor")
+_HEADERS = (
+    "weights",
+    "batch",
+    "context",
+    "MB read",
+    "GFLOP",
+    "memory floor ms",
+    "compute floor ms",
+    "floor ms",
+    "linears alone ms",
+    "forward ms",
+    "step ms",
+    "forward / floor",
+)
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
-    return [[r.get("weights", "float32"), r["batch"], r["context"], r["bytes"] / 1e6, r["flops"] / 1e9, r["memory_floor_ms"], r["compute_floor_ms"],
-             r["floor_ms"], r["linears_ms"], r["forward_ms"], r["total_ms"], f"{r['forward_ms'] / r['floor_ms']:.2f}x"]
-            for r in result["rows"]]
+    return [
+        [
+            r.get("weights", "float32"),
+            r["batch"],
+            r["context"],
+            r["bytes"] / 1e6,
+            r["flops"] / 1e9,
+            r["memory_floor_ms"],
+            r["compute_floor_ms"],
+            r["floor_ms"],
+            r["linears_ms"],
+            r["forward_ms"],
+            r["total_ms"],
+            f"{r['forward_ms'] / r['floor_ms']:.2f}x",
+        ]
+        for r in result["rows"]
+    ]
 
 
-_MACHINE = ("{model}: {params_m:.1f} M parameters, weights read per decode step {weight_mb}, {mflop:.0f} MFLOP "
-            "per token in linear layers (the arithmetic is float32 whatever the weights are stored in). Machine: {read_gbs:.1f} GB/s read ({copy_gbs:.1f} "
-            "GB/s copy) with {threads} threads, fp32 matmul {gflops:.0f} GFLOP/s ({matmul_n}^3, {rates}); load "
-            "average {load}")
-_DOCS = _MACHINE + (". Bandwidth: median of {runs} sums over (and copies of) a {array_mib} MiB array. A step of B "
-                    "sequences reads every weight once plus their K/V (MB read) and computes 2 FLOPs per linear weight "
-                    "per token plus attention (GFLOP); floor = max(bytes / read bandwidth, FLOPs / matmul peak). "
-                    "Linears alone: the model's own linear layers run one after another at B rows (weights read from "
-                    "memory, as in a step), without the model around them. Engine: "
-                    "B requests of {prompt_len}-token prompts in steady decode, median of {steps} steps (forward = "
-                    "model + LM head; step = the whole engine step).{note}")
+_MACHINE = (
+    "{model}: {params_m:.1f} M parameters, weights read per decode step {weight_mb}, {mflop:.0f} MFLOP "
+    "per token in linear layers (the arithmetic is float32 whatever the weights are stored in). "
+    "Machine: {read_gbs:.1f} GB/s read ({copy_gbs:.1f} "
+    "GB/s copy) with {threads} threads, fp32 matmul {gflops:.0f} GFLOP/s ({matmul_n}^3, {rates}); load "
+    "average {load}"
+)
+_DOCS = _MACHINE + (
+    ". Bandwidth: median of {runs} sums over (and copies of) a {array_mib} MiB array. A step of B "
+    "sequences reads every weight once plus their K/V (MB read) and computes 2 FLOPs per linear weight "
+    "per token plus attention (GFLOP); floor = max(bytes / read bandwidth, FLOPs / matmul peak). "
+    "Linears alone: the model's own linear layers run one after another at B rows (weights read from "
+    "memory, as in a step), without the model around them. Engine: "
+    "B requests of {prompt_len}-token prompts in steady decode, median of {steps} steps (forward = "
+    "model + LM head; step = the whole engine step).{note}"
+)
 
 
 def _machine_values(result: dict[str, Any]) -> dict[str, float]:
     """The model's and the machine's numbers in the units the text gives them."""
     stored = result["weight_bytes"] if isinstance(result["weight_bytes"], dict) else {"float32": result["weight_bytes"]}
-    return {"params_m": result["num_params"] / 1e6,
-            "weight_mb": ", ".join(f"{w} {n / 1e6:.0f} MB" for w, n in stored.items()),
-            "mflop": result["flops_per_token"] / 1e6, "read_gbs": result["bandwidth"]["read"] / 1e9,
-            "copy_gbs": result["bandwidth"]["copy"] / 1e9, "gflops": result["matmul_flops"] / 1e9,
-            "array_mib": result["settings"]["bandwidth_bytes"] >> 20,
-            "threads": result["bandwidth"].get("threads", "?"),
-            "rates": ", ".join(f"{k} {v / 1e9:.0f}" for k, v in result.get("matmul_rates", {}).items()),
-            "load": " ".join(f"{x:.1f}" for x in result.get("load_average", ()))}
+    return {
+        "params_m": result["num_params"] / 1e6,
+        "weight_mb": ", ".join(f"{w} {n / 1e6:.0f} MB" for w, n in stored.items()),
+        "mflop": result["flops_per_token"] / 1e6,
+        "read_gbs": result["bandwidth"]["read"] / 1e9,
+        "copy_gbs": result["bandwidth"]["copy"] / 1e9,
+        "gflops": result["matmul_flops"] / 1e9,
+        "array_mib": result["settings"]["bandwidth_bytes"] >> 20,
+        "threads": result["bandwidth"].get("threads", "?"),
+        "rates": ", ".join(f"{k} {v / 1e9:.0f}" for k, v in result.get("matmul_rates", {}).items()),
+        "load": " ".join(f"{x:.1f}" for x in result.get("load_average", ())),
+    }
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:

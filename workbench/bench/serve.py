@@ -20,6 +20,7 @@ by transformers as it is sampled, so TTFT, ITL and latencies are defined the sam
 to this engine served in-process): requests cut mid-stream, malformed ones among them; the table then says what was
 refused and what was lost.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,18 +30,25 @@ import os
 import statistics
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine import LLM, RequestOutput, SamplingParams, StepRecord, StructuredOutputsParams
 from engine.model import resolve_model
-from workbench.bench.args import (add_common_args, add_executor_args, executor_text, positive_float, positive_int,
-                                  run_with_flags)
+from workbench.bench.args import (
+    add_common_args,
+    add_executor_args,
+    executor_text,
+    positive_float,
+    positive_int,
+    run_with_flags,
+)
 from workbench.bench.datasets import DATASET_DEFAULTS, DATASETS, BenchRequest, sample_dataset
 from workbench.bench.report import Line, Part, Table, bold, described, formatters, machine_info, percentile
 from workbench.bench.throughput import HFBaseline, cold_start, load_line
@@ -117,8 +125,9 @@ class TokenTimes:
 def request_params(request: BenchRequest, temperature: float = 0.0) -> SamplingParams:
     """A benchmark request's sampling: `output_len` tokens (exactly, or at most), guided by its schema if any."""
     guided = StructuredOutputsParams(json=request.json_schema) if request.json_schema is not None else None
-    return SamplingParams(temperature=temperature, max_tokens=request.output_len, ignore_eos=request.ignore_eos,
-                          structured_outputs=guided)
+    return SamplingParams(
+        temperature=temperature, max_tokens=request.output_len, ignore_eos=request.ignore_eos, structured_outputs=guided
+    )
 
 
 @dataclass
@@ -135,9 +144,14 @@ class _Admission:
         return self.max_concurrency is not None and self.in_flight >= self.max_concurrency
 
 
-def run_serve_once(llm: LLM, requests: Sequence[BenchRequest], arrivals: Sequence[float],
-                   max_concurrency: int | None = None, progress: bool = True,
-                   temperature: float = 0.0) -> tuple[list[RequestResult], float]:
+def run_serve_once(
+    llm: LLM,
+    requests: Sequence[BenchRequest],
+    arrivals: Sequence[float],
+    max_concurrency: int | None = None,
+    progress: bool = True,
+    temperature: float = 0.0,
+) -> tuple[list[RequestResult], float]:
     """Serve `requests` arriving at `arrivals` (s after the start): before each step, add every request whose time
     has come (with that time as its arrival, or the moment a slot freed if `max_concurrency` held it back), then
     step. Returns one result per request, in order, and the duration (start to last finish, s)."""
@@ -177,12 +191,15 @@ def run_serve_once(llm: LLM, requests: Sequence[BenchRequest], arrivals: Sequenc
     return [_engine_result(eng.pop_output(ids[i]), recorder.times[ids[i]]) for i in range(len(requests))], duration
 
 
-def http_results(streamed: Sequence["Streamed"]) -> list[RequestResult]:
+def http_results(streamed: Sequence[Streamed]) -> list[RequestResult]:
     """Requests over HTTP (http_serve.run_http_serve_once) as the benchmark counts them: only one that ended with
     [DONE] succeeded; times at the client, from when it was sent."""
-    return [RequestResult(s.prompt_len, s.output_len, s.times[0], s.times[-1], np.diff(s.times).tolist())
-            if s.outcome == "done" and s.times else RequestResult(s.prompt_len, 0, 0.0, 0.0, [], success=False)
-            for s in streamed]
+    return [
+        RequestResult(s.prompt_len, s.output_len, s.times[0], s.times[-1], np.diff(s.times).tolist())
+        if s.outcome == "done" and s.times
+        else RequestResult(s.prompt_len, 0, 0.0, 0.0, [], success=False)
+        for s in streamed
+    ]
 
 
 def _engine_result(out: RequestOutput, token_times: list[float]) -> RequestResult:
@@ -190,8 +207,13 @@ def _engine_result(out: RequestOutput, token_times: list[float]) -> RequestResul
     ok = out.finish_reason in ("length", "stop") and m.first_token_time is not None
     if not ok:
         return RequestResult(len(out.prompt_token_ids), len(out.token_ids), 0.0, 0.0, [], success=False)
-    return RequestResult(len(out.prompt_token_ids), len(out.token_ids), m.first_token_time - m.arrival_time,
-                         m.last_token_time - m.arrival_time, np.diff(token_times).tolist())
+    return RequestResult(
+        len(out.prompt_token_ids),
+        len(out.token_ids),
+        m.first_token_time - m.arrival_time,
+        m.last_token_time - m.arrival_time,
+        np.diff(token_times).tolist(),
+    )
 
 
 class _StepTimes:
@@ -238,8 +260,13 @@ class HFGrammars:
         return xgr.contrib.hf.LogitsProcessor(grammars)
 
 
-def run_hf_serve_once(hf: HFBaseline, requests: Sequence[BenchRequest], arrivals: Sequence[float],
-                      eos_token_id: int | None, grammars: HFGrammars | None = None) -> tuple[list[RequestResult], float]:
+def run_hf_serve_once(
+    hf: HFBaseline,
+    requests: Sequence[BenchRequest],
+    arrivals: Sequence[float],
+    eos_token_id: int | None,
+    grammars: HFGrammars | None = None,
+) -> tuple[list[RequestResult], float]:
     """The same schedule through transformers `generate` in static batches of `hf.batch_size`, arrival order.
     A fixed-length request counts its first `output_len` tokens; one that may stop counts up to its first EOS.
     JSON-schema requests need `grammars`; a workload is all guided or all free (a batch shares one processor)."""
@@ -252,14 +279,15 @@ def run_hf_serve_once(hf: HFBaseline, requests: Sequence[BenchRequest], arrivals
     results: dict[int, RequestResult] = {}
     start = time.monotonic()
     for k in range(0, len(order), hf.batch_size):
-        batch = order[k:k + hf.batch_size]
+        batch = order[k : k + hf.batch_size]
         time.sleep(max(0.0, start + arrivals[batch[-1]] - time.monotonic()))
         steps = _hf_generate(hf, [requests[i] for i in batch], grammars)
         for row, i in enumerate(batch):
             n = _hf_output_len(requests[i], [s[row] for s in steps.tokens], eos_token_id)
             times = [t - (start + arrivals[i]) for t in steps.times[:n]]
-            results[i] = RequestResult(len(requests[i].prompt_token_ids), n, times[0], times[-1],
-                                       np.diff(times).tolist())
+            results[i] = RequestResult(
+                len(requests[i].prompt_token_ids), n, times[0], times[-1], np.diff(times).tolist()
+            )
     return [results[i] for i in range(len(requests))], time.monotonic() - start
 
 
@@ -273,8 +301,16 @@ def _hf_generate(hf: HFBaseline, batch: Sequence[BenchRequest], grammars: HFGram
     fixed = all(r.ignore_eos for r in batch)
     streamer = _StepTimes()
     processors = [grammars.logits_processor(batch)] if batch[0].json_schema is not None else None
-    hf.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n if fixed else 0,
-                      do_sample=False, pad_token_id=hf.pad_token_id, streamer=streamer, logits_processor=processors)
+    hf.model.generate(
+        input_ids=input_ids,
+        attention_mask=mask,
+        max_new_tokens=n,
+        min_new_tokens=n if fixed else 0,
+        do_sample=False,
+        pad_token_id=hf.pad_token_id,
+        streamer=streamer,
+        logits_processor=processors,
+    )
     return streamer
 
 
@@ -287,8 +323,11 @@ def _hf_output_len(request: BenchRequest, tokens: list[int], eos_token_id: int |
 
 def _stats(name: str, seconds: Sequence[float]) -> dict[str, float]:
     ms = [s * 1e3 for s in seconds] or [0.0]  # vLLM reports 0 for a metric with no samples
-    stats = {f"mean_{name}_ms": statistics.fmean(ms), f"median_{name}_ms": statistics.median(ms),
-             f"std_{name}_ms": statistics.pstdev(ms)}
+    stats = {
+        f"mean_{name}_ms": statistics.fmean(ms),
+        f"median_{name}_ms": statistics.median(ms),
+        f"std_{name}_ms": statistics.pstdev(ms),
+    }
     stats.update({f"p{p}_{name}_ms": percentile(ms, p) for p in PERCENTILES})
     return stats
 
@@ -299,16 +338,21 @@ def is_good(result: RequestResult, slos: dict[str, float]) -> bool:
     return result.success and all(values[k] * 1e3 <= ms for k, ms in slos.items())
 
 
-def compute_metrics(results: Sequence[RequestResult], duration: float,
-                    slos: dict[str, float] | None = None) -> dict[str, Any]:
+def compute_metrics(
+    results: Sequence[RequestResult], duration: float, slos: dict[str, float] | None = None
+) -> dict[str, Any]:
     """vLLM's serving metrics over the successful requests: counts, throughputs (per second of `duration`),
     goodput (requests meeting every SLO, per second) when SLOs are given, and the latency statistics."""
     ok = [r for r in results if r.success]
     num_in, num_out = sum(r.prompt_len for r in ok), sum(r.output_len for r in ok)
     metrics: dict[str, Any] = {
-        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": num_in, "total_output_tokens": num_out,
-        "request_throughput": len(ok) / duration, "output_throughput": num_out / duration,
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": num_in,
+        "total_output_tokens": num_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": num_out / duration,
         "total_token_throughput": (num_in + num_out) / duration,
     }
     if slos:
@@ -322,19 +366,38 @@ def compute_metrics(results: Sequence[RequestResult], duration: float,
 
 def per_request(results: Sequence[RequestResult]) -> dict[str, list]:
     """The per-request lists vLLM's result file carries."""
-    return {"input_lens": [r.prompt_len for r in results], "output_lens": [r.output_len for r in results],
-            "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
-            "errors": ["" if r.success else "failed" for r in results]}
+    return {
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_len for r in results],
+        "ttfts": [r.ttft for r in results],
+        "itls": [r.itl for r in results],
+        "errors": ["" if r.success else "failed" for r in results],
+    }
 
 
-def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests: int = 64,
-              dataset_args: dict[str, Any] | None = None, request_rate: float = math.inf, burstiness: float = 1.0,
-              max_concurrency: int | None = None, goodput: dict[str, float] | None = None, baseline: bool = False,
-              hf_batch_size: int = 8, result_file: str | None = None, seed: int = 0,
-              max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
-              log: Callable[[str], None] = print, progress: bool = True, base_url: str | None = None,
-              served_model_name: str | None = None, cb_baseline: bool = False, chaos_disconnect: float = 0.0,
-              chaos_malformed: float = 0.0) -> dict[str, Any]:
+def run_serve(
+    model: str = "smollm2-135m",
+    dataset: str = "random",
+    num_requests: int = 64,
+    dataset_args: dict[str, Any] | None = None,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    goodput: dict[str, float] | None = None,
+    baseline: bool = False,
+    hf_batch_size: int = 8,
+    result_file: str | None = None,
+    seed: int = 0,
+    max_num_batched_tokens: int = 2048,
+    engine_kwargs: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+    base_url: str | None = None,
+    served_model_name: str | None = None,
+    cb_baseline: bool = False,
+    chaos_disconnect: float = 0.0,
+    chaos_malformed: float = 0.0,
+) -> dict[str, Any]:
     """Serve one seeded workload on the engine (and on transformers `generate` if `baseline`, on transformers'
     continuous batching if `cb_baseline`); returns the settings and vLLM-style metrics per side (plus the engine's
     ratios to each); writes them as JSON to `result_file`.
@@ -373,13 +436,24 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
         results, duration = run_serve_once(llm, requests, arrivals, max_concurrency, progress)
         log(f"engine: {duration:.2f} s")
     result = {
-        "model": model, "date": machine_info()["date"],
-        "settings": {"dataset": dataset, "num_requests": num_requests, "dataset_args": dataset_args,
-                     "request_rate": request_rate, "burstiness": burstiness, "max_concurrency": max_concurrency,
-                     "goodput": goodput or {}, "seed": seed, "max_num_batched_tokens": max_num_batched_tokens,
-                     "hf_batch_size": hf_batch_size if baseline else None, "engine_kwargs": engine_kwargs,
-                     "base_url": base_url, "chaos_disconnect": chaos_disconnect,
-                     "chaos_malformed": chaos_malformed},
+        "model": model,
+        "date": machine_info()["date"],
+        "settings": {
+            "dataset": dataset,
+            "num_requests": num_requests,
+            "dataset_args": dataset_args,
+            "request_rate": request_rate,
+            "burstiness": burstiness,
+            "max_concurrency": max_concurrency,
+            "goodput": goodput or {},
+            "seed": seed,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "hf_batch_size": hf_batch_size if baseline else None,
+            "engine_kwargs": engine_kwargs,
+            "base_url": base_url,
+            "chaos_disconnect": chaos_disconnect,
+            "chaos_malformed": chaos_malformed,
+        },
         "engine": compute_metrics(results, duration, goodput),
         "baseline": None,
         "baseline_cb": None,
@@ -410,8 +484,9 @@ def run_serve(model: str = "smollm2-135m", dataset: str = "random", num_requests
     return result
 
 
-def run_hf_continuous_serve(model: str, requests: Sequence[BenchRequest], arrivals: Sequence[float],
-                            max_batch_tokens: int) -> tuple[list[RequestResult], float]:
+def run_hf_continuous_serve(
+    model: str, requests: Sequence[BenchRequest], arrivals: Sequence[float], max_batch_tokens: int
+) -> tuple[list[RequestResult], float]:
     """The schedule through transformers' continuous batching (warmed up on two requests first, as the engine is);
     one result per request, in order, and the duration (s)."""
     from workbench.bench.hf_continuous import HFContinuousBaseline
@@ -419,8 +494,12 @@ def run_hf_continuous_serve(model: str, requests: Sequence[BenchRequest], arriva
     with HFContinuousBaseline(resolve_model(model), requests, max_batch_tokens) as cb:
         cb.serve(requests[:2], [0.0, 0.0])
         timelines, duration = cb.serve(requests, arrivals)
-    results = [RequestResult(t.prompt_len, t.output_len, t.times[0], t.times[-1], np.diff(t.times).tolist())
-               if t.times else RequestResult(t.prompt_len, 0, 0.0, 0.0, [], success=False) for t in timelines]
+    results = [
+        RequestResult(t.prompt_len, t.output_len, t.times[0], t.times[-1], np.diff(t.times).tolist())
+        if t.times
+        else RequestResult(t.prompt_len, 0, 0.0, 0.0, [], success=False)
+        for t in timelines
+    ]
     return results, duration
 
 
@@ -431,18 +510,36 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS", help="SLOs, e.g. ttft:1000 tpot:100")
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
     parser.add_argument("--baseline", action="store_true", help="also serve the schedule with transformers generate")
-    parser.add_argument("--cb-baseline", action="store_true",
-                        help="also serve it with transformers' continuous batching (generate_batch's machinery)")
+    parser.add_argument(
+        "--cb-baseline",
+        action="store_true",
+        help="also serve it with transformers' continuous batching (generate_batch's machinery)",
+    )
     parser.add_argument("--hf-batch-size", type=positive_int, default=8, help="transformers static batch size")
-    parser.add_argument("--base-url", default=None, help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1) "
-                        "to send the requests to over HTTP, instead of the in-process engine")
-    parser.add_argument("--served-model-name", default=None, help="the model name that server expects "
-                        "(default: --model)")
-    parser.add_argument("--chaos-disconnect", type=float, default=0.0, metavar="SHARE",
-                        help="a bad client: this share of the requests is cut mid-stream (over HTTP; without "
-                        "--base-url the engine is served in-process)")
-    parser.add_argument("--chaos-malformed", type=float, default=0.0, metavar="SHARE",
-                        help="malformed requests sent among them, this share of their number")
+    parser.add_argument(
+        "--base-url",
+        default=None,
+        help="an OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1) "
+        "to send the requests to over HTTP, instead of the in-process engine",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name that server expects (default: --model)"
+    )
+    parser.add_argument(
+        "--chaos-disconnect",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="a bad client: this share of the requests is cut mid-stream (over HTTP; without "
+        "--base-url the engine is served in-process)",
+    )
+    parser.add_argument(
+        "--chaos-malformed",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="malformed requests sent among them, this share of their number",
+    )
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -453,20 +550,30 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=positive_float, default=float("inf"), help="req/s; inf: all at once")
     parser.add_argument("--burstiness", type=positive_float, default=1.0, help="Gamma shape; 1: Poisson (default)")
     parser.add_argument("--max-concurrency", type=positive_int, default=None)
-    for flag in ("--random-input-len", "--random-output-len", "--prefix-repetition-prefix-len",
-                 "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes",
-                 "--prefix-repetition-output-len", "--json-output-len"):
+    for flag in (
+        "--random-input-len",
+        "--random-output-len",
+        "--prefix-repetition-prefix-len",
+        "--prefix-repetition-suffix-len",
+        "--prefix-repetition-num-prefixes",
+        "--prefix-repetition-output-len",
+        "--json-output-len",
+    ):
         parser.add_argument(flag, type=positive_int, default=None, help="(default: the dataset's)")
     parser.add_argument("--random-range-ratio", type=float, default=None, help="in [0, 1) (default: 0)")
 
 
-_DATASET_FLAGS = {"random": {"input_len": "random_input_len", "output_len": "random_output_len",
-                             "range_ratio": "random_range_ratio"},
-                  "prefix_repetition": {"prefix_len": "prefix_repetition_prefix_len",
-                                        "suffix_len": "prefix_repetition_suffix_len",
-                                        "num_prefixes": "prefix_repetition_num_prefixes",
-                                        "output_len": "prefix_repetition_output_len"},
-                  "json_schema": {"output_len": "json_output_len"}, "editing": {}}
+_DATASET_FLAGS = {
+    "random": {"input_len": "random_input_len", "output_len": "random_output_len", "range_ratio": "random_range_ratio"},
+    "prefix_repetition": {
+        "prefix_len": "prefix_repetition_prefix_len",
+        "suffix_len": "prefix_repetition_suffix_len",
+        "num_prefixes": "prefix_repetition_num_prefixes",
+        "output_len": "prefix_repetition_output_len",
+    },
+    "json_schema": {"output_len": "json_output_len"},
+    "editing": {},
+}
 
 
 def dataset_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -477,24 +584,39 @@ def dataset_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """`workbench bench serve`: run_serve with the command line's settings (vLLM's flag names)."""
-    return run_with_flags(run_serve, args, dataset=args.dataset_name, num_requests=args.num_prompts,
-                          dataset_args=dataset_args(args), goodput=parse_goodput(args.goodput))
+    return run_with_flags(
+        run_serve,
+        args,
+        dataset=args.dataset_name,
+        num_requests=args.num_prompts,
+        dataset_args=dataset_args(args),
+        goodput=parse_goodput(args.goodput),
+    )
 
 
 def _ratios(ours: dict[str, Any], theirs: dict[str, Any] | None) -> dict[str, float] | None:
     if theirs is None:
         return None
-    return {"output_throughput": ours["output_throughput"] / theirs["output_throughput"],
-            "mean_ttft_ms": theirs["mean_ttft_ms"] / max(ours["mean_ttft_ms"], 1e-9),
-            "mean_e2el_ms": theirs["mean_e2el_ms"] / max(ours["mean_e2el_ms"], 1e-9)}
+    return {
+        "output_throughput": ours["output_throughput"] / theirs["output_throughput"],
+        "mean_ttft_ms": theirs["mean_ttft_ms"] / max(ours["mean_ttft_ms"], 1e-9),
+        "mean_e2el_ms": theirs["mean_e2el_ms"] / max(ours["mean_e2el_ms"], 1e-9),
+    }
 
 
 def write_result_file(path: str | Path, result: dict[str, Any], per_side: dict[str, dict[str, list]]) -> None:
     """vLLM's flat layout for the engine (settings, metrics, per-request lists at the top level); the baseline's
     metrics and lists under "baseline" (transformers' continuous batching's under "baseline_cb")."""
     s = result["settings"]
-    flat = {"date": result["date"], "backend": "workbench", "model_id": result["model"],
-            "num_prompts": s["num_requests"], **s, **result["engine"], **per_side["engine"]}
+    flat = {
+        "date": result["date"],
+        "backend": "workbench",
+        "model_id": result["model"],
+        "num_prompts": s["num_requests"],
+        **s,
+        **result["engine"],
+        **per_side["engine"],
+    }
     if result["baseline"] is not None:
         flat["baseline"] = {**result["baseline"], **per_side["baseline"]}
         flat["ratio"] = result["ratio"]
@@ -504,9 +626,14 @@ def write_result_file(path: str | Path, result: dict[str, Any], per_side: dict[s
     Path(path).write_text(json.dumps(flat, indent=2) + "\n", encoding="utf-8")
 
 
-_ROWS = (("completed", "completed"), ("duration s", "duration"), ("request throughput (req/s)", "request_throughput"),
-         ("request goodput (req/s)", "request_goodput"), ("output throughput (tok/s)", "output_throughput"),
-         ("total token throughput (tok/s)", "total_token_throughput"))
+_ROWS = (
+    ("completed", "completed"),
+    ("duration s", "duration"),
+    ("request throughput (req/s)", "request_throughput"),
+    ("request goodput (req/s)", "request_goodput"),
+    ("output throughput (tok/s)", "output_throughput"),
+    ("total token throughput (tok/s)", "total_token_throughput"),
+)
 
 
 def _sides(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -531,19 +658,27 @@ def _headers(result: dict[str, Any]) -> list[str]:
     return headers
 
 
-_WORKLOAD = ("{model}: {num_requests} requests of the {dataset} dataset{args}, arriving at {rate} ({shape}, seed "
-             "{seed}){cap}{slo}; greedy{via}")
-_DOCS = _WORKLOAD + (". {where} (max_num_batched_tokens="
-                     "{max_num_batched_tokens}); TTFT and E2E latency from each request's arrival, TPOT = (E2E - TTFT) "
-                     "/ (output tokens - 1), ITL = gaps between the steps that gave a request tokens. Keys and "
-                     "definitions as vLLM's `benchmark_serving`.{baseline_note}{note}")
-_BASELINE_NOTE = (" transformers: the same arrivals through `generate` in static batches, arrival order (a batch "
-                  "starts when its last request has arrived and the previous one is done), each step timed by a "
-                  "streamer.")
-_CB_NOTE = (" transformers generate_batch: the same arrivals through transformers' continuous batching (paged cache, "
-            "its own scheduler), each request added at its arrival, each token stamped by transformers as it is "
-            "sampled; its cache holds the whole workload and its token budget is max_num_batched_tokens. Each side "
-            "served the schedule once, one after the other, in this process.")
+_WORKLOAD = (
+    "{model}: {num_requests} requests of the {dataset} dataset{args}, arriving at {rate} ({shape}, seed "
+    "{seed}){cap}{slo}; greedy{via}"
+)
+_DOCS = _WORKLOAD + (
+    ". {where} (max_num_batched_tokens="
+    "{max_num_batched_tokens}); TTFT and E2E latency from each request's arrival, TPOT = (E2E - TTFT) "
+    "/ (output tokens - 1), ITL = gaps between the steps that gave a request tokens. Keys and "
+    "definitions as vLLM's `benchmark_serving`.{baseline_note}{note}"
+)
+_BASELINE_NOTE = (
+    " transformers: the same arrivals through `generate` in static batches, arrival order (a batch "
+    "starts when its last request has arrived and the previous one is done), each step timed by a "
+    "streamer."
+)
+_CB_NOTE = (
+    " transformers generate_batch: the same arrivals through transformers' continuous batching (paged cache, "
+    "its own scheduler), each request added at its arrival, each token stamped by transformers as it is "
+    "sampled; its cache holds the whole workload and its token budget is max_num_batched_tokens. Each side "
+    "served the schedule once, one after the other, in this process."
+)
 
 
 def _workload_values(result: dict[str, Any]) -> dict[str, str]:
@@ -551,14 +686,17 @@ def _workload_values(result: dict[str, Any]) -> dict[str, str]:
     s = result["settings"]
     given = ", ".join(f"{k}={v}" for k, v in s["dataset_args"].items())
     slos = ", ".join(f"{k} <= {v:g} ms" for k, v in s["goodput"].items())
-    return {"rate": "all at once" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g} req/s",
-            "shape": "Poisson" if s["burstiness"] == 1 else f"Gamma, burstiness {s['burstiness']:g}",
-            "args": f" ({given})" if given else "", "slo": f", goodput SLOs {slos}" if slos else "",
-            "cap": f", max concurrency {s['max_concurrency']}" if s["max_concurrency"] else "",
-            "baseline_note": (_BASELINE_NOTE if result["baseline"] else "")
-            + (_CB_NOTE if result.get("baseline_cb") else ""),
-            "where": _where(s),
-            "via": _via(s)}
+    return {
+        "rate": "all at once" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g} req/s",
+        "shape": "Poisson" if s["burstiness"] == 1 else f"Gamma, burstiness {s['burstiness']:g}",
+        "args": f" ({given})" if given else "",
+        "slo": f", goodput SLOs {slos}" if slos else "",
+        "cap": f", max concurrency {s['max_concurrency']}" if s["max_concurrency"] else "",
+        "baseline_note": (_BASELINE_NOTE if result["baseline"] else "")
+        + (_CB_NOTE if result.get("baseline_cb") else ""),
+        "where": _where(s),
+        "via": _via(s),
+    }
 
 
 def _via(s: dict[str, Any]) -> str:
@@ -566,8 +704,12 @@ def _via(s: dict[str, Any]) -> str:
     if not s.get("base_url") and not chaos:
         return ""
     where = s["base_url"] or "this engine, served in-process"
-    bad = (f"; a bad client in the burst: {s['chaos_disconnect']:.0%} of the requests cut mid-stream, malformed ones "
-           f"{s['chaos_malformed']:.0%} of their number" if chaos else "")
+    bad = (
+        f"; a bad client in the burst: {s['chaos_disconnect']:.0%} of the requests cut mid-stream, malformed ones "
+        f"{s['chaos_malformed']:.0%} of their number"
+        if chaos
+        else ""
+    )
     return f"; over HTTP, streamed, to {where} (times at the client){bad}"
 
 
@@ -582,11 +724,15 @@ def ratio_line(result: dict[str, Any]) -> str:
     for key, name in (("ratio", "transformers"), ("ratio_cb", "transformers generate_batch")):
         r = result.get(key)
         if r is not None:
-            lines.append(f"engine / {name}: output throughput {r['output_throughput']:.2f}x, mean TTFT "
-                         f"{r['mean_ttft_ms']:.2f}x lower, mean E2E latency {r['mean_e2el_ms']:.2f}x lower")
+            lines.append(
+                f"engine / {name}: output throughput {r['output_throughput']:.2f}x, mean TTFT "
+                f"{r['mean_ttft_ms']:.2f}x lower, mean E2E latency {r['mean_e2el_ms']:.2f}x lower"
+            )
     if not lines:
-        return ("no baseline run (--baseline runs transformers generate on the same schedule, --cb-baseline "
-                "transformers' continuous batching)")
+        return (
+            "no baseline run (--baseline runs transformers generate on the same schedule, --cb-baseline "
+            "transformers' continuous batching)"
+        )
     return "; ".join(lines)
 
 
@@ -595,22 +741,31 @@ def chaos_rows(http: dict[str, Any]) -> list[list[object]]:
     statuses; /health's answers during the burst; what the server held once idle."""
     requests, malformed, left = http["requests"], http["malformed"], http["left"]
     refused = ", ".join(f"{k.split()[1]}: {n}" for k, n in sorted(requests.items()) if k.startswith("refused"))
-    return [["finished with data: [DONE]", requests.get("done", 0)],
-            ["cut mid-stream by the client", requests.get("cut", 0)],
-            ["refused (status: count)", refused or 0],
-            ["malformed sent (status: count)", ", ".join(f"{k}: {n}" for k, n in sorted(malformed.items())) or 0],
-            ["lost (no [DONE], no refusal; malformed without a 4xx)", http["lost"]],
-            ["/health answered during the burst", f"{http['health_ok']} of {http['health_ok'] + http['health_failed']}"],
-            ["left on the server once idle: running, waiting, KV usage",
-             f"{left['running']:g}, {left['waiting']:g}, {left['kv_cache_usage_perc']:.1%}"]]
+    return [
+        ["finished with data: [DONE]", requests.get("done", 0)],
+        ["cut mid-stream by the client", requests.get("cut", 0)],
+        ["refused (status: count)", refused or 0],
+        ["malformed sent (status: count)", ", ".join(f"{k}: {n}" for k, n in sorted(malformed.items())) or 0],
+        ["lost (no [DONE], no refusal; malformed without a 4xx)", http["lost"]],
+        ["/health answered during the burst", f"{http['health_ok']} of {http['health_ok'] + http['health_failed']}"],
+        [
+            "left on the server once idle: running, waiting, KV usage",
+            f"{left['running']:g}, {left['waiting']:g}, {left['kv_cache_usage_perc']:.1%}",
+        ],
+    ]
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
-    parts = [described(result, _WORKLOAD, _DOCS, **_workload_values(result)), Table(_headers(result), _rows(result)),
-             bold(ratio_line(result)), Line(load_line(result))]
+    parts = [
+        described(result, _WORKLOAD, _DOCS, **_workload_values(result)),
+        Table(_headers(result), _rows(result)),
+        bold(ratio_line(result)),
+        Line(load_line(result)),
+    ]
     if result.get("http") and (result["settings"].get("chaos_disconnect") or result["settings"].get("chaos_malformed")):
-        parts.insert(2, Table(["what became of the requests (a bad client in the burst)", "count"],
-                              chaos_rows(result["http"])))
+        parts.insert(
+            2, Table(["what became of the requests (a bad client in the burst)", "count"], chaos_rows(result["http"]))
+        )
     return parts
 
 

@@ -7,14 +7,16 @@ drafting for itself: every greedy draft is accepted, so it shows the mechanism's
 the learned heads EAGLE and Medusa (the target's default heads, made by `workbench train-draft`). Each row also
 gives the draft's share of the run's time, and the load average around the runs (the machine may be shared).
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from engine import LLM, SamplingParams
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
@@ -24,27 +26,37 @@ from workbench.bench.report import Line, Part, Table, describe, docs_only, forma
 HELP = "speculative decoding: tokens/s with and without drafts, batch 1 and 8"
 IN_ALL = (8, ["--runs", "2"])  # `workbench bench all` runs it: (place, flags)
 
-_CHAT = ("Tell me about the history of tea.", "What makes a good teacher?", "Describe a walk in a forest.",
-         "Why is the sky blue?", "Give advice to a new programmer.", "What is a black hole?",
-         "Write a short story about a cat.", "How do bees make honey?")
+_CHAT = (
+    "Tell me about the history of tea.",
+    "What makes a good teacher?",
+    "Describe a walk in a forest.",
+    "Why is the sky blue?",
+    "Give advice to a new programmer.",
+    "What is a black hole?",
+    "Write a short story about a cat.",
+    "How do bees make honey?",
+)
 
 
 def chat_requests(tokenizer, num_requests: int, output_len: int) -> list[BenchRequest]:
-    return [BenchRequest(chat_prompt_ids(tokenizer, _CHAT[i % len(_CHAT)]), output_len, ignore_eos=False)
-            for i in range(num_requests)]
+    return [
+        BenchRequest(chat_prompt_ids(tokenizer, _CHAT[i % len(_CHAT)]), output_len, ignore_eos=False)
+        for i in range(num_requests)
+    ]
 
 
 METHODS = ("none", "ngram", "draft_model", "eagle", "medusa")
 
 
 def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[str, dict | None]:
-    configs = {"none": None,
-               "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5,
-                         "prompt_lookup_min": 2},
-               "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k},
-               # no "model": the target's default head
-               "eagle": {"method": "eagle", "num_speculative_tokens": k},
-               "medusa": {"method": "medusa", "num_speculative_tokens": k}}
+    configs = {
+        "none": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2},
+        "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k},
+        # no "model": the target's default head
+        "eagle": {"method": "eagle", "num_speculative_tokens": k},
+        "medusa": {"method": "medusa", "num_speculative_tokens": k},
+    }
     return {name: configs[name] for name in ("none", *names) if name in configs}
 
 
@@ -56,8 +68,9 @@ def _run_batch(llm: LLM, batch: Sequence[BenchRequest]) -> tuple[float, list[lis
     return time.perf_counter() - t0, tokens
 
 
-def _run_in_turns(llms: dict[str, LLM], requests: Sequence[BenchRequest],
-                  batch_size: int) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
+def _run_in_turns(
+    llms: dict[str, LLM], requests: Sequence[BenchRequest], batch_size: int
+) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
     """The requests in consecutive batches, each batch through every engine in turn; seconds and tokens per engine.
     Taking turns batch by batch, a slow spell of this shared host (its runs of one engine have differed by 20%)
     falls on every method, not on whichever one was running all its batches then."""
@@ -67,28 +80,51 @@ def _run_in_turns(llms: dict[str, LLM], requests: Sequence[BenchRequest],
         llm.engine.reset_prefix_cache()
     for i in range(0, len(requests), batch_size):
         for name, llm in llms.items():
-            s, batch_tokens = _run_batch(llm, requests[i:i + batch_size])
+            s, batch_tokens = _run_batch(llm, requests[i : i + batch_size])
             seconds[name] += s
             tokens[name] += batch_tokens
     return seconds, tokens
 
 
-def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = None, batch_sizes=(1, 8),
-             num_requests: int = 8, output_len: int = 96, runs: int = 2, seed: int = 0,
-             max_num_batched_tokens: int = 2048, engine_kwargs: dict[str, Any] | None = None,
-             methods_: Sequence[str] = METHODS, workloads_: Sequence[str] = ("editing", "chat"),
-             log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_spec(
+    model: str = "smollm2-135m",
+    k: int = 4,
+    draft_model: str | None = None,
+    batch_sizes=(1, 8),
+    num_requests: int = 8,
+    output_len: int = 96,
+    runs: int = 2,
+    seed: int = 0,
+    max_num_batched_tokens: int = 2048,
+    engine_kwargs: dict[str, Any] | None = None,
+    methods_: Sequence[str] = METHODS,
+    workloads_: Sequence[str] = ("editing", "chat"),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Median seconds per (workload, batch size, method), the methods taking turns batch by batch; acceptance
     statistics and the proposer's time from the engines' SpecDecodingStats; the 1-minute load average before each
     run and after the last."""
     configs = methods(k, draft_model or model, methods_)
-    llms = {name: LLM(model=model, seed=seed, speculative_config=cfg, max_num_batched_tokens=max_num_batched_tokens,
-                      **(engine_kwargs or {})) for name, cfg in configs.items()}
+    llms = {
+        name: LLM(
+            model=model,
+            seed=seed,
+            speculative_config=cfg,
+            max_num_batched_tokens=max_num_batched_tokens,
+            **(engine_kwargs or {}),
+        )
+        for name, cfg in configs.items()
+    }
     tok = llms["none"].tokenizer
-    editing = [BenchRequest(r.prompt_token_ids, min(r.output_len, output_len), ignore_eos=False)
-               for r in editing_requests(num_requests, tok, seed=seed)]
-    workloads = {name: w for name, w in (("editing", editing), ("chat", chat_requests(tok, num_requests, output_len)))
-                 if name in workloads_}
+    editing = [
+        BenchRequest(r.prompt_token_ids, min(r.output_len, output_len), ignore_eos=False)
+        for r in editing_requests(num_requests, tok, seed=seed)
+    ]
+    workloads = {
+        name: w
+        for name, w in (("editing", editing), ("chat", chat_requests(tok, num_requests, output_len)))
+        if name in workloads_
+    }
     times: dict[tuple, list[float]] = {}
     results: dict[tuple, dict] = {}
     load = []
@@ -103,18 +139,36 @@ def run_spec(model: str = "smollm2-135m", k: int = 4, draft_model: str | None = 
                         raise RuntimeError(f"{name}: greedy tokens differ from the run without speculation")
                     num_tokens = sum(len(t) for t in tokens[name])
                     times.setdefault((wname, bs, name), []).append(seconds[name])
-                    results[(wname, bs, name)] = {"output_tokens": num_tokens,
-                                                  **_delta(before[name], _stats(llm), seconds[name])}
+                    results[(wname, bs, name)] = {
+                        "output_tokens": num_tokens,
+                        **_delta(before[name], _stats(llm), seconds[name]),
+                    }
                     log(f"run {run + 1}/{runs} {wname} batch {bs} {name}: {seconds[name]:.2f} s, {num_tokens} tokens")
     rows = []
     for (wname, bs, name), r in results.items():
         median = statistics.median(times[(wname, bs, name)])
         base = statistics.median(times[(wname, bs, "none")])
-        rows.append({"workload": wname, "batch": bs, "method": name, "seconds": median,
-                     "tok_s": r["output_tokens"] / median, "speedup": base / median, **r})
+        rows.append(
+            {
+                "workload": wname,
+                "batch": bs,
+                "method": name,
+                "seconds": median,
+                "tok_s": r["output_tokens"] / median,
+                "speedup": base / median,
+                **r,
+            }
+        )
     load.append(os.getloadavg()[0])
-    return {"model": model, "k": k, "draft_model": draft_model or model, "runs": runs, "rows": rows,
-            "load_average": load, "heads": _heads(llms)}
+    return {
+        "model": model,
+        "k": k,
+        "draft_model": draft_model or model,
+        "runs": runs,
+        "rows": rows,
+        "load_average": load,
+        "heads": _heads(llms),
+    }
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -122,8 +176,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=positive_int, default=4, help="draft tokens per step (default: %(default)s)")
     parser.add_argument("--draft-model", default=None, help="the draft model (default: the target itself)")
     add_positive_ints(parser, num_requests=8, output_len=96)
-    parser.add_argument("--methods", nargs="+", choices=METHODS[1:], default=list(METHODS[1:]),
-                        help="the speculative methods beside none (default: all)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS[1:],
+        default=list(METHODS[1:]),
+        help="the speculative methods beside none (default: all)",
+    )
     parser.add_argument("--workloads", nargs="+", choices=("editing", "chat"), default=["editing", "chat"])
 
 
@@ -134,15 +193,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def _stats(llm: LLM) -> tuple[float, ...]:
     s = llm.engine.spec_stats
-    return (0, 0, 0, 0.0) if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                                             s.proposer_seconds)
+    return (
+        (0, 0, 0, 0.0) if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.proposer_seconds)
+    )
 
 
 def _delta(before: tuple[float, ...], after: tuple[float, ...], seconds: float) -> dict[str, float]:
     drafts, drafted, accepted, drafting = (a - b for a, b in zip(after, before))
-    return {"acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-            "draft_share": drafting / seconds if seconds else 0.0}
+    return {
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "draft_share": drafting / seconds if seconds else 0.0,
+    }
 
 
 def _heads(llms: dict[str, LLM]) -> dict[str, str]:
@@ -159,34 +221,59 @@ def _heads(llms: dict[str, LLM]) -> dict[str, str]:
     return heads
 
 
-_HEADERS = ("workload", "batch", "method", "median s", "output tok/s", "speedup", "acceptance", "tokens/verify",
-            "draft share")
+_HEADERS = (
+    "workload",
+    "batch",
+    "method",
+    "median s",
+    "output tok/s",
+    "speedup",
+    "acceptance",
+    "tokens/verify",
+    "draft share",
+)
 
 
 def _table_rows(result: dict[str, Any]) -> list[list[object]]:
-    return [[r["workload"], r["batch"], r["method"], r["seconds"], r["tok_s"], f"{r['speedup']:.2f}x",
-             f"{r['acceptance_rate']:.0%}" if r["method"] != "none" else "-",
-             r["mean_acceptance_length"] if r["method"] != "none" else "-",
-             f"{r.get('draft_share', 0.0):.0%}" if r["method"] != "none" else "-"] for r in result["rows"]]
+    return [
+        [
+            r["workload"],
+            r["batch"],
+            r["method"],
+            r["seconds"],
+            r["tok_s"],
+            f"{r['speedup']:.2f}x",
+            f"{r['acceptance_rate']:.0%}" if r["method"] != "none" else "-",
+            r["mean_acceptance_length"] if r["method"] != "none" else "-",
+            f"{r.get('draft_share', 0.0):.0%}" if r["method"] != "none" else "-",
+        ]
+        for r in result["rows"]
+    ]
 
 
-_DOCS = ("Model {model}, fp32, greedy (identical tokens with and without drafts: checked), k={k} draft tokens; n-gram "
-         "lookup windows 5..2; draft model {draft_model} (drafting for itself accepts every greedy draft: the ceiling "
-         "of the mechanism, paying a full draft forward per token). Batch 1: every request alone, one after "
-         "another; batch 8: eight together. The methods take turns batch by batch (each batch runs through "
-         "every method before the next batch). Median of {runs} runs. Editing prompts ask to rewrite a code "
-         "passage (input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and "
-         "Medusa: the target's default heads ({heads}; each folder's manifest.json says how it was made). Draft "
-         "share: the proposer's time over the run's. 1-minute load average before each run and after the last: "
-         "{load_average} (2 cores; above 2 the machine was shared and every number is slower and noisier).")
+_DOCS = (
+    "Model {model}, fp32, greedy (identical tokens with and without drafts: checked), k={k} draft tokens; n-gram "
+    "lookup windows 5..2; draft model {draft_model} (drafting for itself accepts every greedy draft: the ceiling "
+    "of the mechanism, paying a full draft forward per token). Batch 1: every request alone, one after "
+    "another; batch 8: eight together. The methods take turns batch by batch (each batch runs through "
+    "every method before the next batch). Median of {runs} runs. Editing prompts ask to rewrite a code "
+    "passage (input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and "
+    "Medusa: the target's default heads ({heads}; each folder's manifest.json says how it was made). Draft "
+    "share: the proposer's time over the run's. 1-minute load average before each run and after the last: "
+    "{load_average} (2 cores; above 2 the machine was shared and every number is slower and noisier)."
+)
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
-    values = {"heads": ", ".join(f"{m}: {p}" for m, p in result.get("heads", {}).items()) or "none run",
-              "load_average": ", ".join(f"{x:.1f}" for x in result.get("load_average", [])) or "not recorded"}
-    return [docs_only(describe(_DOCS, result, **values)), Table(_HEADERS, _table_rows(result)),
-            Line(describe("load average (1 min) before each run and after the last: {load_average}", result,
-                          **values), "")]  # the docs say it in the paragraph above
+    values = {
+        "heads": ", ".join(f"{m}: {p}" for m, p in result.get("heads", {}).items()) or "none run",
+        "load_average": ", ".join(f"{x:.1f}" for x in result.get("load_average", [])) or "not recorded",
+    }
+    return [
+        docs_only(describe(_DOCS, result, **values)),
+        Table(_HEADERS, _table_rows(result)),
+        Line(describe("load average (1 min) before each run and after the last: {load_average}", result, **values), ""),
+    ]  # the docs say it in the paragraph above
 
 
 format_text, format_markdown = formatters("Speculative decoding", _parts)

@@ -6,13 +6,15 @@ share each step with the running decodes: their inter-token latency stays low, b
 for its first token and the extra steps cost throughput. A large budget prefills it in one or two big steps:
 throughput is higher, and every running request sees those steps as ITL spikes.
 """
+
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from engine import LLM
 from workbench.bench.args import add_common_args, add_positive_ints, positive_float, positive_int, run_with_flags
@@ -27,8 +29,16 @@ DEFAULT_BUDGETS = (32, 64, 128, 256, 512, 1024, 2048)
 SCENARIOS = {"short only": False, "with long prompt": True}
 
 
-def sweep_workload(tokenizer, num_requests: int, input_len: int, output_len: int, long_prompt_len: int,
-                   request_rate: float, with_long: bool, seed: int = 0) -> tuple[list[BenchRequest], list[float], int]:
+def sweep_workload(
+    tokenizer,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    long_prompt_len: int,
+    request_rate: float,
+    with_long: bool,
+    seed: int = 0,
+) -> tuple[list[BenchRequest], list[float], int]:
     """The short requests and their Poisson arrivals; `with_long` inserts one `long_prompt_len`-token prompt
     (same output length) at the middle, arriving with the request before it. Returns requests, arrivals and the
     long prompt's index (-1 without it)."""
@@ -49,44 +59,72 @@ def point_metrics(results: Sequence[RequestResult], duration: float, long_index:
     itl = [gap * 1e3 for r in results for gap in r.itl] or [0.0]
     ttft = [r.ttft * 1e3 for r in short]
     return {
-        "ttft_mean_ms": statistics.fmean(ttft), "ttft_p90_ms": percentile(ttft, 90),
+        "ttft_mean_ms": statistics.fmean(ttft),
+        "ttft_p90_ms": percentile(ttft, 90),
         "long_ttft_ms": results[long_index].ttft * 1e3 if long_index >= 0 else float("nan"),
-        "itl_mean_ms": statistics.fmean(itl), "itl_p99_ms": percentile(itl, 99), "itl_max_ms": max(itl),
+        "itl_mean_ms": statistics.fmean(itl),
+        "itl_p99_ms": percentile(itl, 99),
+        "itl_max_ms": max(itl),
         "output_throughput": sum(r.output_len for r in results) / duration,
         "total_token_throughput": sum(r.prompt_len + r.output_len for r in results) / duration,
         "duration": duration,
     }
 
 
-def run_sweep(model: str = "smollm2-135m", budgets: Sequence[int] = DEFAULT_BUDGETS, num_requests: int = 24,
-              input_len: int = 64, output_len: int = 64, long_prompt_len: int = 1500, request_rate: float = 8.0,
-              runs: int = 3, seed: int = 0, plot_path: str | None = None,
-              engine_kwargs: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_sweep(
+    model: str = "smollm2-135m",
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
+    num_requests: int = 24,
+    input_len: int = 64,
+    output_len: int = 64,
+    long_prompt_len: int = 1500,
+    request_rate: float = 8.0,
+    runs: int = 3,
+    seed: int = 0,
+    plot_path: str | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """For each budget, one engine serves both scenarios `runs` times (alternating); per-metric medians.
     Writes a PNG plot to `plot_path` when given and matplotlib is installed."""
     engine_kwargs = dict(engine_kwargs or {})
     points = []
     for budget in budgets:
         llm = LLM(model=model, max_num_batched_tokens=budget, seed=seed, **engine_kwargs)
-        workloads = {name: sweep_workload(llm.tokenizer, num_requests, input_len, output_len, long_prompt_len,
-                                          request_rate, with_long, seed) for name, with_long in SCENARIOS.items()}
+        workloads = {
+            name: sweep_workload(
+                llm.tokenizer, num_requests, input_len, output_len, long_prompt_len, request_rate, with_long, seed
+            )
+            for name, with_long in SCENARIOS.items()
+        }
         run_serve_once(llm, workloads["short only"][0][:2], [0.0, 0.0], progress=False)  # warm-up
         samples: dict[str, list[dict[str, float]]] = {name: [] for name in SCENARIOS}
         for _ in range(runs):
             for name, (requests, arrivals, long_index) in workloads.items():
-                samples[name].append(point_metrics(*run_serve_once(llm, requests, arrivals, progress=False),
-                                                   long_index))
+                samples[name].append(
+                    point_metrics(*run_serve_once(llm, requests, arrivals, progress=False), long_index)
+                )
         for name, runs_metrics in samples.items():
             point = {k: statistics.median(m[k] for m in runs_metrics) for k in runs_metrics[0]}
             points.append({"budget": budget, "scenario": name, **point})
-            log(f"budget {budget}, {name}: ITL p99 {point['itl_p99_ms']:.1f} ms, "
-                f"{point['output_throughput']:.1f} output tok/s")
+            log(
+                f"budget {budget}, {name}: ITL p99 {point['itl_p99_ms']:.1f} ms, "
+                f"{point['output_throughput']:.1f} output tok/s"
+            )
         del llm  # free this engine's KV cache before the next one is built
     result = {
         "model": model,
-        "settings": {"budgets": list(budgets), "num_requests": num_requests, "input_len": input_len,
-                     "output_len": output_len, "long_prompt_len": long_prompt_len, "request_rate": request_rate,
-                     "runs": runs, "seed": seed, "engine_kwargs": engine_kwargs},
+        "settings": {
+            "budgets": list(budgets),
+            "num_requests": num_requests,
+            "input_len": input_len,
+            "output_len": output_len,
+            "long_prompt_len": long_prompt_len,
+            "request_rate": request_rate,
+            "runs": runs,
+            "seed": seed,
+            "engine_kwargs": engine_kwargs,
+        },
         "points": points,
         "plot": None,
     }
@@ -101,8 +139,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", type=positive_int, nargs="+", default=[32, 64, 128, 256, 512, 1024, 2048])
     add_positive_ints(parser, num_requests=24, input_len=64, output_len=64, long_prompt_len=1500)
     parser.add_argument("--request-rate", type=positive_float, default=8.0, help="req/s (default: %(default)s)")
-    parser.add_argument("--plot", default=None, help="PNG to write, if matplotlib is installed "
-                        "(default with --write-docs: img/sweep.png beside the docs)")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        help="PNG to write, if matplotlib is installed (default with --write-docs: img/sweep.png beside the docs)",
+    )
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,8 +161,11 @@ def plot_sweep(result: dict[str, Any], path: str | Path) -> None:
     matplotlib.use("Agg")  # no display here
     import matplotlib.pyplot as plt
 
-    panels = (("itl_p99_ms", "ITL p99 (ms)"), ("long_ttft_ms", "TTFT of the long prompt (ms)"),
-              ("output_throughput", "output tok/s"))
+    panels = (
+        ("itl_p99_ms", "ITL p99 (ms)"),
+        ("long_ttft_ms", "TTFT of the long prompt (ms)"),
+        ("output_throughput", "output tok/s"),
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (key, label) in zip(axes, panels):
         for name in SCENARIOS:
@@ -138,24 +182,50 @@ def plot_sweep(result: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
-_HEADERS = ("budget", "scenario", "TTFT mean ms (short)", "TTFT p90 ms (short)", "TTFT ms (long)", "ITL mean ms",
-            "ITL p99 ms", "ITL max ms", "output tok/s", "total tok/s")
+_HEADERS = (
+    "budget",
+    "scenario",
+    "TTFT mean ms (short)",
+    "TTFT p90 ms (short)",
+    "TTFT ms (long)",
+    "ITL mean ms",
+    "ITL p99 ms",
+    "ITL max ms",
+    "output tok/s",
+    "total tok/s",
+)
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
-    return [[p["budget"], p["scenario"], p["ttft_mean_ms"], p["ttft_p90_ms"],
-             "-" if p["scenario"] == "short only" else p["long_ttft_ms"], p["itl_mean_ms"], p["itl_p99_ms"],
-             p["itl_max_ms"], p["output_throughput"], p["total_token_throughput"]] for p in result["points"]]
+    return [
+        [
+            p["budget"],
+            p["scenario"],
+            p["ttft_mean_ms"],
+            p["ttft_p90_ms"],
+            "-" if p["scenario"] == "short only" else p["long_ttft_ms"],
+            p["itl_mean_ms"],
+            p["itl_p99_ms"],
+            p["itl_max_ms"],
+            p["output_throughput"],
+            p["total_token_throughput"],
+        ]
+        for p in result["points"]
+    ]
 
 
-_WORKLOAD = ("{model}: {num_requests} requests of {input_len} prompt + {output_len} output tokens arriving at "
-             "{request_rate:g} req/s (Poisson, seed {seed}); with long prompt: one {long_prompt_len}-token prompt "
-             "arrives among them (at the middle); medians over {runs} run(s)")
-_DOCS = _WORKLOAD + (". Greedy, EOS ignored, chunked prefill on. One engine per `max_num_batched_tokens`. TTFT from "
-                     "arrival; ITL = gaps between the steps that gave a request tokens, over all requests. A small "
-                     "budget splits the long prefill into chunks that share steps with the running decodes (low ITL, "
-                     "late first token for the long prompt, more steps); a large one runs it in few big steps "
-                     "(throughput, ITL spikes).{note}")
+_WORKLOAD = (
+    "{model}: {num_requests} requests of {input_len} prompt + {output_len} output tokens arriving at "
+    "{request_rate:g} req/s (Poisson, seed {seed}); with long prompt: one {long_prompt_len}-token prompt "
+    "arrives among them (at the middle); medians over {runs} run(s)"
+)
+_DOCS = _WORKLOAD + (
+    ". Greedy, EOS ignored, chunked prefill on. One engine per `max_num_batched_tokens`. TTFT from "
+    "arrival; ITL = gaps between the steps that gave a request tokens, over all requests. A small "
+    "budget splits the long prefill into chunks that share steps with the running decodes (low ITL, "
+    "late first token for the long prompt, more steps); a large one runs it in few big steps "
+    "(throughput, ITL spikes).{note}"
+)
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:

@@ -9,15 +9,17 @@ the long ones in its batch are the waste continuous batching removes. The three 
 medians. The machine's floor for the workload (weights read once per step, every token's FLOPs at the matmul peak,
 both measured here) says how far from the hardware all three are.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -93,20 +95,26 @@ class HFBaseline:
     def run(self, requests: Sequence[BenchRequest]) -> RunStats:
         t0 = time.perf_counter()
         for i in range(0, len(requests), self.batch_size):
-            self._generate(requests[i:i + self.batch_size])
+            self._generate(requests[i : i + self.batch_size])
         return RunStats(time.perf_counter() - t0, *_token_counts(requests))
 
     @torch.inference_mode()
     def _generate(self, batch: Sequence[BenchRequest]) -> None:
         width = max(len(r.prompt_token_ids) for r in batch)
-        input_ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids
-                                  for r in batch])
-        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
-                             for r in batch])
+        input_ids = torch.tensor(
+            [[self.pad_token_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch]
+        )
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
         n = max(r.output_len for r in batch)
         # min_new_tokens = max_new_tokens: EOS cannot end a batch early, as ignore_eos on the engine side
-        out = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=self.pad_token_id)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=self.pad_token_id,
+        )
         if out.shape[1] != width + n:
             raise RuntimeError(f"transformers: generated {out.shape[1] - width} tokens, expected {n}")
 
@@ -114,8 +122,12 @@ class HFBaseline:
 def _summary(runs: list[RunStats]) -> dict[str, Any]:
     elapsed = statistics.median(r.elapsed_s for r in runs)
     stats = RunStats(elapsed, runs[0].num_prompt_tokens, runs[0].num_output_tokens)
-    return {"elapsed_s": elapsed, "output_tok_s": stats.output_tok_s, "total_tok_s": stats.total_tok_s,
-            "runs_s": [r.elapsed_s for r in runs]}
+    return {
+        "elapsed_s": elapsed,
+        "output_tok_s": stats.output_tok_s,
+        "total_tok_s": stats.total_tok_s,
+        "runs_s": [r.elapsed_s for r in runs],
+    }
 
 
 def workload_floor_s(llm: LLM, requests: Sequence[BenchRequest], bandwidth: float, matmul_flops: float) -> float:
@@ -132,11 +144,20 @@ def workload_floor_s(llm: LLM, requests: Sequence[BenchRequest], bandwidth: floa
     return max(memory_s, compute_s)
 
 
-def run_throughput(model: str = "smollm2-135m", num_requests: int = 32, input_len_range: tuple[int, int] = (32, 512),
-                   output_len_range: tuple[int, int] = (16, 128), runs: int = 3, seed: int = 0,
-                   baseline: bool = True, cb_baseline: bool = True, max_num_batched_tokens: int = 2048,
-                   batch_size: int = 8, engine_kwargs: dict[str, Any] | None = None,
-                   log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_throughput(
+    model: str = "smollm2-135m",
+    num_requests: int = 32,
+    input_len_range: tuple[int, int] = (32, 512),
+    output_len_range: tuple[int, int] = (16, 128),
+    runs: int = 3,
+    seed: int = 0,
+    baseline: bool = True,
+    cb_baseline: bool = True,
+    max_num_batched_tokens: int = 2048,
+    batch_size: int = 8,
+    engine_kwargs: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Time the engine, transformers `generate` (unless `baseline` is False) and transformers' continuous batching
     (unless `cb_baseline` is False) on one seeded workload, alternating, `runs` times each; medians.
     `engine_kwargs`: more EngineConfig fields. Returns settings, token counts, per-side summaries, the engine's
@@ -179,15 +200,25 @@ def run_throughput(model: str = "smollm2-135m", num_requests: int = 32, input_le
     num_prompt, num_output = _token_counts(requests)
     result = {
         "model": model,
-        "settings": {"num_requests": num_requests, "input_len_range": list(input_len_range),
-                     "output_len_range": list(output_len_range), "runs": runs, "seed": seed,
-                     "max_num_batched_tokens": max_num_batched_tokens, "hf_batch_size": batch_size,
-                     "engine_kwargs": engine_kwargs},
+        "settings": {
+            "num_requests": num_requests,
+            "input_len_range": list(input_len_range),
+            "output_len_range": list(output_len_range),
+            "runs": runs,
+            "seed": seed,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "hf_batch_size": batch_size,
+            "engine_kwargs": engine_kwargs,
+        },
         "num_prompt_tokens": num_prompt,
         "num_output_tokens": num_output,
         **{side: _summary(runs_) if runs_ else None for side, runs_ in sides.items()},
-        "floor": {"elapsed_s": floor_s, "output_tok_s": num_output / floor_s, "read_bytes_s": bandwidth,
-                  "matmul_flops": peak},
+        "floor": {
+            "elapsed_s": floor_s,
+            "output_tok_s": num_output / floor_s,
+            "read_bytes_s": bandwidth,
+            "matmul_flops": peak,
+        },
         "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
     }
     for side, key in (("baseline", "ratio"), ("baseline_cb", "ratio_cb")):
@@ -205,33 +236,59 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len-range", type=positive_int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
     parser.add_argument("--hf-batch-size", type=positive_int, default=8, help="transformers static batch size")
     parser.add_argument("--no-baseline", action="store_true", help="leave out transformers generate")
-    parser.add_argument("--no-cb-baseline", action="store_true",
-                        help="leave out transformers' continuous batching (generate_batch)")
+    parser.add_argument(
+        "--no-cb-baseline", action="store_true", help="leave out transformers' continuous batching (generate_batch)"
+    )
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """`workbench bench throughput`: run_throughput with the command line's settings."""
-    return run_with_flags(run_throughput, args, input_len_range=tuple(args.input_len_range),
-                          output_len_range=tuple(args.output_len_range), baseline=not args.no_baseline,
-                          cb_baseline=not args.no_cb_baseline, batch_size=args.hf_batch_size)
+    return run_with_flags(
+        run_throughput,
+        args,
+        input_len_range=tuple(args.input_len_range),
+        output_len_range=tuple(args.output_len_range),
+        baseline=not args.no_baseline,
+        cb_baseline=not args.no_cb_baseline,
+        batch_size=args.hf_batch_size,
+    )
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
-    rows = [["engine (continuous batching)", result["engine"]["elapsed_s"], result["engine"]["output_tok_s"],
-             result["engine"]["total_tok_s"]]]
+    rows = [
+        [
+            "engine (continuous batching)",
+            result["engine"]["elapsed_s"],
+            result["engine"]["output_tok_s"],
+            result["engine"]["total_tok_s"],
+        ]
+    ]
     if result["baseline"]:
         b = result["baseline"]
-        rows.append([f"transformers generate (static batches of {result['settings']['hf_batch_size']})",
-                     b["elapsed_s"], b["output_tok_s"], b["total_tok_s"]])
+        rows.append(
+            [
+                f"transformers generate (static batches of {result['settings']['hf_batch_size']})",
+                b["elapsed_s"],
+                b["output_tok_s"],
+                b["total_tok_s"],
+            ]
+        )
     if result.get("baseline_cb"):
         b = result["baseline_cb"]
-        rows.append(["transformers generate_batch (its continuous batching)", b["elapsed_s"], b["output_tok_s"],
-                     b["total_tok_s"]])
+        rows.append(
+            [
+                "transformers generate_batch (its continuous batching)",
+                b["elapsed_s"],
+                b["output_tok_s"],
+                b["total_tok_s"],
+            ]
+        )
     if result.get("floor"):
         f = result["floor"]
         total = (result["num_prompt_tokens"] + result["num_output_tokens"]) / f["elapsed_s"]
-        rows.append(["machine floor (weights once per step, linear FLOPs at peak)", f["elapsed_s"],
-                     f["output_tok_s"], total])
+        rows.append(
+            ["machine floor (weights once per step, linear FLOPs at peak)", f["elapsed_s"], f["output_tok_s"], total]
+        )
     return rows
 
 
@@ -250,8 +307,10 @@ def ratio_line(result: dict[str, Any]) -> str:
     if floor and floor["elapsed_s"] <= result["engine"]["elapsed_s"]:
         at = f"; the engine at {floor['elapsed_s'] / result['engine']['elapsed_s']:.0%} of the floor's speed"
     elif floor:  # a floor no run can beat: if one did, the bandwidth and peak were measured while others held cores
-        at = ("; the floor measured here is above the engine's time: bandwidth and matmul peak were measured under "
-              "other load, so it is no bound on this run")
+        at = (
+            "; the floor measured here is above the engine's time: bandwidth and matmul peak were measured under "
+            "other load, so it is no bound on this run"
+        )
     return "ratio engine / transformers (output tok/s): " + ", ".join(parts) + at
 
 
@@ -262,28 +321,37 @@ def load_line(result: dict[str, Any]) -> str:
         return ""
     before, after = (" / ".join(f"{x:.2f}" for x in load[k]) for k in ("before", "after"))
     busy = max(load["before"][0], load["after"][0]) > (os.cpu_count() or 1)
-    return (f"Load average (1 / 5 / 15 min) before: {before}, after: {after}, on {os.cpu_count()} cores"
-            + (": above the core count, other work shared the machine during these runs" if busy else ""))
+    return f"Load average (1 / 5 / 15 min) before: {before}, after: {after}, on {os.cpu_count()} cores" + (
+        ": above the core count, other work shared the machine during these runs" if busy else ""
+    )
 
 
-_HEAD = ("{model}: {num_requests} requests, prompts {input_len_range}, outputs {output_len_range} ({num_prompt_tokens} "
-         "prompt + {num_output_tokens} output tokens), median of {runs}")
-_DOCS = ("Model {model}, fp32; {num_requests} requests, seed {seed}, prompt lengths {input_len_range[0]}.."
-         "{input_len_range[1]}, output lengths {output_len_range[0]}..{output_len_range[1]} (greedy, EOS ignored): "
-         "{num_prompt_tokens} prompt and {num_output_tokens} output tokens. Engine: all requests at once, "
-         "max_num_batched_tokens={max_num_batched_tokens}. transformers: `generate` in arrival-order batches of "
-         "{hf_batch_size}, left-padded, min_new_tokens = max_new_tokens = the batch's longest output; only requested "
-         "tokens count. transformers generate_batch: the same requests at once through transformers' continuous "
-         "batching (paged cache, its own scheduler), its cache sized to hold them all and its token budget "
-         "max_batch_tokens={max_num_batched_tokens}, built and warmed up before the timings as the engine is. "
-         "Median of {runs} alternating runs. Machine floor: the longest request's output steps each read every "
-         "weight once at the read bandwidth measured here, or every token's linear-layer FLOPs at the fp32 matmul "
-         "peak measured here, whichever is longer (attention left out: the true floor is higher).{note}")
+_HEAD = (
+    "{model}: {num_requests} requests, prompts {input_len_range}, outputs {output_len_range} ({num_prompt_tokens} "
+    "prompt + {num_output_tokens} output tokens), median of {runs}"
+)
+_DOCS = (
+    "Model {model}, fp32; {num_requests} requests, seed {seed}, prompt lengths {input_len_range[0]}.."
+    "{input_len_range[1]}, output lengths {output_len_range[0]}..{output_len_range[1]} (greedy, EOS ignored): "
+    "{num_prompt_tokens} prompt and {num_output_tokens} output tokens. Engine: all requests at once, "
+    "max_num_batched_tokens={max_num_batched_tokens}. transformers: `generate` in arrival-order batches of "
+    "{hf_batch_size}, left-padded, min_new_tokens = max_new_tokens = the batch's longest output; only requested "
+    "tokens count. transformers generate_batch: the same requests at once through transformers' continuous "
+    "batching (paged cache, its own scheduler), its cache sized to hold them all and its token budget "
+    "max_batch_tokens={max_num_batched_tokens}, built and warmed up before the timings as the engine is. "
+    "Median of {runs} alternating runs. Machine floor: the longest request's output steps each read every "
+    "weight once at the read bandwidth measured here, or every token's linear-layer FLOPs at the fp32 matmul "
+    "peak measured here, whichever is longer (attention left out: the true floor is higher).{note}"
+)
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
-    return [described(result, _HEAD, _DOCS), Table(_HEADERS, _rows(result)), bold(ratio_line(result)),
-            Line(load_line(result))]
+    return [
+        described(result, _HEAD, _DOCS),
+        Table(_HEADERS, _rows(result)),
+        bold(ratio_line(result)),
+        Line(load_line(result)),
+    ]
 
 
 format_text, format_markdown = formatters("Throughput: engine vs transformers", _parts)

@@ -23,6 +23,7 @@ every measured configuration. The reproducing command re-runs exactly the winner
 With `--executor simulated --hardware ... --tensor-parallel-size N` (bench serve's flags) every run is the engine's
 scheduler and KV cache over the simulated executor's cost model: a deployment no laptop holds is tuned in seconds,
 every latency is simulated time, and the same flags give the same table."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,20 @@ import os
 import re
 import shlex
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from workbench.bench.args import (EXECUTOR_FLAGS, add_common_args, add_executor_args, executor_text,
-                                  non_negative_int, positive_int, run_with_flags)
+from workbench.bench.args import (
+    EXECUTOR_FLAGS,
+    add_common_args,
+    add_executor_args,
+    executor_text,
+    non_negative_int,
+    positive_int,
+    run_with_flags,
+)
 from workbench.bench.report import Line, Part, Table, bold, described, docs_only, formatters, percentile
 
 HELP = "search the engine's knobs for the most goodput under latency SLOs (vLLM's auto_tune)"
@@ -96,8 +105,10 @@ def parse_slo(items: Sequence[str]) -> dict[str, float]:
         if not sep:
             raise ValueError(f"--slo: {item!r}: expected KEY:MS, e.g. ttft_p99:1000")
         if not _SLO_KEY.match(key):
-            raise ValueError(f"--slo: unknown key {key!r}: expected METRIC_STAT with METRIC one of "
-                             f"{', '.join(METRICS)} and STAT mean, median or pNN (e.g. ttft_p99, itl_median)")
+            raise ValueError(
+                f"--slo: unknown key {key!r}: expected METRIC_STAT with METRIC one of "
+                f"{', '.join(METRICS)} and STAT mean, median or pNN (e.g. ttft_p99, itl_median)"
+            )
         try:
             ms = float(value)
         except ValueError:
@@ -121,8 +132,12 @@ def slo_statistic(samples_ms: Sequence[float], stat: str) -> float:
 
 def _samples_ms(results: Sequence[Any]) -> dict[str, list[float]]:
     ok = [r for r in results if r.success]
-    return {"ttft": [r.ttft * 1e3 for r in ok], "tpot": [r.tpot * 1e3 for r in ok if r.output_len > 1],
-            "itl": [g * 1e3 for r in ok for g in r.itl], "e2el": [r.e2el * 1e3 for r in ok]}
+    return {
+        "ttft": [r.ttft * 1e3 for r in ok],
+        "tpot": [r.tpot * 1e3 for r in ok if r.output_len > 1],
+        "itl": [g * 1e3 for r in ok for g in r.itl],
+        "e2el": [r.e2el * 1e3 for r in ok],
+    }
 
 
 def slo_values(results: Sequence[Any], keys: Sequence[str]) -> dict[str, float]:
@@ -153,8 +168,10 @@ def engine_settings(config: dict[str, Any], speculative_method: str = "ngram") -
     """The EngineConfig fields of one configuration of the knobs."""
     kwargs = {k: v for k, v in config.items() if k != "num_speculative_tokens"}
     if config["num_speculative_tokens"]:
-        kwargs["speculative_config"] = {"method": speculative_method,
-                                        "num_speculative_tokens": config["num_speculative_tokens"]}
+        kwargs["speculative_config"] = {
+            "method": speculative_method,
+            "num_speculative_tokens": config["num_speculative_tokens"],
+        }
     return kwargs
 
 
@@ -183,8 +200,9 @@ class PruneRule:
         return rest == self.others and (config[self.knob] - self.value) * self.direction > 0
 
 
-def prune_rules(config: dict[str, Any], failed: dict[str, float], slos: dict[str, float],
-                space: dict[str, Sequence[Any]]) -> list[PruneRule]:
+def prune_rules(
+    config: dict[str, Any], failed: dict[str, float], slos: dict[str, float], space: dict[str, Sequence[Any]]
+) -> list[PruneRule]:
     """The rules a configuration's failed SLOs (key -> measured ms) give, one per ordered knob and direction."""
     rules = []
     for key, measured in failed.items():
@@ -196,8 +214,10 @@ def prune_rules(config: dict[str, Any], failed: dict[str, float], slos: dict[str
                 continue
             others = tuple(v for name, v in config.items() if name != knob.name)
             side = "larger" if direction > 0 else "smaller"
-            reason = (f"{knob.name}={config[knob.name]} failed {key} ({measured:.0f} ms > {slos[key]:g} ms); "
-                      f"a {side} value only makes it worse")
+            reason = (
+                f"{knob.name}={config[knob.name]} failed {key} ({measured:.0f} ms > {slos[key]:g} ms); "
+                f"a {side} value only makes it worse"
+            )
             rules.append(PruneRule(knob.name, config[knob.name], direction, others, reason))
     return rules
 
@@ -217,22 +237,33 @@ def _rank(point: dict[str, Any], primary: str) -> tuple:
 
 def pareto_front(points: Sequence[dict[str, Any]], primary: str) -> list[dict[str, Any]]:
     """The measured points no other point dominates on (higher goodput, lower `primary` statistic), by latency."""
+
     def dominated(p: dict[str, Any]) -> bool:
-        return any(q["goodput"] >= p["goodput"] and q["values"][primary] <= p["values"][primary]
-                   and (q["goodput"] > p["goodput"] or q["values"][primary] < p["values"][primary]) for q in points)
+        return any(
+            q["goodput"] >= p["goodput"]
+            and q["values"][primary] <= p["values"][primary]
+            and (q["goodput"] > p["goodput"] or q["values"][primary] < p["values"][primary])
+            for q in points
+        )
 
     return sorted((p for p in points if not dominated(p)), key=lambda p: p["values"][primary])
 
 
 def search_order(space: dict[str, Sequence[Any]], incumbent: dict[str, Any]) -> list[dict[str, Any]]:
     """One pass: for each knob in turn, every candidate value with the other knobs at `incumbent`."""
-    return [{**incumbent, knob: value} for knob, values in space.items() for value in values
-            if value != incumbent[knob]]
+    return [
+        {**incumbent, knob: value} for knob, values in space.items() for value in values if value != incumbent[knob]
+    ]
 
 
-def tune(space: dict[str, Sequence[Any]], measure: Callable[[dict[str, Any]], dict[str, Any] | None],
-         slos: dict[str, float], max_runs: int, primary: str,
-         progress: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
+def tune(
+    space: dict[str, Sequence[Any]],
+    measure: Callable[[dict[str, Any]], dict[str, Any] | None],
+    slos: dict[str, float],
+    max_runs: int,
+    primary: str,
+    progress: Callable[[dict[str, Any]], None] = lambda _: None,
+) -> dict[str, Any]:
     """The search itself, on any `measure(config) -> {"goodput", "values": {slo key: ms}, ...}` (None: the engine
     refused the configuration; no run spent). Returns the measured points in order, the pruned and refused
     configurations, and the best point."""
@@ -256,8 +287,14 @@ def tune(space: dict[str, Sequence[Any]], measure: Callable[[dict[str, Any]], di
             return None
         values = measured["values"]
         failed = {k: values[k] for k, ms in slos.items() if values[k] > ms}
-        point = {**measured, "config": config, "feasible": not failed, "failed": sorted(failed),
-                 "violation": violation(values, slos), "run": len(points) + 1}
+        point = {
+            **measured,
+            "config": config,
+            "feasible": not failed,
+            "failed": sorted(failed),
+            "violation": violation(values, slos),
+            "run": len(points) + 1,
+        }
         points.append(point)
         rules.extend(prune_rules(config, failed, slos, space))
         progress(point)
@@ -314,8 +351,13 @@ def trace_workload(path: str, tokenizer: Any, seed: int = 0) -> tuple[list[Any],
     order = sorted(added.values(), key=lambda e: e.arrival_ns)
     rng = random.Random(seed)
     low, high = token_id_range(tokenizer)
-    requests = [BenchRequest([rng.randrange(low, high) for _ in range(e.num_prompt_tokens)],
-                             max(1, finished.get(e.request_id, e.max_tokens))) for e in order]
+    requests = [
+        BenchRequest(
+            [rng.randrange(low, high) for _ in range(e.num_prompt_tokens)],
+            max(1, finished.get(e.request_id, e.max_tokens)),
+        )
+        for e in order
+    ]
     return requests, [(e.arrival_ns - order[0].arrival_ns) / 1e9 for e in order]
 
 
@@ -334,9 +376,18 @@ def workload_tokenizer(model: str, engine_kwargs: dict[str, Any]) -> Any:
     return AutoTokenizer.from_pretrained(resolve_model(model))
 
 
-def measure_config(model: str, config: dict[str, Any], requests: Sequence[Any], arrivals: Sequence[float],
-                   slos: dict[str, float], goodput: dict[str, float], seed: int, max_concurrency: int | None,
-                   engine_kwargs: dict[str, Any], speculative_method: str = "ngram") -> dict[str, Any]:
+def measure_config(
+    model: str,
+    config: dict[str, Any],
+    requests: Sequence[Any],
+    arrivals: Sequence[float],
+    slos: dict[str, float],
+    goodput: dict[str, float],
+    seed: int,
+    max_concurrency: int | None,
+    engine_kwargs: dict[str, Any],
+    speculative_method: str = "ngram",
+) -> dict[str, Any]:
     """One run: an engine with `config`, warmed up on two requests, serves the workload once; its goodput, SLO
     statistics and vLLM's serving metrics."""
     from engine import LLM
@@ -348,17 +399,35 @@ def measure_config(model: str, config: dict[str, Any], requests: Sequence[Any], 
     metrics = compute_metrics(results, duration, goodput or None)
     rate = metrics["request_goodput"] if goodput else metrics["request_throughput"]
     keys = list(dict.fromkeys([*slos, "ttft_p99", "itl_p99"]))
-    return {"goodput": rate, "values": slo_values(results, keys), "output_throughput": metrics["output_throughput"],
-            "completed": metrics["completed"], "duration": duration}
+    return {
+        "goodput": rate,
+        "values": slo_values(results, keys),
+        "output_throughput": metrics["output_throughput"],
+        "completed": metrics["completed"],
+        "duration": duration,
+    }
 
 
-def run_tune(model: str = "smollm2-135m", dataset: str = "random", num_requests: int = 32,
-             dataset_args: dict[str, Any] | None = None, request_rate: float = 4.0, burstiness: float = 1.0,
-             max_concurrency: int | None = None, trace: str | None = None, slos: dict[str, float] | None = None,
-             goodput: dict[str, float] | None = None, space: dict[str, Sequence[Any]] | None = None,
-             max_runs: int = 8, seed: int = 0, speculative_method: str = "ngram",
-             engine_kwargs: dict[str, Any] | None = None, workload_argv: Sequence[str] = (),
-             log: Callable[[str], None] = print, progress: bool = True) -> dict[str, Any]:
+def run_tune(
+    model: str = "smollm2-135m",
+    dataset: str = "random",
+    num_requests: int = 32,
+    dataset_args: dict[str, Any] | None = None,
+    request_rate: float = 4.0,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    trace: str | None = None,
+    slos: dict[str, float] | None = None,
+    goodput: dict[str, float] | None = None,
+    space: dict[str, Sequence[Any]] | None = None,
+    max_runs: int = 8,
+    seed: int = 0,
+    speculative_method: str = "ngram",
+    engine_kwargs: dict[str, Any] | None = None,
+    workload_argv: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Tune the knobs in `space` (default: KNOBS' defaults) on one workload under `slos` (key -> ms), spending at
     most `max_runs` runs; returns the settings, every measured point, the pruned and refused configurations, the
     best point (or the closest, flagged infeasible), the Pareto front and the commands that reproduce the winner.
@@ -385,27 +454,42 @@ def run_tune(model: str = "smollm2-135m", dataset: str = "random", num_requests:
         arrivals = request_arrivals(num_requests, request_rate, burstiness, seed)
 
     def measure(config: dict[str, Any]) -> dict[str, Any]:
-        return measure_config(model, config, requests, arrivals, slos, bounds, seed, max_concurrency,
-                              engine_kwargs, speculative_method)
+        return measure_config(
+            model, config, requests, arrivals, slos, bounds, seed, max_concurrency, engine_kwargs, speculative_method
+        )
 
     with tqdm(total=max_runs, desc="tune", unit="run", disable=not progress) as bar:
+
         def report(point: dict[str, Any]) -> None:
             bar.update(1)
             bar.set_postfix_str(f"goodput {point['goodput']:.2f} req/s, {primary} {point['values'][primary]:.0f} ms")
-            log(f"run {point['run']}: {_describe(point['config'])}: goodput {point['goodput']:.2f} req/s, "
+            log(
+                f"run {point['run']}: {_describe(point['config'])}: goodput {point['goodput']:.2f} req/s, "
                 + ", ".join(f"{k} {v:.0f} ms" for k, v in point["values"].items() if k in slos or k == primary)
-                + ("" if point["feasible"] else f" (fails {', '.join(point['failed'])})"))
+                + ("" if point["feasible"] else f" (fails {', '.join(point['failed'])})")
+            )
 
         search = tune(space, measure, slos, max_runs, primary, report)
     best = search["best"]
     result = {
         "model": model,
-        "settings": {"dataset": dataset if trace is None else "trace", "num_requests": len(requests),
-                     "dataset_args": {**DATASET_DEFAULTS[dataset], **(dataset_args or {})} if trace is None else {},
-                     "request_rate": request_rate, "burstiness": burstiness, "max_concurrency": max_concurrency,
-                     "trace": trace, "slos": slos, "goodput": bounds, "primary": primary, "max_runs": max_runs,
-                     "seed": seed, "space": space, "speculative_method": speculative_method,
-                     "engine_kwargs": engine_kwargs},
+        "settings": {
+            "dataset": dataset if trace is None else "trace",
+            "num_requests": len(requests),
+            "dataset_args": {**DATASET_DEFAULTS[dataset], **(dataset_args or {})} if trace is None else {},
+            "request_rate": request_rate,
+            "burstiness": burstiness,
+            "max_concurrency": max_concurrency,
+            "trace": trace,
+            "slos": slos,
+            "goodput": bounds,
+            "primary": primary,
+            "max_runs": max_runs,
+            "seed": seed,
+            "space": space,
+            "speculative_method": speculative_method,
+            "engine_kwargs": engine_kwargs,
+        },
         **search,
         "front": pareto_front(search["points"], primary),
         "command": reproduce_command(best["config"], workload_argv) if best else None,
@@ -435,10 +519,29 @@ def reproduce_command(config: dict[str, Any], workload_argv: Sequence[str]) -> s
 
 
 # the flags that define the workload, the SLOs and the engine outside the search space, as `workload_argv` repeats them
-_WORKLOAD_FLAGS = ("model", *EXECUTOR_FLAGS, "seed", "num_kv_blocks", "dataset_name", "num_prompts", "request_rate",
-                   "burstiness", "max_concurrency", "random_input_len", "random_output_len", "random_range_ratio",
-                   "prefix_repetition_prefix_len", "prefix_repetition_suffix_len", "prefix_repetition_num_prefixes",
-                   "prefix_repetition_output_len", "json_output_len", "trace", "slo", "goodput", "speculative_method")
+_WORKLOAD_FLAGS = (
+    "model",
+    *EXECUTOR_FLAGS,
+    "seed",
+    "num_kv_blocks",
+    "dataset_name",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "random_input_len",
+    "random_output_len",
+    "random_range_ratio",
+    "prefix_repetition_prefix_len",
+    "prefix_repetition_suffix_len",
+    "prefix_repetition_num_prefixes",
+    "prefix_repetition_output_len",
+    "json_output_len",
+    "trace",
+    "slo",
+    "goodput",
+    "speculative_method",
+)
 
 
 def workload_argv(args: argparse.Namespace) -> list[str]:
@@ -461,13 +564,18 @@ def serve_command(model: str, config: dict[str, Any], engine_kwargs: dict[str, A
     argv = [item for name in knobs for item in (_flag(name), str(config[name]))]
     kw = engine_kwargs or {}
     if kw.get("executor") != "simulated":
-        return "workbench " + shlex.join(["serve", model, *argv] + ([] if config["enable_prefix_caching"]
-                                                                    else ["--no-prefix-caching"]))
+        return "workbench " + shlex.join(
+            ["serve", model, *argv] + ([] if config["enable_prefix_caching"] else ["--no-prefix-caching"])
+        )
     from engine.executor.sim.model_spec import builtin_models
 
     hub_id = builtin_models().get(model.lower(), {}).get("_name_or_path", model)
-    argv += [item for name in ("tensor_parallel_size", "gpu_memory_utilization") if kw.get(name) is not None
-             for item in (_flag(name), str(kw[name]))]
+    argv += [
+        item
+        for name in ("tensor_parallel_size", "gpu_memory_utilization")
+        if kw.get(name) is not None
+        for item in (_flag(name), str(kw[name]))
+    ]
     argv += [] if config["enable_prefix_caching"] else ["--no-enable-prefix-caching"]
     return shlex.join(["vllm", "serve", hub_id, *argv])
 
@@ -480,24 +588,47 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_executor_args(parser)
     add_workload_args(parser)
     parser.set_defaults(num_prompts=32, request_rate=4.0)
-    parser.add_argument("--trace", default=None, help="a JSONL step trace: its requests' arrivals and lengths are "
-                        "the workload (instead of --dataset-name)")
-    parser.add_argument("--slo", nargs="+", default=[], metavar="KEY:MS",
-                        help="latency SLOs, METRIC_STAT:MS with METRIC ttft, tpot, itl or e2el and STAT mean, median "
-                        "or pNN (e.g. ttft_p99:1000 itl_p99:200)")
-    parser.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
-                        help="per-request bounds goodput counts (vLLM's, e.g. ttft:1000 tpot:100; default: the "
-                        "--slo bounds of ttft, tpot and e2el)")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="a JSONL step trace: its requests' arrivals and lengths are the workload (instead of --dataset-name)",
+    )
+    parser.add_argument(
+        "--slo",
+        nargs="+",
+        default=[],
+        metavar="KEY:MS",
+        help="latency SLOs, METRIC_STAT:MS with METRIC ttft, tpot, itl or e2el and STAT mean, median "
+        "or pNN (e.g. ttft_p99:1000 itl_p99:200)",
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="METRIC:MS",
+        help="per-request bounds goodput counts (vLLM's, e.g. ttft:1000 tpot:100; default: the "
+        "--slo bounds of ttft, tpot and e2el)",
+    )
     parser.add_argument("--max-runs", type=positive_int, default=8, help="measured runs at most (default: 8)")
     parser.add_argument("--speculative-method", default="ngram", help="proposer when num_speculative_tokens > 0")
     knobs = parser.add_argument_group("search space: each knob's candidates (default: shown)")
     for knob in KNOBS:
         shown = " ".join(_value(v) for v in knob.default)
-        knobs.add_argument(_flag(knob.name), type=knob.parse, nargs="+", default=None, metavar="V",
-                           help=f"{knob.help} (default: {shown})")
+        knobs.add_argument(
+            _flag(knob.name),
+            type=knob.parse,
+            nargs="+",
+            default=None,
+            metavar="V",
+            help=f"{knob.help} (default: {shown})",
+        )
     parser.add_argument("--output-json", default=None, metavar="PATH", help="write the result as JSON here")
-    parser.add_argument("--plot", default=None, help="PNG of the Pareto front and the sweep, where /usr/bin/chromium "
-                        "renders it (default with --write-docs: img/tune.png beside the docs)")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        help="PNG of the Pareto front and the sweep, where /usr/bin/chromium "
+        "renders it (default with --write-docs: img/tune.png beside the docs)",
+    )
 
 
 def plot_png(result: dict[str, Any], path: str | Path) -> str | None:
@@ -513,9 +644,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     from workbench.bench.serve import dataset_args, parse_goodput
 
     space = {k.name: list(dict.fromkeys(getattr(args, k.name))) for k in KNOBS if getattr(args, k.name)}
-    result = run_with_flags(run_tune, args, dataset=args.dataset_name, num_requests=args.num_prompts,
-                            dataset_args=dataset_args(args), slos=parse_slo(args.slo),
-                            goodput=parse_goodput(args.goodput), space=space, workload_argv=workload_argv(args))
+    result = run_with_flags(
+        run_tune,
+        args,
+        dataset=args.dataset_name,
+        num_requests=args.num_prompts,
+        dataset_args=dataset_args(args),
+        slos=parse_slo(args.slo),
+        goodput=parse_goodput(args.goodput),
+        space=space,
+        workload_argv=workload_argv(args),
+    )
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
     plot = args.plot or (str(Path(args.docs_path).parent / "img" / "tune.png") if args.write_docs else None)
@@ -537,8 +676,10 @@ def _workload_text(result: dict[str, Any]) -> str:
         return f"{result['model']}: the {s['num_requests']} requests of trace {s['trace']} at their recorded arrivals"
     rate = "all at once" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g} req/s"
     given = ", ".join(f"{k}={v}" for k, v in s["dataset_args"].items())
-    return (f"{result['model']}: {s['num_requests']} requests of the {s['dataset']} dataset ({given}) at {rate} "
-            f"(seed {s['seed']})")
+    return (
+        f"{result['model']}: {s['num_requests']} requests of the {s['dataset']} dataset ({given}) at {rate} "
+        f"(seed {s['seed']})"
+    )
 
 
 def _simulated_text(result: dict[str, Any]) -> str:
@@ -546,8 +687,19 @@ def _simulated_text(result: dict[str, Any]) -> str:
     return f". {simulated} (latencies are simulated time, not this machine's)" if simulated else ""
 
 
-_HEADERS = ("run", "max_num_batched_tokens", "max_num_seqs", "long_prefill", "prefix caching", "spec tokens",
-            "block", "goodput req/s", "output tok/s", "SLOs", "Pareto")
+_HEADERS = (
+    "run",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "long_prefill",
+    "prefix caching",
+    "spec tokens",
+    "block",
+    "goodput req/s",
+    "output tok/s",
+    "SLOs",
+    "Pareto",
+)
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
@@ -556,12 +708,25 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
     rows = []
     for p in result["points"]:
         c = p["config"]
-        slo = ", ".join(f"{k} {v:.0f}" for k, v in p["values"].items() if k in result["settings"]["slos"]) \
+        slo = (
+            ", ".join(f"{k} {v:.0f}" for k, v in p["values"].items() if k in result["settings"]["slos"])
             or f"{primary} {p['values'][primary]:.0f}"
-        rows.append([p["run"], c["max_num_batched_tokens"], c["max_num_seqs"], c["long_prefill_token_threshold"],
-                     _value(c["enable_prefix_caching"]), c["num_speculative_tokens"], c["block_size"], p["goodput"],
-                     p["output_throughput"], slo + (" ok" if p["feasible"] else " FAIL"),
-                     "yes" if p["run"] in on_front else ""])
+        )
+        rows.append(
+            [
+                p["run"],
+                c["max_num_batched_tokens"],
+                c["max_num_seqs"],
+                c["long_prefill_token_threshold"],
+                _value(c["enable_prefix_caching"]),
+                c["num_speculative_tokens"],
+                c["block_size"],
+                p["goodput"],
+                p["output_throughput"],
+                slo + (" ok" if p["feasible"] else " FAIL"),
+                "yes" if p["run"] in on_front else "",
+            ]
+        )
     return rows
 
 
@@ -573,40 +738,70 @@ def verdict(result: dict[str, Any]) -> str:
     if not best["feasible"]:
         slos = result["settings"]["slos"]
         misses = ", ".join(f"{k} {best['values'][k]:.0f} ms > {slos[k]:g} ms" for k in best["failed"])
-        return (f"no configuration meets {', '.join(f'{k} <= {v:g} ms' for k, v in slos.items())}; the closest, "
-                f"run {best['run']} ({_describe(best['config'])}), misses by {best['violation']:.2f}x: {misses}")
-    return (f"best: run {best['run']}, {_describe(best['config'])}: goodput {best['goodput']:.2f} req/s, "
-            + ", ".join(f"{k} {v:.0f} ms" for k, v in best["values"].items() if k in result["settings"]["slos"]))
+        return (
+            f"no configuration meets {', '.join(f'{k} <= {v:g} ms' for k, v in slos.items())}; the closest, "
+            f"run {best['run']} ({_describe(best['config'])}), misses by {best['violation']:.2f}x: {misses}"
+        )
+    return f"best: run {best['run']}, {_describe(best['config'])}: goodput {best['goodput']:.2f} req/s, " + ", ".join(
+        f"{k} {v:.0f} ms" for k, v in best["values"].items() if k in result["settings"]["slos"]
+    )
 
 
 def _pruned_text(result: dict[str, Any]) -> str:
     lines = [f"pruned without a run: {_describe(p['config'])} ({p['reason']})" for p in result["pruned"]]
     lines += [f"refused by the engine: {_describe(p['config'])} ({p['reason']})" for p in result["refused"]]
-    lines.append(f"{len(result['points'])} run(s) of at most {result['settings']['max_runs']}; "
-                 f"{result['untried']} configuration(s) of the space neither run nor pruned")
+    lines.append(
+        f"{len(result['points'])} run(s) of at most {result['settings']['max_runs']}; "
+        f"{result['untried']} configuration(s) of the space neither run nor pruned"
+    )
     return "\n".join(lines)
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
     from workbench.bench.throughput import load_line
 
-    plot = f"![the Pareto front of goodput against {result['settings']['primary']}, and the sweep run by run]" \
-        f"(img/{Path(result['plot']).name})" if result.get("plot") else ""
-    command = [Line(f"reproduce: {result['command']}\ndeploy: {result['serve_command']}",
-                    f"Reproduce the winner: `{result['command']}`; deploy it: `{result['serve_command']}`")
-               ] if result["command"] else []
+    plot = (
+        f"![the Pareto front of goodput against {result['settings']['primary']}, and the sweep run by run]"
+        f"(img/{Path(result['plot']).name})"
+        if result.get("plot")
+        else ""
+    )
+    command = (
+        [
+            Line(
+                f"reproduce: {result['command']}\ndeploy: {result['serve_command']}",
+                f"Reproduce the winner: `{result['command']}`; deploy it: `{result['serve_command']}`",
+            )
+        ]
+        if result["command"]
+        else []
+    )
     simulated = _simulated_text(result)
     load = [] if simulated else [Line(load_line(result))]  # simulated time does not move with the machine's load
-    return [described(result, "{workload}; {slo}{simulated}", _DOCS, workload=_workload_text(result),
-                      slo=_slo_text(result), simulated=simulated),
-            Table(_HEADERS, _rows(result)), bold(verdict(result)), *command, Line(_pruned_text(result)), *load,
-            docs_only(plot)]
+    return [
+        described(
+            result,
+            "{workload}; {slo}{simulated}",
+            _DOCS,
+            workload=_workload_text(result),
+            slo=_slo_text(result),
+            simulated=simulated,
+        ),
+        Table(_HEADERS, _rows(result)),
+        bold(verdict(result)),
+        *command,
+        Line(_pruned_text(result)),
+        *load,
+        docs_only(plot),
+    ]
 
 
-_DOCS = ("{workload}; {slo}{simulated}. One engine per configuration, warmed up on two requests, serves the workload "
-         "once; the search starts at the engine's defaults and varies one knob at a time around the best so far, then, "
-         "with runs left, configurations that change several knobs, nearest first; a "
-         "failed ITL/TPOT SLO prunes larger budgets and sequence caps, a failed TTFT SLO smaller ones. Pareto: no "
-         "other run has both more goodput and a lower {primary}.{note}")
+_DOCS = (
+    "{workload}; {slo}{simulated}. One engine per configuration, warmed up on two requests, serves the workload "
+    "once; the search starts at the engine's defaults and varies one knob at a time around the best so far, then, "
+    "with runs left, configurations that change several knobs, nearest first; a "
+    "failed ITL/TPOT SLO prunes larger budgets and sequence caps, a failed TTFT SLO smaller ones. Pareto: no "
+    "other run has both more goodput and a lower {primary}.{note}"
+)
 
 format_text, format_markdown = formatters("Tuning: the most goodput under latency SLOs (`workbench tune`)", _parts)

@@ -3,6 +3,7 @@ against the first SLO's statistic, every run a point, the front a line, the winn
 orange one when none meets the SLOs, the SLO bound dotted) and the sweep (each run in search order, its first SLO
 statistic against the bound). Bokeh draws on a canvas, so the PNG is taken by headless Chromium (playwright drives
 /usr/bin/chromium, as the browser tests do)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,8 +12,16 @@ from pathlib import Path
 from typing import Any
 
 CHROMIUM = Path("/usr/bin/chromium")
-_CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+_CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 FEASIBLE, FAILED, WINNER, CLOSEST = "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e"
 
 
@@ -21,18 +30,27 @@ def _points(points: list[dict[str, Any]], primary: str) -> Any:
     from bokeh.models import ColumnDataSource
 
     knobs = {name: [str(p["config"][name]) for p in points] for name in (points[0]["config"] if points else {})}
-    return ColumnDataSource({
-        "run": [p["run"] for p in points], "label": [str(p["run"]) for p in points],
-        "latency": [p["values"][primary] for p in points], "goodput": [p["goodput"] for p in points],
-        "color": [FEASIBLE if p["feasible"] else FAILED for p in points],
-        "status": ["meets every SLO" if p["feasible"] else "fails " + ", ".join(p["failed"]) for p in points],
-        **knobs})
+    return ColumnDataSource(
+        {
+            "run": [p["run"] for p in points],
+            "label": [str(p["run"]) for p in points],
+            "latency": [p["values"][primary] for p in points],
+            "goodput": [p["goodput"] for p in points],
+            "color": [FEASIBLE if p["feasible"] else FAILED for p in points],
+            "status": ["meets every SLO" if p["feasible"] else "fails " + ", ".join(p["failed"]) for p in points],
+            **knobs,
+        }
+    )
 
 
 def _tooltips(result: dict[str, Any]) -> list[tuple[str, str]]:
     knobs = result["points"][0]["config"] if result["points"] else {}
-    return [("run", "@run"), ("goodput", "@goodput{0.00} req/s"), ("", "@status"),
-            *((name, f"@{name}") for name in knobs)]
+    return [
+        ("run", "@run"),
+        ("goodput", "@goodput{0.00} req/s"),
+        ("", "@status"),
+        *((name, f"@{name}") for name in knobs),
+    ]
 
 
 def _unit(result: dict[str, Any]) -> str:
@@ -46,23 +64,52 @@ def pareto_figure(result: dict[str, Any]) -> Any:
     from bokeh.plotting import figure
 
     primary, slos = result["settings"]["primary"], result["settings"]["slos"]
-    fig = figure(title=f"Pareto front: goodput against {primary}", width=480, height=360, tooltips=_tooltips(result),
-                 x_axis_label=f"{primary} ({_unit(result)})", y_axis_label="goodput (req/s)")
+    fig = figure(
+        title=f"Pareto front: goodput against {primary}",
+        width=480,
+        height=360,
+        tooltips=_tooltips(result),
+        x_axis_label=f"{primary} ({_unit(result)})",
+        y_axis_label="goodput (req/s)",
+    )
     front = result["front"]
-    fig.line([p["values"][primary] for p in front], [p["goodput"] for p in front], color="grey", line_dash="dashed",
-             line_width=2, legend_label="Pareto front", name="front")
+    fig.line(
+        [p["values"][primary] for p in front],
+        [p["goodput"] for p in front],
+        color="grey",
+        line_dash="dashed",
+        line_width=2,
+        legend_label="Pareto front",
+        name="front",
+    )
     runs = []
     for feasible, label in ((True, "meets every SLO"), (False, "fails an SLO")):
         points = [p for p in result["points"] if p["feasible"] == feasible]
         if points:
-            runs.append(fig.scatter("latency", "goodput", source=_points(points, primary), color="color", size=10,
-                                    legend_label=label, name="feasible" if feasible else "failed"))
+            runs.append(
+                fig.scatter(
+                    "latency",
+                    "goodput",
+                    source=_points(points, primary),
+                    color="color",
+                    size=10,
+                    legend_label=label,
+                    name="feasible" if feasible else "failed",
+                )
+            )
     fig.hover.renderers = runs  # the hover reads the runs' columns, which the front and the star do not have
     best = result["best"]
     if best is not None:
-        fig.scatter([best["values"][primary]], [best["goodput"]], marker="star", size=22, line_color="black",
-                    fill_color=WINNER if best["feasible"] else CLOSEST,
-                    legend_label="winner" if best["feasible"] else "closest", name="winner")
+        fig.scatter(
+            [best["values"][primary]],
+            [best["goodput"]],
+            marker="star",
+            size=22,
+            line_color="black",
+            fill_color=WINNER if best["feasible"] else CLOSEST,
+            legend_label="winner" if best["feasible"] else "closest",
+            name="winner",
+        )
     if primary in slos:
         fig.add_layout(Span(location=slos[primary], dimension="height", line_color=FAILED, line_dash="dotted"))
     fig.x_range.range_padding = fig.y_range.range_padding = 0.15
@@ -77,9 +124,15 @@ def sweep_figure(result: dict[str, Any]) -> Any:
 
     primary, slos = result["settings"]["primary"], result["settings"]["slos"]
     source = _points(result["points"], primary)
-    fig = figure(title=f"The sweep: {primary} of each run, in search order", width=480, height=360,
-                 x_range=source.data["label"], tooltips=_tooltips(result), x_axis_label="run",
-                 y_axis_label=f"{primary} ({_unit(result)})")
+    fig = figure(
+        title=f"The sweep: {primary} of each run, in search order",
+        width=480,
+        height=360,
+        x_range=source.data["label"],
+        tooltips=_tooltips(result),
+        x_axis_label="run",
+        y_axis_label=f"{primary} ({_unit(result)})",
+    )
     fig.vbar(x="label", top="latency", width=0.7, source=source, color="color", legend_field="status", name="runs")
     if primary in slos:
         fig.add_layout(Span(location=slos[primary], dimension="width", line_color=FAILED, line_dash="dotted"))
@@ -123,8 +176,10 @@ def save_png(obj: Any, path: str | Path) -> str | None:
             page.goto(page_file.as_uri())
             # Bokeh's own export waits for the document to be idle: every renderer has drawn
             page.wait_for_function("() => window.Bokeh && Bokeh.documents.length && Bokeh.documents[0].is_idle")
-            width, height = page.evaluate("() => { const v = Bokeh.index.roots[0]; "
-                                          "const r = v.el.getBoundingClientRect(); return [r.right, r.bottom]; }")
+            width, height = page.evaluate(
+                "() => { const v = Bokeh.index.roots[0]; "
+                "const r = v.el.getBoundingClientRect(); return [r.right, r.bottom]; }"
+            )
             page.screenshot(path=str(path), clip={"x": 0, "y": 0, "width": width, "height": height})
         finally:
             browser.close()

@@ -7,6 +7,7 @@
   and the command that made them (`make test` checks this engine against them, without vLLM).
 - check: this engine against the recorded traces; exits 1 on any divergence.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,9 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from workbench.bench.args import non_negative_int, positive_int
 from workbench.fidelity.workload import GROUPS
@@ -42,23 +44,36 @@ def golden_workloads(group: str, count: int) -> list[dict[str, Any]]:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="fidelity_command", required=True, metavar="{run,record,check}")
-    for name, what in (("run", "compare with live vLLM on fresh seeded workloads"),
-                       ("record", "write vLLM's traces of the golden workloads to tests/fidelity/golden"),
-                       ("check", "compare with the recorded traces (no vLLM needed)")):
+    for name, what in (
+        ("run", "compare with live vLLM on fresh seeded workloads"),
+        ("record", "write vLLM's traces of the golden workloads to tests/fidelity/golden"),
+        ("check", "compare with the recorded traces (no vLLM needed)"),
+    ):
         p = sub.add_parser(name, help=what)
         groups = GROUPS if name == "run" else RECORDED_GROUPS
         p.add_argument("--groups", nargs="+", choices=groups, default=list(groups), help="coverage groups")
         if name != "check":
-            p.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON),
-                           help="the reference venv's python (`make vllm-ref`; default: %(default)s)")
+            p.add_argument(
+                "--vllm-python",
+                default=str(DEFAULT_VLLM_PYTHON),
+                help="the reference venv's python (`make vllm-ref`; default: %(default)s)",
+            )
         if name == "run":
             p.add_argument("--workloads", type=positive_int, default=1000, help="per group (default: %(default)s)")
-            p.add_argument("--start", type=non_negative_int, default=1000,
-                           help="first seed (default: %(default)s; the golden workloads use seeds from 0)")
+            p.add_argument(
+                "--start",
+                type=non_negative_int,
+                default=1000,
+                help="first seed (default: %(default)s; the golden workloads use seeds from 0)",
+            )
             p.add_argument("--write-docs", action="store_true", help="put the counts in docs/FIDELITY.md")
         if name == "record":
-            p.add_argument("--workloads", type=positive_int, default=10,
-                           help="per random group (default: %(default)s; the lessons are all recorded)")
+            p.add_argument(
+                "--workloads",
+                type=positive_int,
+                default=10,
+                help="per random group (default: %(default)s; the lessons are all recorded)",
+            )
         if name != "run":
             p.add_argument("--golden-dir", default=str(GOLDEN_DIR), help="default: %(default)s")
 
@@ -80,8 +95,10 @@ def run(args: argparse.Namespace, command: str, out: Callable[[str], None] = pri
             found += compare(workloads, run_vllm(workloads, args.vllm_python))
         rows.append((group, args.workloads, args.workloads - len(found), len(found), time.monotonic() - t0))
         divergences += found
-        out(f"{group}: {args.workloads - len(found)} of {args.workloads} workloads identical "
-            f"(seeds {args.start}-{args.start + args.workloads - 1}, {rows[-1][-1]:.0f} s)")
+        out(
+            f"{group}: {args.workloads - len(found)} of {args.workloads} workloads identical "
+            f"(seeds {args.start}-{args.start + args.workloads - 1}, {rows[-1][-1]:.0f} s)"
+        )
     for d in divergences[:10]:
         out(f"  {d}")
     if args.write_docs:
@@ -95,8 +112,12 @@ def run(args: argparse.Namespace, command: str, out: Callable[[str], None] = pri
 def format_markdown(rows: list[tuple], version: str, command: str) -> str:
     from workbench.bench.report import machine_info
 
-    lines = [f"`{command}`, vLLM {version}, {time.strftime('%Y-%m-%d')}, {machine_info().get('cpu', '')}", "",
-             "| group | workloads | identical at every step | divergent | seconds |", "|---|---|---|---|---|"]
+    lines = [
+        f"`{command}`, vLLM {version}, {time.strftime('%Y-%m-%d')}, {machine_info().get('cpu', '')}",
+        "",
+        "| group | workloads | identical at every step | divergent | seconds |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {g} | {n} | {same} | {diff} | {s:.0f} |" for g, n, same, diff, s in rows]
     return "\n".join(lines)
 
@@ -114,8 +135,12 @@ def record(args: argparse.Namespace, command: str, out: Callable[[str], None] = 
         traces = run_vllm(workloads, args.vllm_python)
         path = _golden_path(args.golden_dir, group)
         path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"vllm_version": version, "command": command, "group": group,
-               "cases": [{"workload": w, "trace": t} for w, t in zip(workloads, traces)]}
+        doc = {
+            "vllm_version": version,
+            "command": command,
+            "group": group,
+            "cases": [{"workload": w, "trace": t} for w, t in zip(workloads, traces)],
+        }
         path.write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
         out(f"wrote {len(workloads)} traces of vLLM {version} to {path}")
     return 0
@@ -135,8 +160,10 @@ def check(args: argparse.Namespace, command: str, out: Callable[[str], None] = p
         cases = doc["cases"]
         found = compare([c["workload"] for c in cases], [c["trace"] for c in cases])
         failed += len(found)
-        out(f"{group}: {len(cases) - len(found)} of {len(cases)} recorded vLLM {doc['vllm_version']} traces "
-            "matched at every step")
+        out(
+            f"{group}: {len(cases) - len(found)} of {len(cases)} recorded vLLM {doc['vllm_version']} traces "
+            "matched at every step"
+        )
         for d in found[:10]:
             out(f"  {d}")
     return 1 if failed else 0

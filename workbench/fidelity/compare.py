@@ -1,12 +1,14 @@
 """The first step where two traces of one workload part: which fields differ there, and both values."""
+
 from __future__ import annotations
 
 import json
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from workbench.fidelity.engine_side import run_workload
 
@@ -27,19 +29,21 @@ class Divergence:
         if self.step is None:
             return f"{self.workload}: vLLM ran {self.vllm['steps']} steps, this engine {self.engine['steps']}"
         first = self.fields[0]
-        return (f"{self.workload}: step {self.step} differs in {', '.join(self.fields)}; {first}: "
-                f"vLLM {json.dumps(self.vllm[first])[:300]} vs engine {json.dumps(self.engine[first])[:300]}")
+        return (
+            f"{self.workload}: step {self.step} differs in {', '.join(self.fields)}; {first}: "
+            f"vLLM {json.dumps(self.vllm[first])[:300]} vs engine {json.dumps(self.engine[first])[:300]}"
+        )
 
 
 def first_divergence(vllm: dict[str, Any], engine: dict[str, Any]) -> Divergence | None:
     for a, b in zip(vllm["steps"], engine["steps"]):
         if a != b:
             fields = [k for k in a if a.get(k) != b.get(k)] + [k for k in b if k not in a]
-            return Divergence(vllm["name"], a["step"], fields, {k: a.get(k) for k in fields},
-                              {k: b.get(k) for k in fields})
+            return Divergence(
+                vllm["name"], a["step"], fields, {k: a.get(k) for k in fields}, {k: b.get(k) for k in fields}
+            )
     if len(vllm["steps"]) != len(engine["steps"]) or vllm["outputs"] != engine["outputs"]:
-        return Divergence(vllm["name"], None, ["steps"], {"steps": len(vllm["steps"])},
-                          {"steps": len(engine["steps"])})
+        return Divergence(vllm["name"], None, ["steps"], {"steps": len(vllm["steps"])}, {"steps": len(engine["steps"])})
     return None
 
 
@@ -58,8 +62,12 @@ def run_vllm(workloads: Iterable[dict[str, Any]], vllm_python: str) -> list[dict
 
 
 def vllm_version(vllm_python: str) -> str:
-    done = subprocess.run([vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return done.stdout.strip()
 
 

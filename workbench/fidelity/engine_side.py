@@ -8,9 +8,11 @@ recording at every step what vLLM's side records (tests/fidelity/vllm_driver.py)
 - finished: [request id, reason] in the order they finished (aborts before the step first);
 - free_blocks and free_queue: the free block count and the free queue's block ids, head first.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from engine import LLMEngine, SamplingParams
 from engine.core.block_hash import hash_hex
@@ -20,34 +22,58 @@ def make_engine(workload: dict[str, Any]) -> LLMEngine:
     c = workload["config"]
     scripts = {r["request_id"]: r["output_token_ids"] for r in workload["requests"]}
     return LLMEngine(
-        executor="scripted", token_script=scripts, num_kv_blocks=c["num_blocks"], block_size=c["block_size"],
-        max_num_batched_tokens=c["max_num_batched_tokens"], max_num_seqs=c["max_num_seqs"],
-        max_model_len=c["max_model_len"], enable_chunked_prefill=c["enable_chunked_prefill"],
+        executor="scripted",
+        token_script=scripts,
+        num_kv_blocks=c["num_blocks"],
+        block_size=c["block_size"],
+        max_num_batched_tokens=c["max_num_batched_tokens"],
+        max_num_seqs=c["max_num_seqs"],
+        max_model_len=c["max_model_len"],
+        enable_chunked_prefill=c["enable_chunked_prefill"],
         enable_prefix_caching=c["enable_prefix_caching"],
-        long_prefill_token_threshold=c["long_prefill_token_threshold"], scheduling_policy=c["scheduling_policy"],
-        prefix_caching_hash_algo=c["prefix_caching_hash_algo"], async_scheduling=c.get("async_scheduling", False))
+        long_prefill_token_threshold=c["long_prefill_token_threshold"],
+        scheduling_policy=c["scheduling_policy"],
+        prefix_caching_hash_algo=c["prefix_caching_hash_algo"],
+        async_scheduling=c.get("async_scheduling", False),
+    )
 
 
 def _add(engine: LLMEngine, spec: dict[str, Any], index: int) -> None:
-    params = SamplingParams(max_tokens=spec["max_tokens"], min_tokens=spec["min_tokens"],
-                            ignore_eos=spec["ignore_eos"], stop_token_ids=list(spec["stop_token_ids"]))
-    engine.add_request(list(spec["prompt_token_ids"]), params, request_id=spec["request_id"],
-                       priority=spec["priority"], cache_salt=spec["cache_salt"], arrival_time=float(index))
+    params = SamplingParams(
+        max_tokens=spec["max_tokens"],
+        min_tokens=spec["min_tokens"],
+        ignore_eos=spec["ignore_eos"],
+        stop_token_ids=list(spec["stop_token_ids"]),
+    )
+    engine.add_request(
+        list(spec["prompt_token_ids"]),
+        params,
+        request_id=spec["request_id"],
+        priority=spec["priority"],
+        cache_salt=spec["cache_salt"],
+        arrival_time=float(index),
+    )
 
 
 def _live_requests(engine: LLMEngine) -> dict[str, dict[str, Any]]:
     kv = engine.kv_cache_manager
-    return {rid: {"computed": r.num_computed_tokens, "blocks": kv.get_block_ids(rid),
-                  "hashes": [hash_hex(b.block_hash) for b in kv.req_to_blocks.get(rid, [])]}
-            for rid, r in sorted(engine.scheduler.requests.items())}
+    return {
+        rid: {
+            "computed": r.num_computed_tokens,
+            "blocks": kv.get_block_ids(rid),
+            "hashes": [hash_hex(b.block_hash) for b in kv.req_to_blocks.get(rid, [])],
+        }
+        for rid, r in sorted(engine.scheduler.requests.items())
+    }
 
 
 def trace_steps(workload: dict[str, Any], engine: LLMEngine) -> Iterator[dict[str, Any]]:
     """Drive `engine` (made by make_engine) through the workload, one step at a time, and yield each step's record
     as vLLM's side writes it; a view subscribed to the engine shows each step as it is taken."""
     if engine.eos_token_id != workload["eos_token_id"]:
-        raise ValueError(f"eos_token_id: the workload's is {workload['eos_token_id']}, "
-                         f"the engine's {engine.eos_token_id}")
+        raise ValueError(
+            f"eos_token_id: the workload's is {workload['eos_token_id']}, the engine's {engine.eos_token_id}"
+        )
     scheduler, pool = engine.scheduler, engine.kv_cache_manager.block_pool
     for step in range(workload["max_steps"]):
         for index, spec in enumerate(workload["requests"]):
@@ -82,6 +108,8 @@ def run_workload(workload: dict[str, Any]) -> dict[str, Any]:
     """The workload through a new engine; returns its trace: {"name", "steps": [step records], "outputs"}."""
     engine = make_engine(workload)
     steps = list(trace_steps(workload, engine))
-    outputs = {r["request_id"]: list(engine.get_output(r["request_id"]).token_ids)
-               for r in sorted(workload["requests"], key=lambda r: r["request_id"])}
+    outputs = {
+        r["request_id"]: list(engine.get_output(r["request_id"]).token_ids)
+        for r in sorted(workload["requests"], key=lambda r: r["request_id"])
+    }
     return {"name": workload["name"], "steps": steps, "outputs": outputs}

@@ -10,6 +10,7 @@ Each coverage group draws what it covers and keeps the rest at defaults that can
 - async: the lifecycle group under asynchronous scheduling (vLLM's AsyncScheduler, against this engine's
   async_scheduling): each step scheduled before the previous step's tokens are back.
 """
+
 from __future__ import annotations
 
 import random
@@ -36,11 +37,18 @@ def _config(rng: random.Random) -> dict[str, Any]:
     threshold = rng.choice([0, 0, 0, 4, 8, 16, 32])
     min_blocks = _cdiv(max_model_len, block_size) + 1  # one request alone always fits (and the null block)
     num_blocks = rng.randint(min_blocks, min_blocks * 3)
-    return {"block_size": block_size, "num_blocks": num_blocks, "max_num_batched_tokens": budget,
-            "max_num_seqs": max_num_seqs, "max_model_len": max_model_len, "enable_chunked_prefill": chunked,
-            "enable_prefix_caching": rng.random() < 0.7, "long_prefill_token_threshold": min(threshold, max_model_len),
-            "scheduling_policy": rng.choice(["fcfs", "priority"]),
-            "prefix_caching_hash_algo": rng.choice(["sha256_cbor", "sha256_cbor", "sha256"])}
+    return {
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "max_num_batched_tokens": budget,
+        "max_num_seqs": max_num_seqs,
+        "max_model_len": max_model_len,
+        "enable_chunked_prefill": chunked,
+        "enable_prefix_caching": rng.random() < 0.7,
+        "long_prefill_token_threshold": min(threshold, max_model_len),
+        "scheduling_policy": rng.choice(["fcfs", "priority"]),
+        "prefix_caching_hash_algo": rng.choice(["sha256_cbor", "sha256_cbor", "sha256"]),
+    }
 
 
 def _prompt(rng: random.Random, prefixes: list[list[int]], max_len: int) -> list[int]:
@@ -66,9 +74,12 @@ def _request(rng: random.Random, i: int, config: dict, prefixes: list[list[int]]
     max_tokens = rng.randint(1, room + 8 if lifecycle else max(1, min(room, 24)))
     stops = rng.sample(list(VOCAB), rng.choice([0, 1, 2])) if lifecycle else []
     return {
-        "request_id": f"r{i}", "prompt_token_ids": prompt, "max_tokens": max_tokens,
+        "request_id": f"r{i}",
+        "prompt_token_ids": prompt,
+        "max_tokens": max_tokens,
         "min_tokens": rng.choice([0, 0, 0, min(2, max_tokens), max_tokens]) if lifecycle else 0,
-        "ignore_eos": lifecycle and rng.random() < 0.15, "stop_token_ids": stops,
+        "ignore_eos": lifecycle and rng.random() < 0.15,
+        "stop_token_ids": stops,
         "priority": rng.randint(-2, 2) if config["scheduling_policy"] == "priority" else 0,
         "cache_salt": rng.choice([None, None, None, "a", "b"]),
         "arrival_step": rng.choice([0, 0, rng.randint(0, 12), rng.randint(0, 40)]),
@@ -97,6 +108,13 @@ def make_workload(group: str, seed: int) -> dict[str, Any]:
     lifecycle = group in ("lifecycle", "async")
     prefixes = [[rng.choice(VOCAB) for _ in range(config["max_model_len"])] for _ in range(rng.randint(0, 3))]
     requests = [_request(rng, i, config, prefixes, lifecycle) for i in range(rng.randint(1, 12))]
-    return {"name": f"{group}-{seed}", "group": group, "seed": seed, "config": config,
-            "eos_token_id": EOS_TOKEN_ID, "requests": requests,
-            "aborts": _aborts(rng, requests) if lifecycle else {}, "max_steps": 2000}
+    return {
+        "name": f"{group}-{seed}",
+        "group": group,
+        "seed": seed,
+        "config": config,
+        "eos_token_id": EOS_TOKEN_ID,
+        "requests": requests,
+        "aborts": _aborts(rng, requests) if lifecycle else {},
+        "max_steps": 2000,
+    }

@@ -1,5 +1,6 @@
 """The dashboard views, each a Panel component that reads one EngineState and each record's StepDelta, and the
 Dashboard (workbench.views.dashboard) that feeds them all from one state."""
+
 from __future__ import annotations
 
 from workbench.state import EngineState
@@ -16,6 +17,19 @@ from workbench.views.requests import RequestsView
 from workbench.views.spec import SpecDecodeView
 from workbench.views.timeline import SchedulerTimeline
 
-__all__ = ["Dashboard", "View", "SchedulerTimeline", "KVBlockMap", "PrefixCacheView", "RequestsView", "MetricsView",
-           "GrammarView", "SpecDecodeView", "KVTransferView", "MoEView", "ParallelView",
-           "EngineState", "ensure_extension"]
+__all__ = [
+    "Dashboard",
+    "View",
+    "SchedulerTimeline",
+    "KVBlockMap",
+    "PrefixCacheView",
+    "RequestsView",
+    "MetricsView",
+    "GrammarView",
+    "SpecDecodeView",
+    "KVTransferView",
+    "MoEView",
+    "ParallelView",
+    "EngineState",
+    "ensure_extension",
+]

@@ -1,7 +1,9 @@
 """What every view shares: Panel's extension loaded once (inline), a buffered ColumnDataSource, and the View base."""
+
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import panel as pn
 from bokeh.models import BasicTicker, ColumnDataSource, CustomJSTickFormatter, DataRange1d
@@ -60,9 +62,12 @@ def label_ticks(axis: Any, source: ColumnDataSource, position: str, label: str) 
     """Name an axis's ticks after a column: rows or bars sit at integer `position`s (0, 1, ... or 0, -1, ...),
     and the tick at one reads that row's `label` (the axis thins its ticks as rows grow, as it does numbers)."""
     axis.ticker = BasicTicker(min_interval=1)
-    axis.formatter = CustomJSTickFormatter(args={"source": source}, code=f"""
+    axis.formatter = CustomJSTickFormatter(
+        args={"source": source},
+        code=f"""
         const i = source.data.{position}.indexOf(tick);
-        return i < 0 ? "" : String(source.data.{label}[i]);""")
+        return i < 0 ? "" : String(source.data.{label}[i]);""",
+    )
 
 
 def legend_above(fig: figure) -> None:

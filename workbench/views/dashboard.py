@@ -1,7 +1,8 @@
 """The Dashboard: one EngineState, updated once per record, and every view drawn from it and the record's delta."""
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import panel as pn
 
@@ -19,12 +20,13 @@ from workbench.views.requests import RequestsView
 from workbench.views.spec import SpecDecodeView
 from workbench.views.timeline import SchedulerTimeline
 
-
-PER_REPLICA = ("**{title}: per replica, not available with data parallelism.** This dashboard follows the "
-               "data-parallel front end of {n} replicas; each replica is a whole engine with its own scheduler and KV "
-               "cache, and the front end sees the routing, each replica's load and the requests' tokens, not a "
-               "replica's steps or blocks. The Parallelism tab shows each replica's waiting and running requests and "
-               "every routing decision; the Requests table and the Metrics tab cover all replicas.")
+PER_REPLICA = (
+    "**{title}: per replica, not available with data parallelism.** This dashboard follows the "
+    "data-parallel front end of {n} replicas; each replica is a whole engine with its own scheduler and KV "
+    "cache, and the front end sees the routing, each replica's load and the requests' tokens, not a "
+    "replica's steps or blocks. The Parallelism tab shows each replica's waiting and running requests and "
+    "every routing decision; the Requests table and the Metrics tab cover all replicas."
+)
 
 
 class Dashboard:
@@ -45,15 +47,33 @@ class Dashboard:
         self.kv_transfer = KVTransferView(self.state)
         self.moe = MoEView(self.state)
         self.parallel = ParallelView(self.state)
-        self.views: list[View] = [self.timeline, self.kv_blocks, self.prefix, self.requests, self.metrics,
-                                  self.grammar, self.spec, self.kv_transfer, self.moe, self.parallel]
+        self.views: list[View] = [
+            self.timeline,
+            self.kv_blocks,
+            self.prefix,
+            self.requests,
+            self.metrics,
+            self.grammar,
+            self.spec,
+            self.kv_transfer,
+            self.moe,
+            self.parallel,
+        ]
         self._tab_sets: list[pn.Tabs] = []  # every layout tabs() built: each gains the Experts tab
         # what a data-parallel front end's records cannot fill: each replica's scheduler steps, blocks, prefix
         # lookups, grammar masks, drafts, transfers
-        self.per_replica: list[View] = [self.timeline, self.kv_blocks, self.prefix, self.grammar, self.spec,
-                                        self.kv_transfer]
-        self.notices = {view: pn.pane.Alert("", alert_type="warning", visible=False, sizing_mode="stretch_width")
-                        for view in self.per_replica}
+        self.per_replica: list[View] = [
+            self.timeline,
+            self.kv_blocks,
+            self.prefix,
+            self.grammar,
+            self.spec,
+            self.kv_transfer,
+        ]
+        self.notices = {
+            view: pn.pane.Alert("", alert_type="warning", visible=False, sizing_mode="stretch_width")
+            for view in self.per_replica
+        }
         self.data_parallel_size = 1
         self.requests.table.param.watch(self._select_request, "selection")
 
@@ -85,8 +105,13 @@ class Dashboard:
     def update(self, record: StepRecord) -> None:
         self.extend([record])
 
-    def reset(self, budget: int | None = None, num_blocks: int | None = None,
-              snapshot: EngineSnapshot | None = None, data_parallel_size: int = 1) -> None:
+    def reset(
+        self,
+        budget: int | None = None,
+        num_blocks: int | None = None,
+        snapshot: EngineSnapshot | None = None,
+        data_parallel_size: int = 1,
+    ) -> None:
         """Back to no step, or to an engine's `snapshot` (a view attached mid-run); `budget` and `num_blocks`
         describe the engine drawn from now on (a snapshot knows its number of blocks); `data_parallel_size` > 1:
         it is a data-parallel front end (the per-replica views say they are not available)."""
@@ -120,12 +145,19 @@ class Dashboard:
     def tabs(self) -> pn.Tabs:
         overview = pn.Column(
             pn.Row(self._held(self.timeline), self._held(self.kv_blocks), sizing_mode="stretch_width"),
-            self.requests, sizing_mode="stretch_width")
-        tabs = pn.Tabs(("Overview", overview), (self.prefix.title, self._held(self.prefix)),
-                       (self.metrics.title, self.metrics), (self.grammar.title, self._held(self.grammar)),
-                       (self.spec.title, self._held(self.spec)),
-                       (self.kv_transfer.title, self._held(self.kv_transfer)), (self.parallel.title, self.parallel),
-                       sizing_mode="stretch_width")
+            self.requests,
+            sizing_mode="stretch_width",
+        )
+        tabs = pn.Tabs(
+            ("Overview", overview),
+            (self.prefix.title, self._held(self.prefix)),
+            (self.metrics.title, self.metrics),
+            (self.grammar.title, self._held(self.grammar)),
+            (self.spec.title, self._held(self.spec)),
+            (self.kv_transfer.title, self._held(self.kv_transfer)),
+            (self.parallel.title, self.parallel),
+            sizing_mode="stretch_width",
+        )
         self._tab_sets.append(tabs)
         if not self.moe.empty.is_empty:
             tabs.append((self.moe.title, self.moe.panel))

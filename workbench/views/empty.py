@@ -1,4 +1,5 @@
 """A view of a feature that may not exist yet: a message until its first event, then its figures."""
+
 from __future__ import annotations
 
 import panel as pn

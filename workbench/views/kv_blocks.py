@@ -1,4 +1,5 @@
 """The KV block map: every block of the cache as a cell, and the block table of one request over it."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,8 @@ from bokeh.models import HoverTool, Range1d
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
 from workbench.views.base import View, new_figure
-from workbench.views.sync import drawing
 from workbench.views.colors import CACHED_FREE_COLOR, FREE_COLOR, request_color
+from workbench.views.sync import drawing
 
 NO_REQUEST = "(none)"
 _CELL_COLUMNS = ("x", "y", "block_id", "kind", "holders", "ref_cnt", "hash", "color")
@@ -24,8 +25,7 @@ class KVBlockMap(View):
 
     title = "KV block map"
 
-    def __init__(self, state: EngineState | None = None, num_blocks: int | None = None,
-                 max_blocks: int = 4096) -> None:
+    def __init__(self, state: EngineState | None = None, num_blocks: int | None = None, max_blocks: int = 4096) -> None:
         super().__init__(state)
         self.max_blocks = max_blocks
         self.cells = self.buffer(_CELL_COLUMNS, name="kv_block_map")
@@ -36,23 +36,52 @@ class KVBlockMap(View):
         self._columns = 32
         self._total = self._num_shown = 0
         self.figure = self._figure()
-        self._panel = pn.Column(pn.Row(self.select, self.note), pn.pane.Bokeh(self.figure),
-                                sizing_mode="stretch_width")
+        self._panel = pn.Column(pn.Row(self.select, self.note), pn.pane.Bokeh(self.figure), sizing_mode="stretch_width")
         self.show_blocks(num_blocks)
 
     def _figure(self):
-        fig = new_figure("KV blocks: free / cached-free / used by request", height=200, tools="pan,wheel_zoom,reset",
-                         x_range=Range1d(-0.5, self._columns - 0.5), y_range=Range1d(-0.5, 0.5))
-        cells = fig.rect(x="x", y="y", width=0.92, height=0.92, fill_color="color", line_color=None,
-                         source=self.cells.source)
-        fig.rect(x="x", y="y", width=0.92, height=0.92, fill_alpha=0, line_color="black", line_width=2,
-                 source=self.table.source)
+        fig = new_figure(
+            "KV blocks: free / cached-free / used by request",
+            height=200,
+            tools="pan,wheel_zoom,reset",
+            x_range=Range1d(-0.5, self._columns - 0.5),
+            y_range=Range1d(-0.5, 0.5),
+        )
+        cells = fig.rect(
+            x="x", y="y", width=0.92, height=0.92, fill_color="color", line_color=None, source=self.cells.source
+        )
+        fig.rect(
+            x="x",
+            y="y",
+            width=0.92,
+            height=0.92,
+            fill_alpha=0,
+            line_color="black",
+            line_width=2,
+            source=self.table.source,
+        )
         fig.line(x="x", y="y", source=self.table.source, color="black", line_width=1.5, line_alpha=0.7)
-        fig.text(x="x", y="y", text="order", source=self.table.source, text_align="center",
-                 text_baseline="middle", text_font_size="9px")
-        fig.add_tools(HoverTool(renderers=[cells], tooltips=[
-            ("block", "@block_id"), ("state", "@kind"), ("ref count", "@ref_cnt"), ("held by", "@holders"),
-            ("hash", "@hash")]))
+        fig.text(
+            x="x",
+            y="y",
+            text="order",
+            source=self.table.source,
+            text_align="center",
+            text_baseline="middle",
+            text_font_size="9px",
+        )
+        fig.add_tools(
+            HoverTool(
+                renderers=[cells],
+                tooltips=[
+                    ("block", "@block_id"),
+                    ("state", "@kind"),
+                    ("ref count", "@ref_cnt"),
+                    ("held by", "@holders"),
+                    ("hash", "@hash"),
+                ],
+            )
+        )
         fig.axis.visible = False
         fig.grid.visible = False
         return fig
@@ -66,8 +95,13 @@ class KVBlockMap(View):
         block = self.state.block(block_id)
         kind = block.kind
         color = {"free": FREE_COLOR, "cached": CACHED_FREE_COLOR}.get(kind) or request_color(block.holders[0])
-        return {"kind": kind, "holders": ", ".join(block.holders), "ref_cnt": block.ref_cnt,
-                "hash": (block.block_hash or "")[:12], "color": color}
+        return {
+            "kind": kind,
+            "holders": ", ".join(block.holders),
+            "ref_cnt": block.ref_cnt,
+            "hash": (block.block_hash or "")[:12],
+            "color": color,
+        }
 
     def show_blocks(self, num_blocks: int | None) -> None:
         """Draw a cache of `num_blocks` blocks, all free, before its first step (None: wait for that step)."""
@@ -82,8 +116,12 @@ class KVBlockMap(View):
         rows = max(1, math.ceil(shown / self._columns))
         data = {c: [] for c in _CELL_COLUMNS}
         for block_id in range(1, shown + 1):
-            row = {"x": (block_id - 1) % self._columns, "y": -((block_id - 1) // self._columns),
-                   "block_id": block_id, **self._cell(block_id)}
+            row = {
+                "x": (block_id - 1) % self._columns,
+                "y": -((block_id - 1) // self._columns),
+                "block_id": block_id,
+                **self._cell(block_id),
+            }
             for c in _CELL_COLUMNS:
                 data[c].append(row[c])
         self.cells.replace(data)
@@ -107,9 +145,14 @@ class KVBlockMap(View):
     # ---- the selected request's block table -------------------------------------------------------------
     def _draw_table(self) -> None:
         block_ids = [b for b in self.state.block_tables.get(self.select.value, ()) if 1 <= b <= self._num_shown]
-        self.table.replace({"x": [(b - 1) % self._columns for b in block_ids],
-                            "y": [-((b - 1) // self._columns) for b in block_ids],
-                            "order": [str(i) for i in range(len(block_ids))], "block_id": block_ids})
+        self.table.replace(
+            {
+                "x": [(b - 1) % self._columns for b in block_ids],
+                "y": [-((b - 1) // self._columns) for b in block_ids],
+                "order": [str(i) for i in range(len(block_ids))],
+                "block_id": block_ids,
+            }
+        )
 
     def _on_select(self, event) -> None:
         with drawing(self.panel):

@@ -4,6 +4,7 @@ PDCluster's `records()`); empty until the first kv_transfer.* event.
 
 Also the transfer timeline of each request on each instance (`transfer_timeline`, drawn by
 `transfer_timeline_figure`): rebuilt from the step records alone, so it reads a live run or a trace alike."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -31,32 +32,64 @@ class KVTransferView(View):
     def __init__(self, state: EngineState | None = None) -> None:
         super().__init__(state)
         self.points = self.buffer(["t", "mb", "instance", "kind", "request_id", "color"], name="kv_transfer_bytes")
-        self.rows = self.buffer(["request_id", "instance", "kind", "num_tokens", "mb", "ms", "mb_per_s",
-                                 "failure", "policy_action", "num_recomputed_tokens"], name="kv_transfers")
+        self.rows = self.buffer(
+            [
+                "request_id",
+                "instance",
+                "kind",
+                "num_tokens",
+                "mb",
+                "ms",
+                "mb_per_s",
+                "failure",
+                "policy_action",
+                "num_recomputed_tokens",
+            ],
+            name="kv_transfers",
+        )
         content = pn.Column(pn.pane.Bokeh(self._figure()), pn.pane.Bokeh(self._table()), sizing_mode="stretch_width")
-        self.empty = EmptyState("No KV transfer yet: this view fills in when an instance with a kv_transfer_config "
-                                "saves or loads KV (see engine.kv_transfer.PDCluster).", content)
+        self.empty = EmptyState(
+            "No KV transfer yet: this view fills in when an instance with a kv_transfer_config "
+            "saves or loads KV (see engine.kv_transfer.PDCluster).",
+            content,
+        )
 
     def _figure(self):
         fig = new_figure("KV moved per instance (MB, cumulative)", x_axis_label="seconds", y_axis_label="MB")
         dots = fig.scatter(x="t", y="mb", source=self.points.source, color="color", size=7)
-        fig.add_tools(HoverTool(renderers=[dots], tooltips=[
-            ("request", "@request_id"), ("instance", "@instance"), ("event", "@kind"), ("MB so far", "@mb")]))
+        fig.add_tools(
+            HoverTool(
+                renderers=[dots],
+                tooltips=[
+                    ("request", "@request_id"),
+                    ("instance", "@instance"),
+                    ("event", "@kind"),
+                    ("MB so far", "@mb"),
+                ],
+            )
+        )
         return fig
 
     def _table(self) -> DataTable:
         number = NumberFormatter(format="0.00")
-        return DataTable(source=self.rows.source, height=180, index_position=None, sizing_mode="stretch_width",
-                         columns=[TableColumn(field="request_id", title="request"),
-                                  TableColumn(field="instance", title="instance"),
-                                  TableColumn(field="kind", title="event"),
-                                  TableColumn(field="num_tokens", title="tokens"),
-                                  TableColumn(field="mb", title="MB", formatter=number),
-                                  TableColumn(field="ms", title="ms", formatter=number),
-                                  TableColumn(field="mb_per_s", title="MB/s", formatter=number),
-                                  TableColumn(field="failure", title="failure"),
-                                  TableColumn(field="policy_action", title="action"),
-                                  TableColumn(field="num_recomputed_tokens", title="recomputed")])
+        return DataTable(
+            source=self.rows.source,
+            height=180,
+            index_position=None,
+            sizing_mode="stretch_width",
+            columns=[
+                TableColumn(field="request_id", title="request"),
+                TableColumn(field="instance", title="instance"),
+                TableColumn(field="kind", title="event"),
+                TableColumn(field="num_tokens", title="tokens"),
+                TableColumn(field="mb", title="MB", formatter=number),
+                TableColumn(field="ms", title="ms", formatter=number),
+                TableColumn(field="mb_per_s", title="MB/s", formatter=number),
+                TableColumn(field="failure", title="failure"),
+                TableColumn(field="policy_action", title="action"),
+                TableColumn(field="num_recomputed_tokens", title="recomputed"),
+            ],
+        )
 
     @property
     def panel(self) -> pn.Column:
@@ -69,11 +102,26 @@ class KVTransferView(View):
             self.empty.fill()
 
     def _transfer(self, t: Transfer) -> None:
-        self.points.append(t=(t.end_ns - self.state.kv_transfer.origin_ns) / 1e9, mb=t.instance_mb,
-                           instance=t.instance, kind=t.kind, request_id=t.request_id, color=KIND_COLORS[t.kind])
-        self.rows.append(request_id=t.request_id, instance=t.instance, kind=t.kind.split(".")[1],
-                         num_tokens=t.num_tokens, mb=t.mb, ms=t.ms, mb_per_s=t.mb_per_s, failure=t.failure,
-                         policy_action=t.policy_action, num_recomputed_tokens=t.num_recomputed_tokens)
+        self.points.append(
+            t=(t.end_ns - self.state.kv_transfer.origin_ns) / 1e9,
+            mb=t.instance_mb,
+            instance=t.instance,
+            kind=t.kind,
+            request_id=t.request_id,
+            color=KIND_COLORS[t.kind],
+        )
+        self.rows.append(
+            request_id=t.request_id,
+            instance=t.instance,
+            kind=t.kind.split(".")[1],
+            num_tokens=t.num_tokens,
+            mb=t.mb,
+            ms=t.ms,
+            mb_per_s=t.mb_per_s,
+            failure=t.failure,
+            policy_action=t.policy_action,
+            num_recomputed_tokens=t.num_recomputed_tokens,
+        )
 
     def reset(self) -> None:
         super().reset()
@@ -88,8 +136,9 @@ STATE_COLORS = {WAITING: "#ff7f0e", LOADING: "#2ca02c", RUNNING: "#1f77b4", HELD
 @dataclass(frozen=True)
 class TimelineSpan:
     """One stretch of one request's life on one instance (wall-clock ns, comparable across the processes of one
-    machine; a change a step's scheduler made is dated at the end of its schedule stage, see `_decided_ns`): `waiting` (added, no blocks yet: on a decode instance, the producer's
-    KV not stored yet, or no room), `loading` (blocks allocated, the asynchronous load in flight:
+    machine; a change a step's scheduler made is dated at the end of its schedule stage, see `_decided_ns`):
+    `waiting` (added, no blocks yet: on a decode instance, the producer's KV not stored yet, or no room),
+    `loading` (blocks allocated, the asynchronous load in flight:
     WAITING_FOR_REMOTE_KVS), `running` (scheduled steps, first to finishing), `held` (finished, its blocks kept
     until the asynchronous save that reads them ended: delay_free_blocks). `first_step` and `last_step` are the
     steps the span starts and ends in; `num_blocks` the blocks the request held then."""
@@ -140,12 +189,12 @@ class TransferTimeline:
     marks: list[TimelineMark] = field(default_factory=list)
 
     def span(self, instance: str, request_id: str, state: str) -> TimelineSpan | None:
-        return next((s for s in self.spans if (s.instance, s.request_id, s.state) == (instance, request_id, state)),
-                    None)
+        return next(
+            (s for s in self.spans if (s.instance, s.request_id, s.state) == (instance, request_id, state)), None
+        )
 
     def mark(self, instance: str, request_id: str, kind: str) -> TimelineMark | None:
-        return next((m for m in self.marks if (m.instance, m.request_id, m.kind) == (instance, request_id, kind)),
-                    None)
+        return next((m for m in self.marks if (m.instance, m.request_id, m.kind) == (instance, request_id, kind)), None)
 
     @property
     def origin_ns(self) -> int:
@@ -177,8 +226,9 @@ def transfer_timeline(records: dict[str, list[StepRecord]]) -> TransferTimeline:
                 kind = t.kind.split(".")[1]
                 if kind != "save" and lives[t.request_id].transfer is None:
                     lives[t.request_id].transfer = record
-                timeline.marks.append(TimelineMark(instance, t.request_id, kind, record.step, _decided_ns(record),
-                                                   t.ms))
+                timeline.marks.append(
+                    TimelineMark(instance, t.request_id, kind, record.step, _decided_ns(record), t.ms)
+                )
         for rid, life in lives.items():
             timeline.spans.extend(_spans(instance, rid, life))
     return timeline
@@ -192,8 +242,10 @@ def _decided_ns(record: StepRecord) -> int:
 
 
 def _spans(instance: str, rid: str, life: _Life) -> list[TimelineSpan]:
-    if None in (life.added, life.allocated, life.scheduled, life.finished, life.freed) \
-            or life.freed.step < life.finished.step:
+    if (
+        None in (life.added, life.allocated, life.scheduled, life.finished, life.freed)
+        or life.freed.step < life.finished.step
+    ):
         return []  # added before these records began, or still going (or holding its blocks)
     spans = []
 
@@ -218,26 +270,49 @@ def transfer_timeline_figure(timeline: TransferTimeline, title: str = "Requests 
     rows = sorted({(s.instance, s.request_id) for s in timeline.spans}, key=lambda r: (r[1], r[0]))
     y = {row: -i for i, row in enumerate(rows)}
     labels = ColumnDataSource({"y": list(y.values()), "label": [f"{rid} · {inst}" for inst, rid in y]})
-    bars = ColumnDataSource({
-        "left": [(s.start_ns - origin) / 1e9 for s in timeline.spans],
-        "right": [(s.end_ns - origin) / 1e9 for s in timeline.spans],
-        "y": [y[(s.instance, s.request_id)] for s in timeline.spans],
-        "state": [s.state for s in timeline.spans], "color": [STATE_COLORS[s.state] for s in timeline.spans],
-        "steps": [f"{s.first_step}-{s.last_step}" for s in timeline.spans],
-        "instance": [s.instance for s in timeline.spans], "request_id": [s.request_id for s in timeline.spans],
-        "num_blocks": [s.num_blocks for s in timeline.spans]})
+    bars = ColumnDataSource(
+        {
+            "left": [(s.start_ns - origin) / 1e9 for s in timeline.spans],
+            "right": [(s.end_ns - origin) / 1e9 for s in timeline.spans],
+            "y": [y[(s.instance, s.request_id)] for s in timeline.spans],
+            "state": [s.state for s in timeline.spans],
+            "color": [STATE_COLORS[s.state] for s in timeline.spans],
+            "steps": [f"{s.first_step}-{s.last_step}" for s in timeline.spans],
+            "instance": [s.instance for s in timeline.spans],
+            "request_id": [s.request_id for s in timeline.spans],
+            "num_blocks": [s.num_blocks for s in timeline.spans],
+        }
+    )
     marks = [m for m in timeline.marks if (m.instance, m.request_id) in y]
-    ticks = ColumnDataSource({"t": [(m.t_ns - origin) / 1e9 for m in marks],
-                              "y": [y[(m.instance, m.request_id)] for m in marks], "kind": [m.kind for m in marks],
-                              "ms": [m.ms for m in marks], "step": [m.step for m in marks]})
+    ticks = ColumnDataSource(
+        {
+            "t": [(m.t_ns - origin) / 1e9 for m in marks],
+            "y": [y[(m.instance, m.request_id)] for m in marks],
+            "kind": [m.kind for m in marks],
+            "ms": [m.ms for m in marks],
+            "step": [m.step for m in marks],
+        }
+    )
     fig = new_figure(title, height=max(160, 40 + 28 * len(rows)), x_axis_label="seconds")
     hbars = fig.hbar(y="y", left="left", right="right", height=0.7, color="color", source=bars, legend_field="state")
     dots = fig.scatter(x="t", y="y", source=ticks, marker="diamond", size=11, color="black", legend_label="transfer")
-    fig.add_tools(HoverTool(renderers=[hbars], tooltips=[
-        ("request", "@request_id"), ("instance", "@instance"), ("state", "@state"), ("steps", "@steps"),
-        ("blocks held", "@num_blocks")]))
-    fig.add_tools(HoverTool(renderers=[dots], tooltips=[("transfer", "@kind"), ("collected in step", "@step"),
-                                                        ("ms", "@ms{0.0}")]))
+    fig.add_tools(
+        HoverTool(
+            renderers=[hbars],
+            tooltips=[
+                ("request", "@request_id"),
+                ("instance", "@instance"),
+                ("state", "@state"),
+                ("steps", "@steps"),
+                ("blocks held", "@num_blocks"),
+            ],
+        )
+    )
+    fig.add_tools(
+        HoverTool(
+            renderers=[dots], tooltips=[("transfer", "@kind"), ("collected in step", "@step"), ("ms", "@ms{0.0}")]
+        )
+    )
     label_ticks(fig.yaxis, labels, "y", "label")
     legend_above(fig)
     return fig

@@ -1,4 +1,5 @@
 """Engine metrics: throughput per step, TTFT and ITL distributions, KV usage over time."""
+
 from __future__ import annotations
 
 import math
@@ -47,18 +48,29 @@ class MetricsView(View):
         self._totals = dict.fromkeys(_TOTALS, 0)
         self._panel = pn.Column(
             self.summary,
-            pn.Row(pn.pane.Bokeh(self._throughput_figure()), pn.pane.Bokeh(self._kv_figure()),
-                   sizing_mode="stretch_width"),
-            pn.Row(pn.pane.Bokeh(self._histogram("TTFT (ms)", self.ttft, "#1f77b4")),
-                   pn.pane.Bokeh(self._histogram("ITL (ms)", self.itl, "#ff7f0e")), sizing_mode="stretch_width"),
-            sizing_mode="stretch_width")
+            pn.Row(
+                pn.pane.Bokeh(self._throughput_figure()), pn.pane.Bokeh(self._kv_figure()), sizing_mode="stretch_width"
+            ),
+            pn.Row(
+                pn.pane.Bokeh(self._histogram("TTFT (ms)", self.ttft, "#1f77b4")),
+                pn.pane.Bokeh(self._histogram("ITL (ms)", self.itl, "#ff7f0e")),
+                sizing_mode="stretch_width",
+            ),
+            sizing_mode="stretch_width",
+        )
 
     def _throughput_figure(self):
         fig = new_figure("Throughput per step", x_axis_label="step", y_axis_label="tokens / s")
         counts_on(fig.xaxis)
         fig.line(x="step", y="tokens_per_s", source=self.throughput.source, line_width=2, legend_label="scheduled")
-        fig.line(x="step", y="output_tokens_per_s", source=self.throughput.source, line_width=2, color="#ff7f0e",
-                 legend_label="output")
+        fig.line(
+            x="step",
+            y="output_tokens_per_s",
+            source=self.throughput.source,
+            line_width=2,
+            color="#ff7f0e",
+            legend_label="output",
+        )
         legend_above(fig)
         return fig
 
@@ -66,8 +78,13 @@ class MetricsView(View):
         """Blocks used and cached-free; the cache's size in the title and as a line the axis does not fit to (a
         1455-block cache would flatten 30 used blocks)."""
         fig = new_figure("KV cache usage (blocks)", x_axis_label="step", y_axis_label="blocks")
-        areas = fig.varea_stack(["used", "cached_free"], x="step", source=self.kv.source,
-                                color=["#1f77b4", CACHED_FREE_COLOR], legend_label=["used", "cached-free"])
+        areas = fig.varea_stack(
+            ["used", "cached_free"],
+            x="step",
+            source=self.kv.source,
+            color=["#1f77b4", CACHED_FREE_COLOR],
+            legend_label=["used", "cached-free"],
+        )
         fig.line(x="step", y="total", source=self.kv.source, color="black", line_dash="dashed", legend_label="total")
         fit_to(fig, *areas)
         counts_on(fig.xaxis, fig.yaxis)
@@ -79,10 +96,12 @@ class MetricsView(View):
         fig = new_figure(title, x_axis_type="log", x_axis_label="ms", y_axis_label="count")
         fig.y_range.start = 0
         counts_on(fig.yaxis)
-        bars = fig.quad(left="left", right="right", bottom=0, top="count", source=buf.source, fill_color=color,
-                        line_color="white")
-        fig.add_tools(HoverTool(renderers=[bars], tooltips=[("ms", "@left{0.0[00]} - @right{0.0[00]}"),
-                                                            ("count", "@count")]))
+        bars = fig.quad(
+            left="left", right="right", bottom=0, top="count", source=buf.source, fill_color=color, line_color="white"
+        )
+        fig.add_tools(
+            HoverTool(renderers=[bars], tooltips=[("ms", "@left{0.0[00]} - @right{0.0[00]}"), ("count", "@count")])
+        )
         return fig
 
     def _clear_histograms(self) -> None:
@@ -97,8 +116,9 @@ class MetricsView(View):
     def render(self, record: StepRecord, delta: StepDelta) -> None:
         seconds = max(record.end_ns - record.start_ns, 1) / 1e9
         tokens = sum(record.scheduled.values())
-        self.throughput.append(step=record.step, tokens_per_s=tokens / seconds,
-                               output_tokens_per_s=delta.num_output_tokens / seconds)
+        self.throughput.append(
+            step=record.step, tokens_per_s=tokens / seconds, output_tokens_per_s=delta.num_output_tokens / seconds
+        )
         self.kv.append(step=record.step, used=record.kv.used, cached_free=record.kv.cached_free, total=record.kv.total)
         if not self.kv_figure.title.text.endswith(f"of {record.kv.total} blocks"):
             self.kv_figure.title.text = f"KV cache usage, of {record.kv.total} blocks"
@@ -107,9 +127,16 @@ class MetricsView(View):
                 index = latency_bin(ms)
                 buf.set(index, count=buf.get(index, "count") + 1)
         totals = self._totals
-        for key, value in (("steps", 1), ("tokens", tokens), ("output", delta.num_output_tokens),
-                           ("seconds", seconds), ("ttft_ms", sum(delta.ttfts_ms)), ("ttfts", len(delta.ttfts_ms)),
-                           ("itl_ms", sum(delta.itls_ms)), ("itls", len(delta.itls_ms))):
+        for key, value in (
+            ("steps", 1),
+            ("tokens", tokens),
+            ("output", delta.num_output_tokens),
+            ("seconds", seconds),
+            ("ttft_ms", sum(delta.ttfts_ms)),
+            ("ttfts", len(delta.ttfts_ms)),
+            ("itl_ms", sum(delta.itls_ms)),
+            ("itls", len(delta.itls_ms)),
+        ):
             totals[key] += value
         totals["finished"] += len(delta.finished)
         totals["requests"] += len(delta.added)
@@ -122,9 +149,12 @@ class MetricsView(View):
         t = self._totals
         if not t["steps"]:
             return "no step yet"
-        parts = [f"{t['steps']} steps", f"{t['tokens'] / t['seconds']:.0f} tokens/s in steps",
-                 f"{t['output'] / t['seconds']:.0f} output tokens/s",
-                 f"{t['finished']}/{t['requests']} requests finished"]
+        parts = [
+            f"{t['steps']} steps",
+            f"{t['tokens'] / t['seconds']:.0f} tokens/s in steps",
+            f"{t['output'] / t['seconds']:.0f} output tokens/s",
+            f"{t['finished']}/{t['requests']} requests finished",
+        ]
         if t["ttfts"]:
             parts.append(f"mean TTFT {t['ttft_ms'] / t['ttfts']:.1f} ms")
         if t["itls"]:
@@ -136,4 +166,3 @@ class MetricsView(View):
         self._clear_histograms()
         self._totals = dict.fromkeys(_TOTALS, 0)
         self.summary.object = "no step yet"
-

@@ -1,5 +1,6 @@
 """Mixture-of-experts routing: the tokens each expert took in each sparse layer, in the last step and since the
 first one. Empty until the first moe.routed event (a dense model never sends one; the Dashboard adds this tab then)."""
+
 from __future__ import annotations
 
 import panel as pn
@@ -30,19 +31,33 @@ class MoEView(View):
         self.summary = pn.pane.Markdown("", margin=(0, 10))
         self.step_figure = self._heatmap(self.step_cells, "Tokens per expert and layer, this step")
         self.total_figure = self._heatmap(self.total_cells, "Tokens per expert and layer, since the first step")
-        content = pn.Column(self.summary, pn.Row(pn.pane.Bokeh(self.step_figure), pn.pane.Bokeh(self.total_figure),
-                                                 sizing_mode="stretch_width"), sizing_mode="stretch_width")
-        self.empty = EmptyState("No expert routing yet: this view fills in when moe.routed events arrive "
-                                "(a mixture-of-experts model, such as Qwen3-MoE).", content)
+        content = pn.Column(
+            self.summary,
+            pn.Row(pn.pane.Bokeh(self.step_figure), pn.pane.Bokeh(self.total_figure), sizing_mode="stretch_width"),
+            sizing_mode="stretch_width",
+        )
+        self.empty = EmptyState(
+            "No expert routing yet: this view fills in when moe.routed events arrive "
+            "(a mixture-of-experts model, such as Qwen3-MoE).",
+            content,
+        )
 
     @staticmethod
     def _heatmap(buf: SourceBuffer, title: str):
         fig = new_figure(title, height=300, x_axis_label="expert", y_axis_label="layer")
         # shares in [0, 1]: the colours keep their meaning as counts grow (no colour bar to rescale)
-        cells = fig.rect(x="x", y="y", width=0.95, height=0.9, source=buf.source, line_color=None,
-                         fill_color=linear_cmap("share", list(reversed(Blues256)), 0, 1))
-        fig.add_tools(HoverTool(renderers=[cells], tooltips=[("layer", "@layer"), ("expert", "@expert"),
-                                                             ("tokens", "@tokens")]))
+        cells = fig.rect(
+            x="x",
+            y="y",
+            width=0.95,
+            height=0.9,
+            source=buf.source,
+            line_color=None,
+            fill_color=linear_cmap("share", list(reversed(Blues256)), 0, 1),
+        )
+        fig.add_tools(
+            HoverTool(renderers=[cells], tooltips=[("layer", "@layer"), ("expert", "@expert"), ("tokens", "@tokens")])
+        )
         label_ticks(fig.yaxis, buf.source, "y", "layer")
         counts_on(fig.xaxis)
         fig.y_range.flipped = True  # the first layer on top, as a model is drawn
@@ -69,8 +84,10 @@ class MoEView(View):
         self._fill(self.step_cells, moe.step_counts)
         self._fill(self.total_cells, moe.total)
         routed = sum(moe.step_counts[0]) if moe.step_counts else 0
-        self.summary.object = (f"{len(moe.layers)} sparse layers × {moe.num_experts} experts · step {moe.step}: "
-                               f"{routed} token-expert choices per layer · {moe.num_steps} steps routed")
+        self.summary.object = (
+            f"{len(moe.layers)} sparse layers × {moe.num_experts} experts · step {moe.step}: "
+            f"{routed} token-expert choices per layer · {moe.num_steps} steps routed"
+        )
 
     @staticmethod
     def _fill(buf: SourceBuffer, counts: list[list[int]]) -> None:

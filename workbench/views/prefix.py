@@ -1,4 +1,5 @@
 """The prefix cache: how many tokens each request found cached, the hit rate over time, and the cached chains."""
+
 from __future__ import annotations
 
 import panel as pn
@@ -27,8 +28,9 @@ class PrefixCacheView(View):
 
     def __init__(self, state: EngineState | None = None) -> None:
         super().__init__(state)
-        self.hits = self.buffer(["x", "request_id", "hit_tokens", "queried_tokens", "hit_blocks", "queried_blocks"],
-                                name="prefix_hits")
+        self.hits = self.buffer(
+            ["x", "request_id", "hit_tokens", "queried_tokens", "hit_blocks", "queried_blocks"], name="prefix_hits"
+        )
         self.rate = self.buffer(["step", "hit_rate", "step_hit_rate"], name="prefix_hit_rate")
         self.nodes = self.buffer(["x", "y", "hash", "parent", "block_id", "status", "color"], name="prefix_chains")
         self.edges = self.buffer(["x0", "y0", "x1", "y1"], name="prefix_chain_links")
@@ -36,44 +38,82 @@ class PrefixCacheView(View):
         self._node: dict[str, int] = {}  # block hash -> row in nodes
         self._has_child: set[str] = set()
         self._lanes = 0
-        self._panel = pn.Column(pn.Row(pn.pane.Bokeh(self._hits_figure()), pn.pane.Bokeh(self._rate_figure()),
-                                       sizing_mode="stretch_width"),
-                                pn.pane.Bokeh(self._chains_figure()), sizing_mode="stretch_width")
+        self._panel = pn.Column(
+            pn.Row(pn.pane.Bokeh(self._hits_figure()), pn.pane.Bokeh(self._rate_figure()), sizing_mode="stretch_width"),
+            pn.pane.Bokeh(self._chains_figure()),
+            sizing_mode="stretch_width",
+        )
 
     def _hits_figure(self):
-        fig = new_figure("Prefix-cache hit per request (tokens)", x_axis_label="request (in lookup order)",
-                         y_axis_label="tokens")
+        fig = new_figure(
+            "Prefix-cache hit per request (tokens)", x_axis_label="request (in lookup order)", y_axis_label="tokens"
+        )
         label_ticks(fig.xaxis, self.hits.source, "x", "request_id")
         fig.y_range.start = 0
         counts_on(fig.yaxis)
-        fig.vbar(x="x", top="queried_tokens", width=0.8, source=self.hits.source, fill_color="#d9d9d9",
-                 line_color=None, legend_label="looked up")
-        bars = fig.vbar(x="x", top="hit_tokens", width=0.8, source=self.hits.source, fill_color="#31a354",
-                        line_color=None, legend_label="hit")
-        fig.add_tools(HoverTool(renderers=[bars], tooltips=[
-            ("request", "@request_id"), ("hit tokens", "@hit_tokens"), ("looked up", "@queried_tokens"),
-            ("hit blocks", "@hit_blocks / @queried_blocks")]))
+        fig.vbar(
+            x="x",
+            top="queried_tokens",
+            width=0.8,
+            source=self.hits.source,
+            fill_color="#d9d9d9",
+            line_color=None,
+            legend_label="looked up",
+        )
+        bars = fig.vbar(
+            x="x",
+            top="hit_tokens",
+            width=0.8,
+            source=self.hits.source,
+            fill_color="#31a354",
+            line_color=None,
+            legend_label="hit",
+        )
+        fig.add_tools(
+            HoverTool(
+                renderers=[bars],
+                tooltips=[
+                    ("request", "@request_id"),
+                    ("hit tokens", "@hit_tokens"),
+                    ("looked up", "@queried_tokens"),
+                    ("hit blocks", "@hit_blocks / @queried_blocks"),
+                ],
+            )
+        )
         legend_above(fig)
         return fig
 
     def _rate_figure(self):
-        fig = new_figure("Prefix-cache hit rate", x_axis_label="step", y_axis_label="hit / looked-up tokens",
-                         y_range=Range1d(0, 1.05))
+        fig = new_figure(
+            "Prefix-cache hit rate",
+            x_axis_label="step",
+            y_axis_label="hit / looked-up tokens",
+            y_range=Range1d(0, 1.05),
+        )
         counts_on(fig.xaxis)
         fig.line(x="step", y="hit_rate", source=self.rate.source, line_width=2, legend_label="cumulative")
-        fig.scatter(x="step", y="step_hit_rate", source=self.rate.source, color="#ff7f0e", size=5,
-                    legend_label="this step")
+        fig.scatter(
+            x="step", y="step_hit_rate", source=self.rate.source, color="#ff7f0e", size=5, legend_label="this step"
+        )
         legend_above(fig)
         return fig
 
     def _chains_figure(self):
-        fig = new_figure("Cached chains (block hash -> child hash; grey: evicted)", height=300,
-                         x_axis_label="block position in the chain", y_axis_label="chain")
+        fig = new_figure(
+            "Cached chains (block hash -> child hash; grey: evicted)",
+            height=300,
+            x_axis_label="block position in the chain",
+            y_axis_label="chain",
+        )
         counts_on(fig.xaxis)
         fig.segment(x0="x0", y0="y0", x1="x1", y1="y1", source=self.edges.source, color="#969696")
         nodes = fig.scatter(x="x", y="y", source=self.nodes.source, size=10, fill_color="color", line_color=None)
-        fig.add_tools(HoverTool(renderers=[nodes], tooltips=[
-            ("hash", "@hash"), ("parent", "@parent"), ("block", "@block_id"), ("status", "@status")]))
+        fig.add_tools(
+            HoverTool(
+                renderers=[nodes],
+                tooltips=[("hash", "@hash"), ("parent", "@parent"), ("block", "@block_id"), ("status", "@status")],
+            )
+        )
         fig.yaxis.visible = False
         return fig
 
@@ -93,12 +133,20 @@ class PrefixCacheView(View):
         if prefix.queried_tokens:
             step_hits = sum(lookup.hit_tokens for lookup in delta.lookups)
             step_queried = sum(lookup.queried_tokens for lookup in delta.lookups)
-            self.rate.append(step=record.step, hit_rate=prefix.hit_rate,
-                             step_hit_rate=step_hits / step_queried if step_queried else None)
+            self.rate.append(
+                step=record.step,
+                hit_rate=prefix.hit_rate,
+                step_hit_rate=step_hits / step_queried if step_queried else None,
+            )
 
     def _lookup(self, lookup: Lookup) -> None:
-        row = dict(request_id=lookup.request_id, hit_tokens=lookup.hit_tokens, queried_tokens=lookup.queried_tokens,
-                   hit_blocks=lookup.hit_blocks, queried_blocks=lookup.queried_blocks)
+        row = dict(
+            request_id=lookup.request_id,
+            hit_tokens=lookup.hit_tokens,
+            queried_tokens=lookup.queried_tokens,
+            hit_blocks=lookup.hit_blocks,
+            queried_blocks=lookup.queried_blocks,
+        )
         if lookup.request_id in self._hit_row:
             self.hits.set(self._hit_row[lookup.request_id], **row)
         else:
@@ -123,8 +171,9 @@ class PrefixCacheView(View):
         if parent is not None:
             self._has_child.add(parent_hash)
             self.edges.append(x0=px, y0=py, x1=x, y1=y)
-        self._node[node.block_hash] = self.nodes.append(x=x, y=y, hash=node.block_hash[:12],
-                                                          parent=(parent_hash or "")[:12], **_status(node))
+        self._node[node.block_hash] = self.nodes.append(
+            x=x, y=y, hash=node.block_hash[:12], parent=(parent_hash or "")[:12], **_status(node)
+        )
 
     def _show(self, block_hash: str) -> None:
         """A drawn node's block and status as the state has them now (cached again, or evicted)."""

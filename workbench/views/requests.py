@@ -1,4 +1,5 @@
 """The requests table: every request's status, phase, token counts, latencies, finish reason and growing text."""
+
 from __future__ import annotations
 
 import pandas as pd
@@ -10,23 +11,47 @@ from workbench.state import EngineState, RequestState, StepDelta
 from workbench.views.base import View
 
 COLUMNS = {  # field: title; the text early and wrapped, so a notebook cell at 1280 px shows it
-    "request_id": "request", "status": "status", "phase": "phase", "text": "text", "num_prompt_tokens": "prompt",
-    "num_output_tokens": "output", "num_cached_tokens": "cached", "ttft_ms": "TTFT ms", "itl_ms": "ITL ms",
+    "request_id": "request",
+    "status": "status",
+    "phase": "phase",
+    "text": "text",
+    "num_prompt_tokens": "prompt",
+    "num_output_tokens": "output",
+    "num_cached_tokens": "cached",
+    "ttft_ms": "TTFT ms",
+    "itl_ms": "ITL ms",
     "finish_reason": "finish",
 }
-_DTYPES = {"request_id": "object", "status": "object", "phase": "object", "num_prompt_tokens": "int64",
-           "num_output_tokens": "int64", "num_cached_tokens": "int64", "ttft_ms": "float64", "itl_ms": "float64",
-           "finish_reason": "object", "text": "object"}
+_DTYPES = {
+    "request_id": "object",
+    "status": "object",
+    "phase": "object",
+    "num_prompt_tokens": "int64",
+    "num_output_tokens": "int64",
+    "num_cached_tokens": "int64",
+    "ttft_ms": "float64",
+    "itl_ms": "float64",
+    "finish_reason": "object",
+    "text": "object",
+}
 
 
 def _row(req: RequestState) -> dict:
     finish = req.finish_reason or ""
     if req.error:
         finish = f"{finish}: {req.error}"
-    return {"request_id": req.request_id, "status": req.status, "phase": req.phase,
-            "num_prompt_tokens": req.num_prompt_tokens, "num_output_tokens": req.num_output_tokens,
-            "num_cached_tokens": req.num_cached_tokens, "ttft_ms": req.ttft_ms, "itl_ms": req.mean_itl_ms,
-            "finish_reason": finish, "text": req.text}
+    return {
+        "request_id": req.request_id,
+        "status": req.status,
+        "phase": req.phase,
+        "num_prompt_tokens": req.num_prompt_tokens,
+        "num_output_tokens": req.num_output_tokens,
+        "num_cached_tokens": req.num_cached_tokens,
+        "ttft_ms": req.ttft_ms,
+        "itl_ms": req.mean_itl_ms,
+        "finish_reason": finish,
+        "text": req.text,
+    }
 
 
 def _frame(rows: list[dict]) -> pd.DataFrame:
@@ -49,9 +74,16 @@ class RequestsView(View):
         self._dirty = False
         float_format = NumberFormatter(format="0.0", nan_format="-")
         self.table = pn.widgets.Tabulator(
-            _frame([]), show_index=False, disabled=True, selectable=1, height=280,
-            sizing_mode="stretch_width", titles=COLUMNS, widths={"text": 320},
-            formatters={"ttft_ms": float_format, "itl_ms": float_format, "text": {"type": "textarea"}})
+            _frame([]),
+            show_index=False,
+            disabled=True,
+            selectable=1,
+            height=280,
+            sizing_mode="stretch_width",
+            titles=COLUMNS,
+            widths={"text": 320},
+            formatters={"ttft_ms": float_format, "itl_ms": float_format, "text": {"type": "textarea"}},
+        )
 
     @property
     def panel(self) -> pn.widgets.Tabulator:

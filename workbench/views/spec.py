@@ -1,6 +1,7 @@
 """Speculative decoding: which draft tokens the target model accepted, step by step, acceptance by position, and
 why: each request's last verification with the draft's probability of each draft next to the target's. Empty
 until the first spec.* event (an engine with a speculative_config)."""
+
 from __future__ import annotations
 
 import pandas as pd
@@ -15,14 +16,32 @@ from workbench.views.empty import EmptyState
 ACCEPTED_COLOR, BONUS_COLOR, RECOVERED_COLOR = "#2ca02c", "#f2b701", "#9467bd"
 # a draft position's outcome: after the first rejection nothing is judged
 OUTCOME_COLORS = {ACCEPTED: ACCEPTED_COLOR, REJECTED: "#d62728", NOT_REACHED: "#bbbbbb"}
-LAST_COLUMNS = {"request_id": "request", "step": "step", "position": "position", "token": "token",
-                "q": "q (draft)", "p": "p (target)", "outcome": "outcome", "why": "why"}
-_LAST_DTYPES = {"request_id": "object", "step": "int64", "position": "int64", "token": "object", "q": "float64",
-                "p": "float64", "outcome": "object", "why": "object"}
-RULES = ("Each request's last verification, one row per draft position: the draft's own probability **q** of its "
-         "token beside the target's **p**. Greedy requests keep a draft iff it is the target's top token; sampled "
-         "ones iff a uniform draw u < min(1, p/q). The first rejection ends the verification: the target's token "
-         "replaces it (recovered); when every draft stands, the target adds one more (bonus).")
+LAST_COLUMNS = {
+    "request_id": "request",
+    "step": "step",
+    "position": "position",
+    "token": "token",
+    "q": "q (draft)",
+    "p": "p (target)",
+    "outcome": "outcome",
+    "why": "why",
+}
+_LAST_DTYPES = {
+    "request_id": "object",
+    "step": "int64",
+    "position": "int64",
+    "token": "object",
+    "q": "float64",
+    "p": "float64",
+    "outcome": "object",
+    "why": "object",
+}
+RULES = (
+    "Each request's last verification, one row per draft position: the draft's own probability **q** of its "
+    "token beside the target's **p**. Greedy requests keep a draft iff it is the target's top token; sampled "
+    "ones iff a uniform draw u < min(1, p/q). The first rejection ends the verification: the target's token "
+    "replaces it (recovered); when every draft stands, the target adds one more (bonus)."
+)
 NO_Q = " · n-gram drafts carry no distribution: q is blank, and a draft counts as certain (q = 1)"
 
 
@@ -54,12 +73,31 @@ def _emitted_why(v: Verification) -> str:
 
 def _last_rows(v: Verification) -> list[dict]:
     """The rows of one verification in the view's table: its draft positions, then the token it emitted."""
-    rows = [{"request_id": v.request_id, "step": v.step, "position": d.position, "token": _token(d.text, d.token_id),
-             "q": float("nan") if d.q is None else d.q, "p": d.p, "outcome": d.outcome, "why": _why(v, d)}
-            for d in v.positions()]
-    rows.append({"request_id": v.request_id, "step": v.step, "position": len(v.draft_token_ids),
-                 "token": _token(v.emitted_text, v.emitted_token), "q": float("nan"), "p": float("nan"),
-                 "outcome": "bonus" if v.bonus else "recovered", "why": _emitted_why(v)})
+    rows = [
+        {
+            "request_id": v.request_id,
+            "step": v.step,
+            "position": d.position,
+            "token": _token(d.text, d.token_id),
+            "q": float("nan") if d.q is None else d.q,
+            "p": d.p,
+            "outcome": d.outcome,
+            "why": _why(v, d),
+        }
+        for d in v.positions()
+    ]
+    rows.append(
+        {
+            "request_id": v.request_id,
+            "step": v.step,
+            "position": len(v.draft_token_ids),
+            "token": _token(v.emitted_text, v.emitted_token),
+            "q": float("nan"),
+            "p": float("nan"),
+            "outcome": "bonus" if v.bonus else "recovered",
+            "why": _emitted_why(v),
+        }
+    )
     return rows
 
 
@@ -81,8 +119,10 @@ class SpecDecodeView(View):
 
     def __init__(self, state: EngineState | None = None) -> None:
         super().__init__(state)
-        self.cells = self.buffer(["x", "y", "step", "request_id", "row", "token_id", "outcome", "p_target",
-                                  "p_draft", "color"], name="spec_tokens")
+        self.cells = self.buffer(
+            ["x", "y", "step", "request_id", "row", "token_id", "outcome", "p_target", "p_draft", "color"],
+            name="spec_tokens",
+        )
         self.by_position = self.buffer(["position", "proposed", "accepted", "rate"], name="spec_acceptance")
         self._rows = 0
         self._last: dict[str, list[dict]] = {}  # request id -> its last verification's rows (first-verified order)
@@ -90,36 +130,84 @@ class SpecDecodeView(View):
         self._no_q = False  # a verification came without draft probabilities (n-gram)
         self.methods = pn.pane.Markdown("", margin=(0, 10))
         probability = NumberFormatter(format="0.000", nan_format="")
-        self.last = pn.widgets.Tabulator(_frame([]), show_index=False, disabled=True, height=260,
-                                         sizing_mode="stretch_width", titles=LAST_COLUMNS, widths={"why": 420},
-                                         formatters={"q": probability, "p": probability})
-        content = pn.Column(self.methods, pn.Row(pn.pane.Bokeh(self._tokens_figure()),
-                                                 pn.pane.Bokeh(self._acceptance_figure()),
-                                                 sizing_mode="stretch_width"),
-                            pn.pane.Markdown(RULES, margin=(0, 10)), self.last, sizing_mode="stretch_width")
-        self.empty = EmptyState("No speculative decoding yet: this view fills in when spec events arrive "
-                                "(an engine with a speculative_config).", content)
+        self.last = pn.widgets.Tabulator(
+            _frame([]),
+            show_index=False,
+            disabled=True,
+            height=260,
+            sizing_mode="stretch_width",
+            titles=LAST_COLUMNS,
+            widths={"why": 420},
+            formatters={"q": probability, "p": probability},
+        )
+        content = pn.Column(
+            self.methods,
+            pn.Row(
+                pn.pane.Bokeh(self._tokens_figure()),
+                pn.pane.Bokeh(self._acceptance_figure()),
+                sizing_mode="stretch_width",
+            ),
+            pn.pane.Markdown(RULES, margin=(0, 10)),
+            self.last,
+            sizing_mode="stretch_width",
+        )
+        self.empty = EmptyState(
+            "No speculative decoding yet: this view fills in when spec events arrive "
+            "(an engine with a speculative_config).",
+            content,
+        )
 
     def _tokens_figure(self):
-        fig = new_figure("Draft tokens per step and request", height=300, x_axis_label="draft position",
-                         y_axis_label="verification (newest at the bottom)")
-        cells = fig.rect(x="x", y="y", width=0.9, height=0.85, source=self.cells.source, fill_color="color",
-                         line_color=None, legend_field="outcome")
-        fig.add_tools(HoverTool(renderers=[cells], tooltips=[
-            ("step", "@step"), ("request", "@request_id"), ("position", "@x"), ("token", "@token_id"),
-            ("outcome", "@outcome"), ("p target / draft", "@p_target{0.000} / @p_draft{0.000}")]))
+        fig = new_figure(
+            "Draft tokens per step and request",
+            height=300,
+            x_axis_label="draft position",
+            y_axis_label="verification (newest at the bottom)",
+        )
+        cells = fig.rect(
+            x="x",
+            y="y",
+            width=0.9,
+            height=0.85,
+            source=self.cells.source,
+            fill_color="color",
+            line_color=None,
+            legend_field="outcome",
+        )
+        fig.add_tools(
+            HoverTool(
+                renderers=[cells],
+                tooltips=[
+                    ("step", "@step"),
+                    ("request", "@request_id"),
+                    ("position", "@x"),
+                    ("token", "@token_id"),
+                    ("outcome", "@outcome"),
+                    ("p target / draft", "@p_target{0.000} / @p_draft{0.000}"),
+                ],
+            )
+        )
         label_ticks(fig.yaxis, self.cells.source, "y", "row")
         counts_on(fig.xaxis)
         legend_above(fig)
         return fig
 
     def _acceptance_figure(self):
-        fig = new_figure("Acceptance rate by draft position", height=300, x_axis_label="draft position",
-                         y_axis_label="accepted / proposed", y_range=Range1d(0, 1.05))
+        fig = new_figure(
+            "Acceptance rate by draft position",
+            height=300,
+            x_axis_label="draft position",
+            y_axis_label="accepted / proposed",
+            y_range=Range1d(0, 1.05),
+        )
         counts_on(fig.xaxis)
         bars = fig.vbar(x="position", top="rate", width=0.8, source=self.by_position.source, color=ACCEPTED_COLOR)
-        fig.add_tools(HoverTool(renderers=[bars], tooltips=[
-            ("position", "@position"), ("accepted", "@accepted / @proposed"), ("rate", "@rate{0.00}")]))
+        fig.add_tools(
+            HoverTool(
+                renderers=[bars],
+                tooltips=[("position", "@position"), ("accepted", "@accepted / @proposed"), ("rate", "@rate{0.00}")],
+            )
+        )
         return fig
 
     @property
@@ -146,11 +234,24 @@ class SpecDecodeView(View):
         self._rows += 1
         row = dict(y=y, step=v.step, request_id=v.request_id, row=f"step {v.step} · {v.request_id}")
         for d in v.positions():
-            self.cells.append(x=d.position, token_id=d.token_id, outcome=d.outcome, p_target=d.p, p_draft=d.q,
-                              color=OUTCOME_COLORS[d.outcome], **row)
-        self.cells.append(x=len(v.draft_token_ids), token_id=v.emitted_token,
-                          outcome="bonus" if v.bonus else "recovered", p_target=None, p_draft=None,
-                          color=BONUS_COLOR if v.bonus else RECOVERED_COLOR, **row)
+            self.cells.append(
+                x=d.position,
+                token_id=d.token_id,
+                outcome=d.outcome,
+                p_target=d.p,
+                p_draft=d.q,
+                color=OUTCOME_COLORS[d.outcome],
+                **row,
+            )
+        self.cells.append(
+            x=len(v.draft_token_ids),
+            token_id=v.emitted_token,
+            outcome="bonus" if v.bonus else "recovered",
+            p_target=None,
+            p_draft=None,
+            color=BONUS_COLOR if v.bonus else RECOVERED_COLOR,
+            **row,
+        )
         self._last[v.request_id] = _last_rows(v)
         self._last_changed = True
 
@@ -158,8 +259,9 @@ class SpecDecodeView(View):
         spec = self.state.spec
         while len(self.by_position) <= position:
             self.by_position.append(position=len(self.by_position), proposed=0, accepted=0, rate=0.0)
-        self.by_position.set(position, proposed=spec.proposed[position], accepted=spec.accepted[position],
-                             rate=spec.rate(position))
+        self.by_position.set(
+            position, proposed=spec.proposed[position], accepted=spec.accepted[position], rate=spec.rate(position)
+        )
 
     def flush(self) -> None:
         super().flush()

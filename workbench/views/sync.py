@@ -22,11 +22,13 @@ when it renders the cell's output. Five things went wrong there, each fixed here
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import panel as pn
-from panel.io.notebook import block_comm, push as push_doc
+from panel.io.notebook import block_comm
+from panel.io.notebook import push as push_doc
 
 # Panel's notebook CommManager (panel 1.9) sends every change of the browser's document back to the kernel,
 # the changes it has just applied from the kernel included: each row streamed to a source came back and was
@@ -100,8 +102,12 @@ def _in_order(msg: Any) -> Iterator[Any]:
 
 def _with_events(msg: dict, events: list[Any]) -> dict:
     # Panel's handler writes into the header and pops the buffers: each part gets its own
-    return {**msg, "header": dict(msg.get("header", {})), "content": {**msg["content"], "events": events},
-            "_buffers": dict(msg.get("_buffers") or {})}
+    return {
+        **msg,
+        "header": dict(msg.get("header", {})),
+        "content": {**msg["content"], "events": events},
+        "_buffers": dict(msg.get("_buffers") or {}),
+    }
 
 
 def _locked(handler: Callable[[Any], None]) -> Callable[[Any], None]:

@@ -1,4 +1,5 @@
 """The scheduler timeline: what each step spent its token budget on, and how deep the queues were."""
+
 from __future__ import annotations
 
 import panel as pn
@@ -21,13 +22,16 @@ class SchedulerTimeline(View):
 
     def __init__(self, state: EngineState | None = None, budget: int | None = None) -> None:
         super().__init__(state)
-        self.segments = self.buffer(["step", "bottom", "top", "request_id", "phase", "num_tokens", "color",
-                                     "back_at"], name="scheduler_timeline")
+        self.segments = self.buffer(
+            ["step", "bottom", "top", "request_id", "phase", "num_tokens", "color", "back_at"],
+            name="scheduler_timeline",
+        )
         self.asynchronous = False  # seen a step that took the previous step's tokens
         self.steps = self.buffer(["step", "total", "budget", "num_waiting", "num_running"], name="scheduler_steps")
         self.tokens_figure = self._tokens_figure()
-        self._panel = pn.Column(pn.pane.Bokeh(self.tokens_figure), pn.pane.Bokeh(self._queues_figure()),
-                                sizing_mode="stretch_width")
+        self._panel = pn.Column(
+            pn.pane.Bokeh(self.tokens_figure), pn.pane.Bokeh(self._queues_figure()), sizing_mode="stretch_width"
+        )
         self.budget = budget
 
     @property
@@ -47,26 +51,65 @@ class SchedulerTimeline(View):
 
     def _tokens_figure(self):
         fig = new_figure("Tokens per step, by request and phase", x_axis_label="step", y_axis_label="tokens")
-        bars = fig.vbar(x="step", width=0.8, bottom="bottom", top="top", fill_color="color", line_color="white",
-                        source=self.segments.source, legend_field="phase")
-        fig.step(x="step", y="budget", source=self.steps.source, mode="center", color="black",
-                 line_dash="dashed", legend_label="token budget")
+        bars = fig.vbar(
+            x="step",
+            width=0.8,
+            bottom="bottom",
+            top="top",
+            fill_color="color",
+            line_color="white",
+            source=self.segments.source,
+            legend_field="phase",
+        )
+        fig.step(
+            x="step",
+            y="budget",
+            source=self.steps.source,
+            mode="center",
+            color="black",
+            line_dash="dashed",
+            legend_label="token budget",
+        )
         fit_to(fig, bars)
         counts_on(fig.xaxis, fig.yaxis)
-        fig.add_tools(HoverTool(renderers=[bars], tooltips=[
-            ("step", "@step"), ("request", "@request_id"), ("phase", "@phase"), ("tokens", "@num_tokens"),
-            ("sampled tokens back at", "@back_at")]))
+        fig.add_tools(
+            HoverTool(
+                renderers=[bars],
+                tooltips=[
+                    ("step", "@step"),
+                    ("request", "@request_id"),
+                    ("phase", "@phase"),
+                    ("tokens", "@num_tokens"),
+                    ("sampled tokens back at", "@back_at"),
+                ],
+            )
+        )
         legend_above(fig)
         self._x_range = fig.x_range
         return fig
 
     def _queues_figure(self):
-        fig = new_figure("Queue depths", height=190, x_range=self._x_range, x_axis_label="step",
-                         y_axis_label="requests")
-        fig.step(x="step", y="num_waiting", source=self.steps.source, mode="center", color="#ff7f0e",
-                 line_width=2, legend_label="waiting")
-        fig.step(x="step", y="num_running", source=self.steps.source, mode="center", color="#2ca02c",
-                 line_width=2, legend_label="running")
+        fig = new_figure(
+            "Queue depths", height=190, x_range=self._x_range, x_axis_label="step", y_axis_label="requests"
+        )
+        fig.step(
+            x="step",
+            y="num_waiting",
+            source=self.steps.source,
+            mode="center",
+            color="#ff7f0e",
+            line_width=2,
+            legend_label="waiting",
+        )
+        fig.step(
+            x="step",
+            y="num_running",
+            source=self.steps.source,
+            mode="center",
+            color="#2ca02c",
+            line_width=2,
+            legend_label="running",
+        )
         fig.y_range.start = 0
         counts_on(fig.xaxis, fig.yaxis)
         legend_above(fig)
@@ -85,9 +128,21 @@ class SchedulerTimeline(View):
         bottom = 0
         for rid, num_tokens in record.scheduled.items():
             phase = record.phases.get(rid, "")
-            self.segments.append(step=record.step, bottom=bottom, top=bottom + num_tokens, request_id=rid,
-                                 phase=phase, num_tokens=num_tokens, color=PHASE_COLORS.get(phase, "#7f7f7f"),
-                                 back_at=back_at)
+            self.segments.append(
+                step=record.step,
+                bottom=bottom,
+                top=bottom + num_tokens,
+                request_id=rid,
+                phase=phase,
+                num_tokens=num_tokens,
+                color=PHASE_COLORS.get(phase, "#7f7f7f"),
+                back_at=back_at,
+            )
             bottom += num_tokens
-        self.steps.append(step=record.step, total=bottom, budget=self.budget, num_waiting=record.num_waiting,
-                          num_running=record.num_running)
+        self.steps.append(
+            step=record.step,
+            total=bottom,
+            budget=self.budget,
+            num_waiting=record.num_waiting,
+            num_running=record.num_running,
+        )

@@ -1,5 +1,6 @@
 """What the scheduler hands the model runner for one step (vLLM's `vllm/v1/core/sched/output.py`). A leaf: the
 runner and the KV connectors import this, never the scheduler."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -5,6 +5,7 @@ The scheduler has no phases (as in vLLM: each request only catches its computed 
 name needs history the scheduler does not keep: where the request's current prefill started and how many tokens
 it covers. Without it, a 1-token last chunk would look like a decode.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,9 +42,16 @@ class PhaseTracker:
         phases = {}
         for s in output.scheduled:
             phase, index, count = self._phase(s)
-            self.events.emit(RequestScheduled, request_id=s.request_id, num_tokens=s.num_new_tokens, phase=phase,
-                             num_computed_tokens=s.num_computed_tokens, chunk_index=index, num_chunks=count,
-                             num_cached_tokens=max(s.request.num_cached_tokens, 0))
+            self.events.emit(
+                RequestScheduled,
+                request_id=s.request_id,
+                num_tokens=s.num_new_tokens,
+                phase=phase,
+                num_computed_tokens=s.num_computed_tokens,
+                chunk_index=index,
+                num_chunks=count,
+                num_cached_tokens=max(s.request.num_cached_tokens, 0),
+            )
             phases[s.request_id] = phase
         return phases
 

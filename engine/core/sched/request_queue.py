@@ -1,9 +1,11 @@
 """Waiting queues: FCFS (arrival order) and priority (lower value first, then earlier arrival)."""
+
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from engine.request import Request
 

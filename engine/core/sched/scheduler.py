@@ -6,6 +6,7 @@ When the KV cache is short, a running request is preempted (its blocks freed, re
 A waiting request is admitted through named checks, in the order the seed gives them (`_admission`).
 The scheduler decides only: naming what each request does in a step is phases.py's, for display.
 """
+
 from __future__ import annotations
 
 import enum
@@ -64,9 +65,15 @@ class Admission:
 class Scheduler:
     """Owns the waiting queue, the running list and every live request's status and computed-token count."""
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, events: EventLog,
-                 structured: StructuredOutputManager | None = None,
-                 connector: KVConnectorBase | None = None, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        events: EventLog,
+        structured: StructuredOutputManager | None = None,
+        connector: KVConnectorBase | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self.config = config
         self.clock = Clock() if clock is None else clock  # request metrics on the engine's (maybe simulated) clock
         self.connector = connector
@@ -110,8 +117,11 @@ class Scheduler:
     def nothing_runnable(self) -> bool:
         """Work remains, but nothing runs and every waiting request waits on something outside the step (its
         grammar, its KV load, its producer's save): the engine blocks then, rather than spin through empty steps."""
-        return (self.has_unfinished_requests() and not self.running
-                and all(r.status in _BLOCKED or r.request_id in self.awaiting_kv for r in self.waiting))
+        return (
+            self.has_unfinished_requests()
+            and not self.running
+            and all(r.status in _BLOCKED or r.request_id in self.awaiting_kv for r in self.waiting)
+        )
 
     def compiling(self) -> list[str]:
         """Waiting requests whose grammar was still compiling when last looked at."""
@@ -167,13 +177,17 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_computed = request.num_computed_tokens
-            if request.num_output_placeholders and num_computed + 2 - request.num_output_placeholders \
-                    >= request.num_prompt_tokens + request.sampling_params.max_tokens:
+            if (
+                request.num_output_placeholders
+                and num_computed + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.sampling_params.max_tokens
+            ):
                 index += 1  # asynchronous: the tokens in flight already reach max_tokens; no step past them
                 continue
             # no input position past max_model_len - 1: the token sampled there is the last one the model holds
-            num_new = min(self._num_new_tokens(request, num_computed), budget,
-                          self.config.max_model_len - num_computed - 1)
+            num_new = min(
+                self._num_new_tokens(request, num_computed), budget, self.config.max_model_len - num_computed - 1
+            )
             if num_new <= 0:
                 index += 1
                 continue
@@ -214,8 +228,12 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         num_blocks = len(self.kv.req_to_blocks.get(request.request_id, ()))
-        self.events.emit(RequestPreempted, request_id=request.request_id,
-                         num_computed_tokens=request.num_computed_tokens, num_freed_blocks=num_blocks)
+        self.events.emit(
+            RequestPreempted,
+            request_id=request.request_id,
+            num_computed_tokens=request.num_computed_tokens,
+            num_freed_blocks=num_blocks,
+        )
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -251,8 +269,15 @@ class Scheduler:
         external tokens, its new
         tokens (chunked by the budget and the long-prefill threshold), then allocate_slots (PARK or SCHEDULE)."""
         admission = Admission(request, budget)
-        for check in (self._check_remote_kvs, self._check_grammar, self._check_stale_output, self._lookup_prefix_cache,
-                      self._lookup_external_tokens, self._count_new_tokens, self._allocate_slots):
+        for check in (
+            self._check_remote_kvs,
+            self._check_grammar,
+            self._check_stale_output,
+            self._lookup_prefix_cache,
+            self._lookup_external_tokens,
+            self._count_new_tokens,
+            self._allocate_slots,
+        ):
             admission.verdict = check(admission)
             if admission.verdict is not None:
                 break
@@ -311,13 +336,23 @@ class Scheduler:
         budget) and the new tokens; STOP when the cache is short. Blocks an asynchronous load fills enter the
         prefix cache only when it lands: nobody may hit KV that is not there yet."""
         lookahead = 0 if a.load_async else self.num_lookahead_tokens
-        if self.kv.allocate_slots(a.request, a.num_external + a.num_new, a.num_hit, a.hit_blocks, lookahead,
-                                  delay_cache_blocks=a.load_async,
-                                  full_sequence_must_fit=self.config.scheduler_reserve_full_isl) is None:
+        if (
+            self.kv.allocate_slots(
+                a.request,
+                a.num_external + a.num_new,
+                a.num_hit,
+                a.hit_blocks,
+                lookahead,
+                delay_cache_blocks=a.load_async,
+                full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
+            )
+            is None
+        ):
             return Verdict.STOP
         if self.connector is not None:
-            self.connector.update_state_after_alloc(a.request, self.kv.get_block_ids(a.request.request_id),
-                                                    a.num_external)
+            self.connector.update_state_after_alloc(
+                a.request, self.kv.get_block_ids(a.request.request_id), a.num_external
+            )
         return Verdict.PARK if a.load_async else Verdict.SCHEDULE
 
     def _admit(self, a: Admission, scheduled: list[ScheduledRequest]) -> int:
@@ -343,8 +378,9 @@ class Scheduler:
             request.num_cached_tokens = a.num_hit + a.num_external
         self.remote_loads[request.request_id] = a.num_hit + a.num_external
 
-    def update_kv_xfer_finished(self, finished_sending: set[str], finished_recving: set[str],
-                                failed_block_ids: set[int]) -> None:
+    def update_kv_xfer_finished(
+        self, finished_sending: set[str], finished_recving: set[str], failed_block_ids: set[int]
+    ) -> None:
         """Asynchronous transfers ended: release held blocks, and make loaded requests schedulable from their
         first missing token (or, under policy "fail", finish those whose KV came back bad)."""
         for rid in finished_sending | finished_recving:
@@ -358,8 +394,9 @@ class Scheduler:
             num_computed = self.remote_loads.pop(rid)
             bad = [i for i, b in enumerate(self.kv.get_block_ids(rid)) if b in failed_block_ids]
             if bad and fail:
-                self.finish_request(request, RequestStatus.FINISHED_ERROR,
-                                    f"kv_transfer: the KV loaded for request {rid} is bad")
+                self.finish_request(
+                    request, RequestStatus.FINISHED_ERROR, f"kv_transfer: the KV loaded for request {rid} is bad"
+                )
                 continue
             if bad:
                 num_computed = min(num_computed, min(bad) * self.kv.block_size)
@@ -371,8 +408,14 @@ class Scheduler:
         num_known = request.num_tokens + request.num_output_placeholders  # tokens in flight are known by then
         num_spec = max(0, num_computed + num_new - num_known)
         samples = num_computed + num_new - num_spec >= num_known
-        return ScheduledRequest(request, num_new, num_computed, self.kv.get_block_ids(request.request_id), samples,
-                                request.spec_token_ids[:num_spec])
+        return ScheduledRequest(
+            request,
+            num_new,
+            num_computed,
+            self.kv.get_block_ids(request.request_id),
+            samples,
+            request.spec_token_ids[:num_spec],
+        )
 
     def handle_kv_load_errors(self, output: SchedulerOutput, failed_block_ids: set[int]) -> None:
         """Requests whose loaded KV is bad in some block leave this step: by the policy, they resume computing
@@ -387,12 +430,19 @@ class Scheduler:
             request = s.request
             request.num_computed_tokens = min(bad) * self.kv.block_size  # blocks from here on are recomputed
             if fail:
-                self.finish_request(request, RequestStatus.FINISHED_ERROR,
-                                    f"kv_transfer: the KV loaded for request {request.request_id} is bad")
+                self.finish_request(
+                    request,
+                    RequestStatus.FINISHED_ERROR,
+                    f"kv_transfer: the KV loaded for request {request.request_id} is bad",
+                )
 
     # ---- results ------------------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]],
-                           drafts: dict[str, tuple[list[int], object]] | None = None) -> dict[str, list[int]]:
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        drafts: dict[str, tuple[list[int], object]] | None = None,
+    ) -> dict[str, list[int]]:
         """Append sampled tokens (rolling back the slots of rejected drafts), apply token-level stop rules,
         free what finished, and hand the next drafts to the requests that go on.
         Returns the tokens each request actually took (up to its stop), by request id."""
@@ -423,8 +473,9 @@ class Scheduler:
                 self._set_drafts(request, *drafts[request.request_id])
         return appended
 
-    def _append(self, request: Request, tokens: list[int],
-                stale: bool = False) -> tuple[list[int], RequestStatus | None]:
+    def _append(
+        self, request: Request, tokens: list[int], stale: bool = False
+    ) -> tuple[list[int], RequestStatus | None]:
         """Append sampled tokens up to a stop; returns those taken and the finished status the stop gives."""
         taken, status = [], None
         for token in tokens:
@@ -444,14 +495,19 @@ class Scheduler:
     def _set_drafts(self, request: Request, tokens: list[int], probs) -> None:
         num_proposed = len(tokens)
         if self.structured is not None and self.structured.is_guided(request.request_id):
-            tokens = tokens[:self.structured.validate_tokens(request, tokens)]  # drafts the grammar allows
+            tokens = tokens[: self.structured.validate_tokens(request, tokens)]  # drafts the grammar allows
         if tokens:
             request.spec_token_ids = tokens
-            request.spec_draft_probs = None if probs is None else probs[:len(tokens)]
+            request.spec_draft_probs = None if probs is None else probs[: len(tokens)]
         # reported even when the grammar cut every draft: the proposer's work is visible, and what it cost
         if num_proposed:
-            self.events.emit(SpecProposed, request_id=request.request_id, method=self.spec_method,
-                             draft_token_ids=tuple(tokens), num_cut_by_grammar=num_proposed - len(tokens))
+            self.events.emit(
+                SpecProposed,
+                request_id=request.request_id,
+                method=self.spec_method,
+                draft_token_ids=tuple(tokens),
+                num_cut_by_grammar=num_proposed - len(tokens),
+            )
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         # vLLM 0.33's order (vllm/v1/core/sched/utils.py check_stop): EOS, then stop token ids, then length. The
@@ -480,7 +536,8 @@ class Scheduler:
         delay_free = False
         if self.connector is not None:
             delay_free, request.kv_transfer_params_out = self.connector.request_finished(
-                request, self.kv.get_block_ids(request.request_id))
+                request, self.kv.get_block_ids(request.request_id)
+            )
             self.remote_loads.pop(request.request_id, None)
             self.awaiting_kv.discard(request.request_id)
         if delay_free:  # a transfer thread still reads or writes them: freed when get_finished says it ended
@@ -491,5 +548,10 @@ class Scheduler:
             self.structured.remove(request.request_id)
         self.requests.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
-        self.events.emit(RequestFinished, request_id=request.request_id, reason=status.finish_reason,
-                         num_output_tokens=request.num_output_tokens, error=error)
+        self.events.emit(
+            RequestFinished,
+            request_id=request.request_id,
+            reason=status.finish_reason,
+            num_output_tokens=request.num_output_tokens,
+            error=error,
+        )

@@ -6,11 +6,13 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `
 /metrics needs the key (engine/entrypoints/openai/guards.py: `Authorization: Bearer KEY`, or a browser's session
 cookie from /login). Every error, the framework's own (404, 405, a body that is not JSON, 413) included, is a 4xx in
 OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +26,7 @@ from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_engine import RequestError, error_response
 from engine.metrics import PrometheusStatLogger
+
 
 def _validation_error(exc: RequestValidationError) -> Response:
     """Pydantic's first complaint as a 400 naming the field ("max_tokens: Input should be a valid integer"). Of a
@@ -47,9 +50,13 @@ def _http_error(exc: StarletteHTTPException) -> Response:
     return error_response(exc.status_code, message)
 
 
-def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
-              metrics: PrometheusStatLogger | None = None,
-              max_request_body_bytes: int = guards.DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+def build_app(
+    llm: AsyncLLM,
+    model_name: str,
+    api_key: str | None = None,
+    metrics: PrometheusStatLogger | None = None,
+    max_request_body_bytes: int = guards.DEFAULT_MAX_REQUEST_BODY_BYTES,
+) -> FastAPI:
     """The app serving `llm` under `model_name`. The metrics logger subscribes to the engine here (pass one to
     share it); nothing binds a port until uvicorn runs the app. The guards (guards.py: the key on every route but
     /health and /metrics, routes mounted later such as the dashboard included; the body limit) wrap the app."""
@@ -78,8 +85,15 @@ def build_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "inference-workbench",
-                "root": str(llm.engine.model_path), "parent": None, "max_model_len": llm.engine.config.max_model_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "inference-workbench",
+            "root": str(llm.engine.model_path),
+            "parent": None,
+            "max_model_len": llm.engine.config.max_model_len,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.post("/v1/completions")
@@ -126,8 +140,9 @@ def _hold_state(llm: AsyncLLM) -> dict[str, Any]:
     return {"is_paused": llm.is_paused, "step": llm.step_count}
 
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
-               announce: Callable[[str], Any] | None = None) -> None:
+def run_server(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 8000, announce: Callable[[str], Any] | None = None
+) -> None:
     """Serve `app` with uvicorn until interrupted; `announce(url)` once the port is bound."""
     import uvicorn
 

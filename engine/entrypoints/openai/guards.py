@@ -9,13 +9,15 @@
   the dashboard's page, its resources, its Bokeh websocket (through which every button acts) and the hold routes.
   The cookie holds an HMAC of the key, never the key; it is HttpOnly and SameSite=Strict (another site's page
   cannot drive the server with it)."""
+
 from __future__ import annotations
 
 import hashlib
 import hmac
 import html
+from collections.abc import Awaitable, Callable
 from http.cookies import SimpleCookie
-from typing import Any, Awaitable, Callable
+from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 from fastapi import HTTPException
@@ -101,8 +103,11 @@ class ApiKeyMiddleware:
         headers = dict(scope.get("headers") or [])
         if scope["type"] == "http" and path == LOGIN_PATH:  # signed in or not: a second sign-in is harmless
             return await (await self._login(scope, receive))(scope, receive, send)
-        if path in OPEN_PATHS or (scope["type"] == "http" and scope.get("method") == "OPTIONS") \
-                or self._authorized(headers):
+        if (
+            path in OPEN_PATHS
+            or (scope["type"] == "http" and scope.get("method") == "OPTIONS")
+            or self._authorized(headers)
+        ):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             # refused before the handshake completes (the browser sees a 403): no session, no button reaches the engine
@@ -128,7 +133,7 @@ class ApiKeyMiddleware:
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False) and len(body) <= 64 * 1024
-        form = parse_qs(body[:64 * 1024].decode("utf-8", "replace"))
+        form = parse_qs(body[: 64 * 1024].decode("utf-8", "replace"))
         target = form.get("next", ["/"])[0]
         if self._valid_key(form.get("key", [""])[0]):
             return self._signed_in(target)
@@ -171,15 +176,20 @@ def warn_if_exposed(host: str, api_key: str | None) -> str | None:
             return None
     except ValueError:
         pass  # a host name other than localhost: it may resolve to anything, so warn
-    return (f"WARNING: serving on {host} without --api-key: anyone who can reach this port can read every request "
-            "and pause, step and drive the engine from /dashboard and the API. Pass --api-key KEY, or bind 127.0.0.1.")
+    return (
+        f"WARNING: serving on {host} without --api-key: anyone who can reach this port can read every request "
+        "and pause, step and drive the engine from /dashboard and the API. Pass --api-key KEY, or bind 127.0.0.1."
+    )
 
 
 def install(app: Any, api_key: str | None, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> None:
     """Put the guards on `app`: the body limit, then (outermost, so an unauthenticated client is refused before
     its body is read) the key check when there is a key. Bad settings raise here, not at the first request."""
-    if isinstance(max_request_body_bytes, bool) or not isinstance(max_request_body_bytes, int) \
-            or max_request_body_bytes < 1:
+    if (
+        isinstance(max_request_body_bytes, bool)
+        or not isinstance(max_request_body_bytes, int)
+        or max_request_body_bytes < 1
+    ):
         raise ValueError(f"max_request_body_bytes: must be an int >= 1, got {max_request_body_bytes!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key: must be a non-empty string")

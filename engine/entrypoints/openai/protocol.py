@@ -5,6 +5,7 @@ sends `max_tokens: "5"` or `temprature` learns so, rather than getting a default
 (engine/limits.py: the seed's range, the size of every list) are in the models, so `/openapi.json` states them and a
 request past one is refused by validation, before anything else runs; those an engine sets (n, logprobs,
 max_tokens) are checked by serving_engine against its config."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -97,13 +98,15 @@ class SamplingRequest(OpenAIBaseModel):
     structured_outputs: StructuredOutputsRequest | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None,
-                                                                                 max_length=limits.MAX_LOGIT_BIAS)  # token id (as a JSON key, a string) -> bias in [-100, 100]
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=limits.MAX_LOGIT_BIAS
+    )  # token id (as a JSON key, a string) -> bias in [-100, 100]
     user: str | None = None
     # vLLM's extras
     repetition_penalty: float = Field(1.0, gt=0)
     bad_words: list[Annotated[str, Field(min_length=1, max_length=limits.MAX_BAD_WORD_CHARS)]] | None = Field(
-        None, max_length=limits.MAX_BAD_WORDS)
+        None, max_length=limits.MAX_BAD_WORDS
+    )
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=limits.MAX_ALLOWED_TOKEN_IDS)
     priority: int = 0
     cache_salt: str | None = None
@@ -118,9 +121,12 @@ class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`: one prompt (text or token ids) to continue."""
 
     # one prompt (a batch of several is refused, naming the field): text, token ids, or either in a list of one
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[TokenIds, Field(min_length=1)] | Annotated[
-        list[str], Field(min_length=1, max_length=MAX_PROMPT_ITEMS)] | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPT_ITEMS)]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[TokenIds, Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPT_ITEMS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPT_ITEMS)]
+    )
     logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs
     echo: bool = False
     suffix: str | None = None

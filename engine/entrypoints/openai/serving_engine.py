@@ -1,6 +1,7 @@
 """What the completions and chat endpoints share (vLLM's `serving_engine.py`): the model check, request fields to
 SamplingParams, the engine's refusals as 400s naming the field, usage, server-sent events, and waiting for a
 result while watching for the client to leave."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,8 @@ import json
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -20,8 +22,15 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 # the engine's messages start with the field they refuse ("max_tokens: must be >= 1, got 0", "logit_bias[5]: must
 # be in [-100, 100]", "logit_bias (token id): expected int")
 _FIELD = re.compile(r"^([A-Za-z_]\w*)(?:[.\[][^:\s]*| \([^)]*\))?:")
@@ -37,8 +46,9 @@ class RequestError(Exception):
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     """OpenAI's error shape, with vLLM's type names and the status as the code."""
-    body = ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "BadRequestError"),
-                                         param=param, code=status))
+    body = ErrorResponse(
+        error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "BadRequestError"), param=param, code=status)
+    )
     return JSONResponse(body.model_dump(), status_code=status)
 
 
@@ -49,7 +59,7 @@ def engine_refusal(exc: ValueError | TypeError, field_map: dict[str, str] | None
     param = match.group(1) if match else None
     if param is not None and field_map and param in field_map:
         # the message names the field as the client sent it ("max_completion_tokens: must be >= 1")
-        message = field_map[param] + message[len(param):]
+        message = field_map[param] + message[len(param) :]
         param = field_map[param]
     return RequestError(400, message, param)
 
@@ -120,8 +130,12 @@ class OpenAIServing:
         except ValueError as exc:
             raise engine_refusal(exc) from None
         if request.priority != 0 and self.policy != "priority":
-            raise RequestError(400, f"priority: {request.priority} given, but the server schedules "
-                               f"{self.policy!r}; start it with --scheduling-policy priority", "priority")
+            raise RequestError(
+                400,
+                f"priority: {request.priority} given, but the server schedules "
+                f"{self.policy!r}; start it with --scheduling-policy priority",
+                "priority",
+            )
         if request.stream_options is not None and not request.stream:
             raise RequestError(400, "stream_options: only allowed when stream is true", "stream_options")
 
@@ -132,9 +146,15 @@ class OpenAIServing:
             if condition:
                 raise RequestError(400, f"{field}: {why}", field)
 
-    def sampling_params(self, request: SamplingRequest, num_prompt_tokens: int, max_tokens: int | None,
-                        default_max_tokens: int | None, logprobs: int | None,
-                        field_map: dict[str, str] | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        request: SamplingRequest,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        default_max_tokens: int | None,
+        logprobs: int | None,
+        field_map: dict[str, str] | None = None,
+    ) -> SamplingParams:
         room = min(self.max_model_len, self.max_cache_tokens) - num_prompt_tokens
         if max_tokens is None:  # vLLM's default: what is left of the context (capped by an endpoint's default)
             max_tokens = max(min(room, default_max_tokens or room), 1)
@@ -153,16 +173,28 @@ class OpenAIServing:
             logit_bias = {int(k): float(v) for k, v in request.logit_bias.items()}
         try:
             return SamplingParams(
-                n=request.n, presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
-                logit_bias=logit_bias, bad_words=request.bad_words, allowed_token_ids=request.allowed_token_ids,
+                n=request.n,
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty,
+                logit_bias=logit_bias,
+                bad_words=request.bad_words,
+                allowed_token_ids=request.allowed_token_ids,
                 temperature=1.0 if request.temperature is None else request.temperature,
                 top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=request.top_k or 0, min_p=request.min_p or 0.0, seed=request.seed, max_tokens=max_tokens,
-                min_tokens=request.min_tokens, stop=request.stop, stop_token_ids=request.stop_token_ids,
-                ignore_eos=request.ignore_eos, include_stop_str_in_output=request.include_stop_str_in_output,
-                logprobs=logprobs, skip_special_tokens=request.skip_special_tokens,
-                structured_outputs=self._structured(request))
+                top_k=request.top_k or 0,
+                min_p=request.min_p or 0.0,
+                seed=request.seed,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                logprobs=logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                structured_outputs=self._structured(request),
+            )
         except (ValueError, TypeError) as exc:
             raise engine_refusal(exc, field_map) from None
 
@@ -170,40 +202,50 @@ class OpenAIServing:
     def _structured(request: SamplingRequest) -> StructuredOutputsParams | None:
         fmt, so = request.response_format, request.structured_outputs
         if fmt is not None and fmt.type != "text" and so is not None:
-            raise RequestError(400, "response_format: give either response_format or structured_outputs, not both",
-                               "response_format")
+            raise RequestError(
+                400, "response_format: give either response_format or structured_outputs, not both", "response_format"
+            )
         if fmt is not None and fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
-                raise RequestError(400, "response_format.json_schema: required when type is json_schema",
-                                   "response_format")
+                raise RequestError(
+                    400, "response_format.json_schema: required when type is json_schema", "response_format"
+                )
             return StructuredOutputsParams(json=fmt.json_schema.json_schema)
         if so is not None:
             try:
-                return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                               json_object=bool(so.json_object))
+                return StructuredOutputsParams(
+                    json=so.json_,
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                    json_object=bool(so.json_object),
+                )
             except ValueError as exc:
                 raise RequestError(400, str(exc), "structured_outputs") from None
         return None
 
     async def tokenize(self, build: Callable[[], list[int]]) -> list[int]:
         """Run `build` (the tokenizer) under the engine lock, off the event loop."""
+
         def locked() -> list[int]:
             with self.llm.lock:
                 return build()
 
         return await asyncio.to_thread(locked)
 
-    async def open(self, prompt_ids: list[int], params: SamplingParams, request: SamplingRequest,
-                   field_map: dict[str, str]) -> tuple[str, RequestStream]:
+    async def open(
+        self, prompt_ids: list[int], params: SamplingParams, request: SamplingRequest, field_map: dict[str, str]
+    ) -> tuple[str, RequestStream]:
         """Queue the request in the engine; its refusals (prompt too long, a bad schema) as 400s."""
         request_id = f"{self.id_prefix}-{request.request_id or uuid.uuid4().hex}"
         if request.response_format is not None and request.response_format.type != "text":
             field_map = {**field_map, "structured_outputs": "response_format"}  # the engine's name for it
         try:
-            stream = await self.llm.open(prompt_ids, params, request_id=request_id, priority=request.priority,
-                                         cache_salt=request.cache_salt)
+            stream = await self.llm.open(
+                prompt_ids, params, request_id=request_id, priority=request.priority, cache_salt=request.cache_salt
+            )
         except (ValueError, TypeError) as exc:
             raise engine_refusal(exc, field_map) from None
         except QueueFullError as exc:  # vLLM's answer when overloaded: retry later, nothing was queued
@@ -215,7 +257,7 @@ class OpenAIServing:
         """Iterate to the finished output (closing the stream however it ends)."""
         output = None
         try:
-            async for output in stream:
+            async for output in stream:  # noqa: B007 (the last one is kept)
                 pass
         finally:
             stream.close()
@@ -223,9 +265,14 @@ class OpenAIServing:
             raise RequestError(500, f"the request failed: {output.error if output else 'no output'}")
         return output
 
-    async def stream_events(self, stream: RequestStream, request_id: str, request: SamplingRequest,
-                            chunk: Callable[[CompletionOutput, int, int], dict[str, Any] | None],
-                            first: list[dict[str, Any]] | None = None) -> AsyncIterator[str]:
+    async def stream_events(
+        self,
+        stream: RequestStream,
+        request_id: str,
+        request: SamplingRequest,
+        chunk: Callable[[CompletionOutput, int, int], dict[str, Any] | None],
+        first: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[str]:
         """Server-sent events: a chunk per choice in `first` (the role, for chat), a chunk per sampled sequence
         that grew, from `chunk(completion, text_from, tokens_from)` (a choice, or None: nothing new to send), the
         usage chunk when asked for, then `data: [DONE]`. With n > 1 each chunk carries one choice, named by its
@@ -243,8 +290,13 @@ class OpenAIServing:
                 yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
             async for output in stream:
                 if output.finish_reason == "error":
-                    yield sse({"error": ErrorInfo(message=f"the request failed: {output.error}",
-                                                  type=ERROR_TYPES[500], code=500).model_dump()})
+                    yield sse(
+                        {
+                            "error": ErrorInfo(
+                                message=f"the request failed: {output.error}", type=ERROR_TYPES[500], code=500
+                            ).model_dump()
+                        }
+                    )
                     break
                 for completion in output.outputs:
                     if completion.index in done:  # n > 1: a sequence that finished earlier is repeated, unchanged
@@ -270,7 +322,10 @@ class OpenAIServing:
     @staticmethod
     def has_news(completion: CompletionOutput, text_from: int, tokens_from: int) -> bool:
         """Whether a sequence has anything to stream: new text, new tokens (logprobs) or its finish."""
-        return bool(completion.text[text_from:]) or completion.finish_reason is not None \
+        return (
+            bool(completion.text[text_from:])
+            or completion.finish_reason is not None
             or len(completion.token_ids) != tokens_from
+        )
 
     chunk_object = "text_completion"

@@ -19,10 +19,12 @@ A step's time is a roofline per operation, per tensor-parallel rank (every rank 
 - fixed costs: e.step_overhead_s + e.request_overhead_s x requests + e.token_overhead_s x tokens (the scheduler,
   input preparation, launches: what the roofline does not see).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from engine.executor.sim.hardware import Efficiency, Hardware
 from engine.executor.sim.model_spec import ModelSpec
@@ -81,8 +83,14 @@ class CostModel:
     """Owns the cost of one model on one hardware at a tensor-parallel size and dtype: weights per rank, the KV
     capacity, and each step's time from its batch (see the module docstring for the formulas)."""
 
-    def __init__(self, spec: ModelSpec, hardware: Hardware, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
-                 efficiency: Efficiency | None = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        hardware: Hardware,
+        tensor_parallel_size: int = 1,
+        dtype: str = "bfloat16",
+        efficiency: Efficiency | None = None,
+    ) -> None:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
         tp = tensor_parallel_size
@@ -118,13 +126,19 @@ class CostModel:
         output and the MLP's gate/up and activation (a MoE layer's for its top-k experts), live at once in one
         layer; plus float32 logits for max_num_seqs rows of the whole vocabulary (vLLM's sampler dry run)."""
         s, t = self.spec, max_num_batched_tokens
-        inter = (s.num_experts_per_tok * s.moe_intermediate_size if s.num_sparse_layers
-                 else s.intermediate_size) // self.tp
+        inter = (
+            s.num_experts_per_tok * s.moe_intermediate_size if s.num_sparse_layers else s.intermediate_size
+        ) // self.tp
         per_token = 2 * s.hidden_size + self.q_r + 2 * self.kv_r + self.q_r + 3 * inter
         return t * per_token * self.act_elt + max_num_seqs * s.vocab_size * LOGITS_BYTES
 
-    def kv_capacity(self, block_size: int, gpu_memory_utilization: float = 0.92, max_num_batched_tokens: int = 2048,
-                    max_num_seqs: int = 256) -> KVCapacity:
+    def kv_capacity(
+        self,
+        block_size: int,
+        gpu_memory_utilization: float = 0.92,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+    ) -> KVCapacity:
         """vLLM's split of one rank's memory (see the module docstring); ValueError if nothing is left for KV."""
         hw = self.hardware
         requested = int(hw.memory_bytes * gpu_memory_utilization)
@@ -137,10 +151,19 @@ class CostModel:
                 f"gpu_memory_utilization: {gpu_memory_utilization} of {hw.name}'s {hw.memory_bytes / 2**30:.1f} GiB "
                 f"leaves {kv_bytes / 2**30:.2f} GiB for the KV cache after {weights / 2**30:.1f} GiB of weights per "
                 f"rank and {(activations + hw.reserved_bytes) / 2**30:.1f} GiB of activations and runtime: raise "
-                "tensor_parallel_size or gpu_memory_utilization, or pick a larger device")
+                "tensor_parallel_size or gpu_memory_utilization, or pick a larger device"
+            )
         # the engine counts the null block among num_blocks; vLLM's count of usable blocks is num_blocks - 1
-        return KVCapacity(hw.memory_bytes, requested, weights, activations, hw.reserved_bytes, kv_bytes, per_block,
-                          kv_bytes // per_block + 1)
+        return KVCapacity(
+            hw.memory_bytes,
+            requested,
+            weights,
+            activations,
+            hw.reserved_bytes,
+            kv_bytes,
+            per_block,
+            kv_bytes // per_block + 1,
+        )
 
     # ---- time ---------------------------------------------------------------------------------------------
     def _roofline(self, flops: float, nbytes: float) -> float:
@@ -155,8 +178,10 @@ class CostModel:
         io = 4 * h + 2 * self.q_r + 2 * self.kv_r  # norms, q/k/v out, o in/out: activations per token
         dense_w = self.attn_w + self.mlp_w
         fill = self._fill(tokens)
-        dense = self._roofline(2 * (tokens + fill) * dense_w,
-                               dense_w * self.weight_elt + tokens * a * (io + 3 * s.intermediate_size // self.tp))
+        dense = self._roofline(
+            2 * (tokens + fill) * dense_w,
+            dense_w * self.weight_elt + tokens * a * (io + 3 * s.intermediate_size // self.tp),
+        )
         total = s.num_dense_layers * dense
         if s.num_sparse_layers:
             k, e = s.num_experts_per_tok, s.num_experts
@@ -193,10 +218,17 @@ class CostModel:
         rows = sum(x.num_logits for x in shapes)
         lm_head = sampling = comm = 0.0
         if rows:
-            lm_head = self._roofline(2 * (rows + self._fill(rows)) * s.hidden_size * self.vocab_r,
-                                     s.hidden_size * self.vocab_r * self.weight_elt + rows * self.vocab_r * LOGITS_BYTES)
-            sampling = SAMPLING_PASSES * rows * s.vocab_size * LOGITS_BYTES / (
-                self.hardware.memory_bandwidth * self.eff.memory)
+            lm_head = self._roofline(
+                2 * (rows + self._fill(rows)) * s.hidden_size * self.vocab_r,
+                s.hidden_size * self.vocab_r * self.weight_elt + rows * self.vocab_r * LOGITS_BYTES,
+            )
+            sampling = (
+                SAMPLING_PASSES
+                * rows
+                * s.vocab_size
+                * LOGITS_BYTES
+                / (self.hardware.memory_bandwidth * self.eff.memory)
+            )
         if tp > 1:
             # two all-reduces of the hidden states per layer (after attention, after the MLP), ring algorithm
             comm = 2 * s.num_layers * self._collective_s(tokens * s.hidden_size * self.act_elt, 2 * (tp - 1) / tp)

@@ -1,6 +1,7 @@
 """The hardware the simulated executor runs on: a built-in table (hardware.json: `h100-sxm`, `h200`, `a100-80gb`,
 `l4`, `cpu`), measured efficiency factors over it (calibration.json, written by `workbench bench calibrate`), or a
 user's dict."""
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,7 @@ class Hardware:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, name: str, d: dict[str, Any]) -> "Hardware":
+    def from_dict(cls, name: str, d: dict[str, Any]) -> Hardware:
         """From a table entry or a user's dict; ValueError/TypeError name the key."""
         if not isinstance(d, dict):
             raise TypeError(f"hardware: expected a name or a dict, got {type(d).__name__}")
@@ -111,8 +112,9 @@ def get_hardware(hardware: str | dict[str, Any] | Hardware) -> Hardware:
     if isinstance(hardware, Hardware):
         return hardware
     if isinstance(hardware, dict):
-        return Hardware.from_dict(str(hardware.get("name", "custom")),
-                                  {k: v for k, v in hardware.items() if k != "name"})
+        return Hardware.from_dict(
+            str(hardware.get("name", "custom")), {k: v for k, v in hardware.items() if k != "name"}
+        )
     if not isinstance(hardware, str):
         raise TypeError(f"hardware: expected a name or a dict, got {type(hardware).__name__}")
     table = hardware_table()

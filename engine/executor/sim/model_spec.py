@@ -4,6 +4,7 @@ Where a config comes from: the built-in table (models.json: `llama-3.1-8b`, `lla
 `qwen3-32b`, `qwen3-30b-a3b`), a local folder's config.json, a registry name of the engine (its converted folder),
 or a hub id (only its config.json is fetched, through the hub's cache).
 """
+
 from __future__ import annotations
 
 import json
@@ -47,14 +48,15 @@ class ModelSpec:
     folder: Path | None = None  # where its config.json came from (a tokenizer may sit beside it)
 
     @classmethod
-    def from_config(cls, name: str, cfg: dict[str, Any], folder: Path | None = None) -> "ModelSpec":
+    def from_config(cls, name: str, cfg: dict[str, Any], folder: Path | None = None) -> ModelSpec:
         """From config.json's fields; ValueError names what is missing or not supported."""
         model_type = cfg.get("model_type")
         if model_type not in _ARCHITECTURES:
-            raise ValueError(f"model: {name!r} has model_type {model_type!r}; the simulated executor knows "
-                             f"{', '.join(_ARCHITECTURES)}")
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-                   if k not in cfg]
+            raise ValueError(
+                f"model: {name!r} has model_type {model_type!r}; the simulated executor knows "
+                f"{', '.join(_ARCHITECTURES)}"
+            )
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in cfg]
         if missing:
             raise ValueError(f"model: {name!r}: config.json lacks {', '.join(missing)}")
         heads = cfg["num_attention_heads"]
@@ -67,16 +69,25 @@ class ModelSpec:
             # Qwen3-MoE's rule: layer i is sparse when (i + 1) % decoder_sparse_step == 0 and not in mlp_only_layers
             sparse = sum(1 for i in range(num_layers) if (i + 1) % step == 0 and i not in dense_only)
         return cls(
-            name=name, model_type=model_type, hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg.get("intermediate_size", 0), num_layers=num_layers, num_heads=heads,
+            name=name,
+            model_type=model_type,
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),
+            num_layers=num_layers,
+            num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab_size=cfg["vocab_size"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_id=cfg.get("eos_token_id"),
-            num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
-            moe_intermediate_size=cfg.get("moe_intermediate_size", 0) or 0, num_sparse_layers=sparse,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_id=cfg.get("eos_token_id"),
+            num_experts=experts,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size", 0) or 0,
+            num_sparse_layers=sparse,
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
-            folder=folder)
+            folder=folder,
+        )
 
     # ---- parameters -----------------------------------------------------------------------------------------
     @property
@@ -109,9 +120,9 @@ class ModelSpec:
         norm, and the LM head unless tied."""
         layer_norms = 2 * self.hidden_size
         per_layer = self.attention_params() + layer_norms
-        mlps = (self.num_dense_layers * self.dense_mlp_params()
-                + self.num_sparse_layers * (self.num_experts * self.expert_params()
-                                            + self.hidden_size * self.num_experts))
+        mlps = self.num_dense_layers * self.dense_mlp_params() + self.num_sparse_layers * (
+            self.num_experts * self.expert_params() + self.hidden_size * self.num_experts
+        )
         embed = self.vocab_size * self.hidden_size
         return embed * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + mlps + self.hidden_size
 
@@ -132,9 +143,16 @@ class ModelSpec:
         return max(1, self.num_kv_heads // tp)
 
     def to_shape_dict(self) -> dict[str, Any]:
-        return {"num_layers": self.num_layers, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
-                "max_position_embeddings": self.max_position_embeddings, "sliding_window": self.sliding_window}
+        return {
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "sliding_window": self.sliding_window,
+        }
 
 
 def _has_config(path: Path) -> bool:
@@ -159,8 +177,10 @@ def load_model_spec(name: str | os.PathLike, revision: str | None = None) -> Mod
         return _from_folder(key, resolve_model(key))
     if key.count("/") == 1:
         return _from_hub(key, revision)
-    raise ValueError(f"model: unknown model {key!r} for the simulated executor: not built in "
-                     f"({', '.join(table)}), not a folder with config.json, not a registry name or hub id")
+    raise ValueError(
+        f"model: unknown model {key!r} for the simulated executor: not built in "
+        f"({', '.join(table)}), not a folder with config.json, not a registry name or hub id"
+    )
 
 
 def _from_folder(name: str, folder: Path) -> ModelSpec:
@@ -175,8 +195,10 @@ def _from_hub(repo_id: str, revision: str | None) -> ModelSpec:
     try:
         config_path = Path(hf_hub_download(repo_id, "config.json", revision=revision))
     except Exception as exc:  # offline and not cached, unknown repo, gated repo: say which and why
-        raise ValueError(f"model: {repo_id!r}: its config.json could not be fetched or found in the hub's "
-                         f"cache ({type(exc).__name__}: {exc})") from exc
+        raise ValueError(
+            f"model: {repo_id!r}: its config.json could not be fetched or found in the hub's "
+            f"cache ({type(exc).__name__}: {exc})"
+        ) from exc
     for extra in ("tokenizer.json", "tokenizer_config.json"):
         try:
             hf_hub_download(repo_id, extra, revision=revision)

@@ -1,9 +1,11 @@
 """A tokenizer for a simulated model that ships none (a built-in config): text is UTF-8 bytes, one id each (ids
 0-255); any other id, such as the simulated executor's random tokens, reads as `[id]`. Enough to add text prompts,
 see output lengths and follow a request in the views; the model's real tokenizer is used wherever its folder has one."""
+
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.executor.sim.model_spec import ModelSpec
@@ -44,7 +46,7 @@ class ByteTokenizer:
         return "".join(out)
 
 
-def spec_tokenizer(spec: "ModelSpec") -> Any:
+def spec_tokenizer(spec: ModelSpec) -> Any:
     """A simulated model's tokenizer: the one beside its config.json where there is one, else bytes over its
     vocabulary (benchmarks sample their workloads with it before any engine exists)."""
     folder = spec.folder

@@ -5,7 +5,6 @@ from engine.core.sched.output import ScheduledRequest, SchedulerOutput
 from engine.core.sched.phases import PhaseTracker
 from engine.events import EventLog
 from engine.request import Request
-
 from tests.core.helpers import TOKEN, SchedulerHarness, make_request
 
 

@@ -6,7 +6,6 @@ import random
 import pytest
 
 from engine.request import RequestStatus
-
 from tests.core.helpers import EOS, TOKEN, SchedulerHarness, check_usage, free_ids, make_config, make_request
 
 
@@ -17,9 +16,9 @@ def chunk_positions(h: SchedulerHarness) -> dict[str, tuple[str, int, int]]:
 
 # ---- budget and chunking ------------------------------------------------------------------------
 
+
 def test_long_prefill_threshold_splits_the_budget_400_400_224():
-    h = SchedulerHarness(num_blocks=512, block_size=16, max_num_batched_tokens=1024,
-                         long_prefill_token_threshold=400)
+    h = SchedulerHarness(num_blocks=512, block_size=16, max_num_batched_tokens=1024, long_prefill_token_threshold=400)
     h.add(make_request("a", 1000), make_request("b", 1100), make_request("c", 1200))
     out = h.step()
     assert out.num_scheduled_tokens == {"a": 400, "b": 400, "c": 224}
@@ -34,8 +33,7 @@ def test_long_prefill_threshold_splits_the_budget_400_400_224():
 def test_long_prefill_threshold_is_not_applied_to_a_lone_request():
     # vLLM 0.33: the threshold keeps a long prompt from starving the others; with one request running or waiting
     # there is nobody to starve, and only the budget cuts it. It applies again as soon as a second one arrives.
-    h = SchedulerHarness(num_blocks=512, block_size=16, max_num_batched_tokens=1024,
-                         long_prefill_token_threshold=400)
+    h = SchedulerHarness(num_blocks=512, block_size=16, max_num_batched_tokens=1024, long_prefill_token_threshold=400)
     h.add(make_request("a", 1000, max_tokens=3))
     assert h.step().num_scheduled_tokens == {"a": 1000}
     assert h.last_phases == {"a": "prefill"}
@@ -43,8 +41,7 @@ def test_long_prefill_threshold_is_not_applied_to_a_lone_request():
     assert h.step().num_scheduled_tokens == {"a": 1, "b": 400}
     assert h.step().num_scheduled_tokens == {"a": 1, "b": 400}  # a finishes with its third token
     assert h.step().num_scheduled_tokens == {"b": 200}  # alone again: the rest at once
-    lone = SchedulerHarness(num_blocks=512, block_size=16, max_num_batched_tokens=600,
-                            long_prefill_token_threshold=400)
+    lone = SchedulerHarness(num_blocks=512, block_size=16, max_num_batched_tokens=600, long_prefill_token_threshold=400)
     lone.add(make_request("a", 1000))
     assert lone.step().num_scheduled_tokens == {"a": 600}  # the budget still cuts
 
@@ -56,8 +53,9 @@ def test_chunked_prefill_takes_three_steps_and_samples_only_in_the_last():
     seen = []
     for _ in range(3):
         (s,) = h.step().scheduled
-        seen.append((s.num_computed_tokens, s.num_new_tokens, h.last_phases["r"], h.sampled == ["r"],
-                     request.num_output_tokens))
+        seen.append(
+            (s.num_computed_tokens, s.num_new_tokens, h.last_phases["r"], h.sampled == ["r"], request.num_output_tokens)
+        )
         assert chunk_positions(h)["r"][1:] == (len(seen), 3)
     assert seen == [(0, 100, "chunk", False, 0), (100, 100, "chunk", False, 0), (200, 50, "chunk", True, 1)]
     (s,) = h.step().scheduled
@@ -83,7 +81,9 @@ def test_running_decodes_are_scheduled_before_waiting_prompts():
     h.add(make_request("new", 50))
     out = h.step()
     assert [(s.request_id, s.num_new_tokens, h.last_phases[s.request_id]) for s in out.scheduled] == [
-        ("old", 1, "decode"), ("new", 19, "chunk")]
+        ("old", 1, "decode"),
+        ("new", 19, "chunk"),
+    ]
     out = h.step()
     assert out.num_scheduled_tokens == {"old": 1, "new": 19}
 
@@ -141,6 +141,7 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_request():
 
 # ---- preemption -----------------------------------------------------------------------------------
 
+
 def fcfs_preemption_harness(**config) -> SchedulerHarness:
     """Four usable blocks of 4 slots; after two steps "a" (9 tokens) holds blocks 1 3 and "b" (8) 2 4."""
     h = SchedulerHarness(num_blocks=5, max_num_batched_tokens=16, long_prefill_token_threshold=4, **config)
@@ -194,8 +195,9 @@ def test_a_waiting_request_is_admitted_only_when_its_whole_sequence_fits():
 
 
 def test_without_the_full_sequence_gate_a_waiting_request_is_admitted_on_its_first_chunk():
-    h = SchedulerHarness(num_blocks=5, max_num_batched_tokens=16, long_prefill_token_threshold=4,
-                         scheduler_reserve_full_isl=False)
+    h = SchedulerHarness(
+        num_blocks=5, max_num_batched_tokens=16, long_prefill_token_threshold=4, scheduler_reserve_full_isl=False
+    )
     h.add(make_request("a", 8, max_tokens=20))
     assert h.step().num_scheduled_tokens == {"a": 8}  # alone: no threshold; blocks 1 2
     h.add(make_request("b", 12))
@@ -222,8 +224,12 @@ def test_a_preempted_request_resumes_and_finishes_with_all_its_tokens():
 
 def test_priority_waiting_order_is_priority_then_arrival():
     h = SchedulerHarness(scheduling_policy="priority")
-    h.add(make_request("a", 4, priority=2, arrival_time=0.0), make_request("b", 4, priority=0, arrival_time=1.0),
-          make_request("c", 4, priority=1, arrival_time=2.0), make_request("d", 4, priority=0, arrival_time=0.5))
+    h.add(
+        make_request("a", 4, priority=2, arrival_time=0.0),
+        make_request("b", 4, priority=0, arrival_time=1.0),
+        make_request("c", 4, priority=1, arrival_time=2.0),
+        make_request("d", 4, priority=0, arrival_time=0.5),
+    )
     assert [r.request_id for r in h.scheduler.waiting] == ["d", "b", "c", "a"]
     assert list(h.step().num_scheduled_tokens) == ["d", "b", "c", "a"]
 
@@ -231,8 +237,9 @@ def test_priority_waiting_order_is_priority_then_arrival():
 def test_priority_preempts_the_lowest_priority_even_if_already_scheduled_this_step():
     # scheduler_reserve_full_isl=False: mid's 20 tokens need five blocks, more than the pool's four, so vLLM 0.33's
     # full-sequence gate would never admit it; the first-chunk check lets it in to show the victim choice
-    h = SchedulerHarness(num_blocks=5, max_num_batched_tokens=4, scheduling_policy="priority",
-                         scheduler_reserve_full_isl=False)
+    h = SchedulerHarness(
+        num_blocks=5, max_num_batched_tokens=4, scheduling_policy="priority", scheduler_reserve_full_isl=False
+    )
     low = make_request("low", 3, max_tokens=50, priority=5, arrival_time=0.0)
     high = make_request("high", 3, max_tokens=50, priority=0, arrival_time=1.0)
     mid = make_request("mid", 20, priority=1, arrival_time=2.0)
@@ -297,8 +304,13 @@ def test_a_running_request_is_never_scheduled_past_max_model_len_minus_one():
 
 
 def test_a_victim_preempted_in_the_step_it_was_scheduled_leaves_no_uncomputed_block_cached():
-    h = SchedulerHarness(num_blocks=8, max_num_batched_tokens=12, long_prefill_token_threshold=8,
-                         scheduling_policy="priority", enable_prefix_caching=True)
+    h = SchedulerHarness(
+        num_blocks=8,
+        max_num_batched_tokens=12,
+        long_prefill_token_threshold=8,
+        scheduling_policy="priority",
+        enable_prefix_caching=True,
+    )
     victim = make_request("victim", 24, max_tokens=1, priority=5, arrival_time=0.0)
     h.add(victim)
     # alone, the victim is not cut by the threshold (vLLM 0.33), only by the budget of 12
@@ -313,6 +325,7 @@ def test_a_victim_preempted_in_the_step_it_was_scheduled_leaves_no_uncomputed_bl
 
 
 # ---- stop conditions ------------------------------------------------------------------------------
+
 
 def run_one(max_steps: int = 100, tokens: list[int] | None = None, **request_kwargs):
     """Run one 4-token request to its end, feeding `tokens` in order (then TOKEN); returns it."""
@@ -372,6 +385,7 @@ def test_max_model_len_finishes_with_length():
 
 # ---- abort in every state -------------------------------------------------------------------------
 
+
 def abort(h: SchedulerHarness, rid: str) -> None:
     """Abort `rid` between steps and check it is gone everywhere, with a finished event."""
     request = h.scheduler.requests[rid]
@@ -424,20 +438,32 @@ def test_abort_a_preempted_request():
 
 # ---- a random workload ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("caching", [False, True])
 def test_random_workload_with_preemption_leaks_no_block(policy, caching):
     rng = random.Random(1234)
     # 16 usable blocks of 4 slots; the longest request (41 prompt + 19 output tokens) fits alone
-    h = SchedulerHarness(num_blocks=17, max_num_batched_tokens=24, long_prefill_token_threshold=12,
-                         scheduling_policy=policy, enable_prefix_caching=caching)
+    h = SchedulerHarness(
+        num_blocks=17,
+        max_num_batched_tokens=24,
+        long_prefill_token_threshold=12,
+        scheduling_policy=policy,
+        enable_prefix_caching=caching,
+    )
     shared = [rng.randrange(100, 200) for _ in range(12)]
     arrivals = sorted(rng.randrange(0, 30) for _ in range(20))
     requests = []
     for i, at in enumerate(arrivals):
-        prompt = shared[:rng.choice([0, 4, 8, 12])] + [rng.randrange(100, 200) for _ in range(rng.randrange(1, 30))]
-        requests.append((at, make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 20),
-                                          priority=rng.randrange(3), arrival_time=float(i))))
+        prompt = shared[: rng.choice([0, 4, 8, 12])] + [rng.randrange(100, 200) for _ in range(rng.randrange(1, 30))]
+        requests.append(
+            (
+                at,
+                make_request(
+                    f"r{i}", prompt, max_tokens=rng.randrange(1, 20), priority=rng.randrange(3), arrival_time=float(i)
+                ),
+            )
+        )
 
     def sampler(_request):
         return EOS if rng.random() < 0.03 else rng.randrange(100, 200)

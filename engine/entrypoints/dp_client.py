@@ -3,7 +3,7 @@
 
 Each replica ("dp-0", "dp-1", ...) is a whole LLMEngine in a spawned process, with its own scheduler, KV cache and
 copy of the weights; the front end in the caller's process routes each request to one of them, streams its tokens
-back and reaps the processes (engine/entrypoints/engine_procs.py, shared with PDCluster).
+back and reaps the processes (engine/entrypoints/core_client.py, shared with PDCluster).
 
 Routing ("load", the default): the live replica with the least score `waiting * 4 + running`, ties to the lowest
 index, as vLLM's DP load balancer. A replica's counts are what it reported after its last step, plus the requests
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_hex, sha256_hash
-from engine.entrypoints.engine_procs import EngineProcs, Instance, Prompt, TokenDelta, _Route
+from engine.entrypoints.core_client import EngineProcs, Instance, Prompt, TokenDelta, _Route
 from engine.events import (
     DPLoad,
     DPReplicaDead,
@@ -73,7 +73,7 @@ def load_score(waiting: int, running: int) -> int:
 class DPLBClient(EngineProcs):
     """The data-parallel front end over `config.data_parallel_size` replicas of `config` (each with
     data_parallel_size 1). `start()` (or `with`) starts them; `close()` stops them. Requests: `submit` / `stream`,
-    `generate_stream`, `generate` (engine/entrypoints/engine_procs.py), or, for AsyncLLM, `add_request` / `step`.
+    `generate_stream`, `generate` (engine/entrypoints/core_client.py), or, for AsyncLLM, `add_request` / `step`.
     Owns the routing rule, what each replica is known to cache, the routing events, and the front end's records
     (their subscribers, the events and per-replica loads not yet recorded)."""
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.entrypoints.engine_procs import batch_prompts
+from engine.entrypoints.core_client import batch_prompts
 from engine.limits import check_engine_limits
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from engine.entrypoints.engine_procs import EngineProcs, Instance, TokenDelta, _Route, check_count
+from engine.entrypoints.core_client import EngineProcs, Instance, TokenDelta, _Route, check_count
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -36,7 +36,7 @@ __all__ = ["PDCluster", "TokenDelta", "Instance", "CONNECTOR_NAMES"]
 
 class PDCluster(EngineProcs):
     """Owns the store (a temporary folder, or a private redis-server), the prefill and decode processes, and the
-    router between them (engine/entrypoints/engine_procs.py): the requests in flight, the deltas not yet streamed
+    router between them (engine/entrypoints/core_client.py): the requests in flight, the deltas not yet streamed
     and the outputs not yet taken.
 
     Use as a context manager. `submit` + `stream`, or `generate_stream`, yield TokenDeltas as decode steps produce
@@ -45,7 +45,7 @@ class PDCluster(EngineProcs):
     if set (here or later as an attribute), is called after a prefill instance answered and before the request
     goes to a decode instance: to watch transfers, or to break a process right there in a failure test.
     `reply_timeout_s`: how long an instance that owes the router an answer may stay silent before it is declared
-    dead (killed, its requests failed naming it; engine/entrypoints/engine_procs.py)."""
+    dead (killed, its requests failed naming it; engine/entrypoints/core_client.py)."""
 
     id_prefix = "pd"
 

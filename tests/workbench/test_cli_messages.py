@@ -1,6 +1,6 @@
-"""What the command line says when things go wrong, and that the README's commands are the CLI's: a missing trace
-or a port in use is one line and status 2, said before any "serving ..." and before a model loads; the README's
-`workbench run` names a prompts file that exists and runs; its `workbench bench` line lists every benchmark."""
+"""What the command line says when things go wrong, and that the documented commands (docs/cli.md) are the CLI's: a
+missing trace or a port in use is one line and status 2, said before any "serving ..." and before a model loads; the
+page's `workbench run` names a prompts file that exists and runs; its `workbench bench` line lists every benchmark."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from workbench.cli import build_parser, main
 from workbench.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+CLI_PAGE = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")  # the command line's page of the docs site
 CEILING_S = 600  # a bound on waits for a condition, far past what a loaded machine needs
 
 
@@ -42,20 +42,20 @@ def _one_line_error(err: str) -> str:
     return lines[0]
 
 
-def _readme_command(prefix: str) -> str:
-    """The README's command line that starts with `prefix`, without its comment."""
-    found = [line.split("#")[0].strip() for line in README.splitlines() if line.startswith(prefix)]
-    assert len(found) == 1, f"README: expected one line starting {prefix!r}, found {found}"
+def _documented_command(prefix: str) -> str:
+    """docs/cli.md's command line that starts with `prefix`, without its comment."""
+    found = [line.split("#")[0].strip() for line in CLI_PAGE.splitlines() if line.startswith(prefix)]
+    assert len(found) == 1, f"docs/cli.md: expected one line starting {prefix!r}, found {found}"
     return found[0]
 
 
 @pytest.fixture(scope="module")
-def readme_run(tmp_path_factory):
-    """The README's `workbench run --prompts FILE --trace T`, from the repository's top, on tiny-llama with 4 tokens
+def documented_run(tmp_path_factory):
+    """docs/cli.md's `workbench run --prompts FILE --trace T`, from the repository's top, on tiny-llama with 4 tokens
     per prompt and T in a temporary folder: (the prompts file, the trace, status, stdout)."""
-    argv = _readme_command("workbench run ").split()[1:]
-    prompts = ROOT / argv[argv.index("--prompts") + 1]  # the README's paths are relative to the repository's top
-    trace = tmp_path_factory.mktemp("readme_run") / "run.jsonl"
+    argv = _documented_command("workbench run ").split()[1:]
+    prompts = ROOT / argv[argv.index("--prompts") + 1]  # the page's paths are relative to the repository's top
+    trace = tmp_path_factory.mktemp("documented_run") / "run.jsonl"
     argv[argv.index("--prompts") + 1], argv[argv.index("--trace") + 1] = str(prompts), str(trace)
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -63,10 +63,10 @@ def readme_run(tmp_path_factory):
     return prompts, trace, status, stdout.getvalue()
 
 
-# ---- the README's commands -------------------------------------------------------------------------------------
-def test_the_readme_run_command_runs_its_example_prompts(readme_run):
-    prompts, trace, status, stdout = readme_run
-    assert prompts.is_file(), f"the README's `workbench run` names {prompts}, which the repository lacks"
+# ---- the documented commands (docs/cli.md) ---------------------------------------------------------------------
+def test_the_documented_run_command_runs_its_example_prompts(documented_run):
+    prompts, trace, status, stdout = documented_run
+    assert prompts.is_file(), f"docs/cli.md's `workbench run` names {prompts}, which the repository lacks"
     lines = [line for line in prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
     assert 3 <= len(lines) <= 12 and len(set(lines)) == len(lines)  # a few varied prompts
     assert status == 0
@@ -75,12 +75,12 @@ def test_the_readme_run_command_runs_its_example_prompts(readme_run):
     assert added == lines
 
 
-def test_the_readme_lists_every_bench_command():
-    line = _readme_command("workbench bench ")
+def test_the_cli_page_lists_every_bench_command():
+    line = _documented_command("workbench bench ")
     listed = line.split()[2].split("|")
     bench = next(a for a in build_parser()._subparsers._group_actions if a.dest == "command").choices["bench"]
     known = next(a for a in bench._subparsers._group_actions if a.dest == "bench_name").choices
-    assert sorted(listed) == sorted(known), f"README's `{line}` vs the CLI's {sorted(known)}"
+    assert sorted(listed) == sorted(known), f"docs/cli.md's `{line}` vs the CLI's {sorted(known)}"
 
 
 # ---- replay: the trace first ---------------------------------------------------------------------------------
@@ -122,19 +122,19 @@ def test_serve_on_a_taken_port_says_so_before_loading_the_model(taken_port, caps
     assert "serving" not in captured.err + captured.out
 
 
-def test_replay_on_a_taken_port_says_so_before_any_announcement(readme_run, taken_port, capsys):
-    _, trace, _, _ = readme_run
+def test_replay_on_a_taken_port_says_so_before_any_announcement(documented_run, taken_port, capsys):
+    _, trace, _, _ = documented_run
     assert main(["replay", str(trace), "--port", str(taken_port)]) == 2
     captured = capsys.readouterr()
     line = _one_line_error(captured.err)
     assert f"127.0.0.1:{taken_port}" in line and "--port" in line and "replaying" not in captured.err
 
 
-def test_serve_replay_announces_only_a_server_that_listens(readme_run, taken_port):
+def test_serve_replay_announces_only_a_server_that_listens(documented_run, taken_port):
     """The port taken between the command's check and the server's bind: the bind's error names the port."""
     from workbench.app import serve_replay
 
-    _, trace, _, _ = readme_run
+    _, trace, _, _ = documented_run
     said = []
     with pytest.raises(OSError, match=rf"127\.0\.0\.1:{taken_port}.*--port"):
         serve_replay(trace, taken_port, start=False, announce=said.append)
@@ -148,8 +148,8 @@ def test_bad_port_numbers_are_refused_by_the_parser(capsys):
         assert exit_.value.code == 2 and "--port" in capsys.readouterr().err
 
 
-def test_replay_announces_its_url_once_it_answers(readme_run):
-    _, trace, _, _ = readme_run
+def test_replay_announces_its_url_once_it_answers(documented_run):
+    _, trace, _, _ = documented_run
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "workbench.cli", "replay", str(trace), "--port", str(port)],

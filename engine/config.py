@@ -4,15 +4,30 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 import torch
 
-from engine.spec_decode import PROPOSERS, method_names
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The fixed sets a setting is checked against, vLLM's names: the config refuses anything else and the command line
+# offers them as choices (engine/arg_utils.py reads them off the annotations)
+DType = Literal["float32", "bfloat16", "float16"]
 # engine/core/block_hash.py's HASH_FUNCTIONS, by name (named here so that the config imports no engine module)
-PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor", "builtin")
+PrefixCachingHashAlgo = Literal["sha256", "sha256_cbor", "builtin"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+Quantization = Literal["int8"]
+Executor = Literal["uniproc", "multiproc", "simulated", "scripted"]
+DataParallelRouting = Literal["load", "prefix"]
+# speculative_config.method: engine/spec_decode/'s PROPOSERS maps each to its proposer class (a test checks they agree)
+SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
+
+_DTYPES = {name: getattr(torch, name) for name in get_args(DType)}
+
+
+def _check_choice(name: str, value: object, choices: Any) -> None:
+    """`value` must be one of the Literal `choices`' values: refused naming the field and every choice."""
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise ValueError(f"{name}: must be one of {', '.join(map(repr, allowed))}, got {value!r}")
 
 
 def _check_keys(cls: type, d: Any, name: str) -> None:
@@ -57,8 +72,7 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict) -> SpeculativeConfig:
         _check_keys(cls, d, "speculative_config")
         method = d.get("method")
-        if method not in PROPOSERS:
-            raise ValueError(f"speculative_config.method: must be one of {method_names()}, got {method!r}")
+        _check_choice("speculative_config.method", method, SpeculativeMethod)
         k = d.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens: must be an int >= 1, got {k!r}")
@@ -126,69 +140,108 @@ class KVTransferConfig:
 
 @dataclass
 class EngineConfig:
-    """All engine settings, vLLM's names. Invalid values raise ValueError/TypeError naming the field."""
+    """All engine settings, vLLM's names. Invalid values raise ValueError/TypeError naming the field.
+
+    The docstring under each field is its help: the `workbench` commands make their engine flags from these fields
+    (engine/arg_utils.py), as vLLM's EngineArgs does from its own."""
 
     model: str = "smollm2-135m"
-    # cache
+    """A name of the model registry (smollm2-135m, tiny-llama ...), a local Hugging Face folder, a hub id or a
+    .gguf file."""
+
+    # ---- cache
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: size the cache from kv_cache_memory
-    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
+    """Tokens per KV cache block, a power of two."""
+    num_kv_blocks: int | None = None
+    """KV cache size in blocks; none: sized from kv_cache_memory."""
+    kv_cache_memory: int = 1 << 30
+    """Bytes for K and V of all layers, where num_kv_blocks is not given."""
     enable_prefix_caching: bool = True
-    # vLLM's algorithms, bit-equal to its hashes: "sha256" (pickle, vLLM's default) and "sha256_cbor"; "builtin"
-    # is this engine's own: Python's hash of a tuple, fastest, the same only within one process
-    prefix_caching_hash_algo: str = "sha256"
-    # scheduler
+    """Reuse the KV blocks of a prefix already computed (automatic prefix caching)."""
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"
+    """How blocks are hashed: vLLM's algorithms, bit-equal to its hashes, "sha256" (pickle, vLLM's default) and
+    "sha256_cbor"; "builtin" is this engine's own: Python's hash of a tuple, fastest, the same only within one
+    process."""
+
+    # ---- scheduler
     max_num_batched_tokens: int = 2048
+    """The token budget of one step."""
     max_num_seqs: int = 256
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    """Requests running at once, at most; also the most `n` a request may ask for."""
+    max_model_len: int | None = None
+    """Prompt plus output tokens of one request, at most; none: the model's max_position_embeddings."""
     enable_chunked_prefill: bool = True
+    """Split a long prompt over several steps; without it, a whole sequence must fit one step's budget."""
     long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"
-    # vLLM 0.33: admit a waiting request only if its whole sequence fits in the free blocks, not only its first chunk
+    """The most prompt tokens one request may prefill in a step; 0: no cap but the budget."""
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """Which waiting request goes first: "fcfs" by arrival, "priority" by each request's priority, then arrival."""
     scheduler_reserve_full_isl: bool = True
-    # vLLM's AsyncScheduler (on by default in vLLM 0.33, off here: a step's record then holds its own outputs): each
-    # step schedules the next batch before the previous batch's tokens are back, with a placeholder for each
+    """vLLM 0.33's: admit a waiting request only if its whole sequence fits in the free blocks, not only its first
+    chunk."""
     async_scheduling: bool = False
-    max_logprobs: int = 20  # vLLM's: the most logprobs / prompt_logprobs a request may ask for (engine/limits.py)
-    # model
-    # None: float32 on CPU, bfloat16 on CUDA. On a CPU it is how weights and the KV cache are stored: the
-    # arithmetic runs in float32 there (kernels.linear converts bf16 weights as it streams them)
-    dtype: str | None = None
-    device: str | None = None  # None: CUDA where present
-    revision: str | None = None  # a hub id's branch, tag or commit (vLLM's name); None: the default branch
-    quantization: str | None = None  # "int8": weight-only int8, a scale per output row (CPU)
+    """vLLM's AsyncScheduler (on by default in vLLM 0.33, off here: a step's record then holds its own outputs): each
+    step schedules the next batch before the previous batch's tokens are back, with a placeholder for each."""
+    max_logprobs: int = 20  # engine/limits.py holds requests to it
+    """vLLM's: the most logprobs / prompt_logprobs a request may ask for."""
+
+    # ---- model
+    dtype: DType | None = None  # on a CPU, kernels.linear converts bf16 weights to float32 as it streams them
+    """How weights and the KV cache are stored; none: float32 on a CPU, bfloat16 on CUDA. On a CPU the arithmetic
+    runs in float32 whatever the storage."""
+    device: str | None = None
+    """Where the model runs, as torch names it (cpu, cuda, cuda:1 ...); none: CUDA where present."""
+    revision: str | None = None
+    """A hub id's branch, tag or commit (vLLM's name); none: the default branch."""
+    quantization: Quantization | None = None
+    """"int8": weight-only int8, a scale per output row (CPU only); none: the weights as stored."""
     seed: int = 0
-    # later features: accepted only when their subsystem exists
+    """The seed of sampling for the requests that bring none of their own (and of the simulated executor's
+    tokens)."""
     speculative_config: dict | None = None
+    """Speculative decoding, vLLM's keys: method (ngram, draft_model, eagle, medusa), num_speculative_tokens,
+    prompt_lookup_max / prompt_lookup_min (ngram), model (the draft model or head); a JSON object on the command
+    line."""
     kv_transfer_config: dict | None = None
-    # execution (vLLM's names): "uniproc" runs the model in this process; "multiproc" in tensor_parallel_size worker
-    # processes on torch.distributed (chosen by itself when tensor_parallel_size > 1, as vLLM does); "simulated"
-    # runs the scheduler and KV cache over a cost model of `hardware` (a name of its table or a dict) in simulated
-    # time, no weights
-    # "scripted": the simulated executor whose sampled tokens come from `token_script` (engine/executor/scripted.py),
-    # priced on the "cpu" hardware unless told otherwise
-    executor: str = "uniproc"
+    """KV transfer between instances, vLLM's keys: kv_connector, kv_role (kv_producer, kv_consumer, kv_both),
+    kv_connector_extra_config, kv_load_failure_policy (recompute, fail), engine_id; a JSON object on the command
+    line."""
+
+    # ---- execution (vLLM's names)
+    executor: Executor = "uniproc"  # engine/executor/: uniproc.py, multiproc.py, simulated.py, scripted.py
+    """"uniproc" runs the model in this process; "multiproc" in tensor_parallel_size worker processes on
+    torch.distributed (chosen by itself when tensor_parallel_size > 1, as vLLM does); "simulated" runs the scheduler
+    and KV cache over a cost model of `hardware` in simulated time, no weights; "scripted" is the simulated executor
+    whose sampled tokens come from token_script, priced on the "cpu" hardware unless told otherwise."""
     hardware: str | dict | None = None
+    """The simulated executor's device: a name of its hardware table (h100-sxm, h200, a100-80gb, l4, cpu ...) or
+    the table's fields (a JSON object on the command line)."""
     token_script: dict | Callable | None = None
+    """The scripted executor's sampled tokens: {request_id: [token ids]} or a callable."""
     tensor_parallel_size: int = 1
-    # tensor parallelism over several machines, as torch.distributed: the ranks split evenly over `nnodes` nodes;
-    # this engine is node 0, the others run `python -m engine.distributed.launch`; they meet at master_addr and
-    # master_port (else MASTER_ADDR / MASTER_PORT, else 127.0.0.1:29500); see engine/distributed/nodes.py
+    """Ranks the model is split over (the multiproc executor's worker processes)."""
+    # see engine/distributed/nodes.py
     nnodes: int = 1
+    """Tensor parallelism over several machines, as torch.distributed: the ranks split evenly over nnodes nodes;
+    this engine is node 0, the others run `python -m engine.distributed.launch`."""
     master_addr: str | None = None
+    """Where the nodes meet; none: MASTER_ADDR, else 127.0.0.1."""
     master_port: int | None = None
-    # data parallelism (LLM only): data_parallel_size engine processes, each its own scheduler and KV cache, behind
-    # a front end that routes each request by "load" (vLLM's waiting * 4 + running) or "prefix" (where its prefix
-    # is cached, else load); replicas hash blocks with sha256 whatever prefix_caching_hash_algo says (the front end
-    # follows their caches by hash); see engine/entrypoints/dp_client.py
+    """The port where the nodes meet; none: MASTER_PORT, else 29500."""
+    # see engine/entrypoints/dp_client.py
     data_parallel_size: int = 1
-    data_parallel_routing: str = "load"
-    # how long the front end waits for a replica that owes it an answer (the acknowledgement of an add, a step's
-    # report while it holds requests, a records() reply) before it declares the replica dead: killed and reaped,
-    # its requests failed naming it, the others serving on (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S, 60 s)
+    """Engine processes, each its own scheduler and KV cache, behind a front end that routes each request (the LLM
+    entry point only)."""
+    data_parallel_routing: DataParallelRouting = "load"
+    """How the data-parallel front end routes a request: "load" (vLLM's waiting * 4 + running) or "prefix" (where
+    its prefix is cached, else load); replicas hash blocks with sha256 whatever prefix_caching_hash_algo says (the
+    front end follows their caches by hash)."""
     data_parallel_replica_timeout_s: float = 60.0
-    # simulated executor: the share of device memory for weights, activations and KV (vLLM 0.33: 0.92, was 0.9)
+    """How long the front end waits for a replica that owes it an answer (the acknowledgement of an add, a step's
+    report while it holds requests, a records() reply) before it declares the replica dead: killed and reaped, its
+    requests failed naming it, the others serving on (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)."""
     gpu_memory_utilization: float = 0.92
+    """The simulated executor's share of device memory for weights, activations and KV (vLLM 0.33's default)."""
 
     def __post_init__(self) -> None:
         ints = (
@@ -226,10 +279,9 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype is None:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization: must be None or 'int8', got {self.quantization!r}")
+        _check_choice("dtype", self.dtype, DType)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, Quantization)
         if self.quantization is not None and self.device != "cpu":
             raise ValueError(f"quantization: {self.quantization!r} runs on a CPU only (device is {self.device!r})")
         self.speculative = (
@@ -259,10 +311,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_data_parallel()
-        if self.executor not in ("uniproc", "multiproc", "simulated", "scripted"):
-            raise ValueError(
-                f"executor: must be 'uniproc', 'multiproc', 'simulated' or 'scripted', got {self.executor!r}"
-            )
+        _check_choice("executor", self.executor, Executor)
         if self.executor == "scripted":
             if self.token_script is None:
                 raise ValueError(
@@ -296,7 +345,7 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not supported by the simulated executor yet")
         self.device = self.device or "cpu"  # no tensor is made: the hardware is simulated
-        self.dtype = self.dtype or hardware.default_dtype
+        self.dtype = self.dtype or cast(DType, hardware.default_dtype)  # checked with the others in __post_init__
 
     def _check_data_parallel(self) -> None:
         """data_parallel_size and routing, and the combinations the data-parallel front end cannot run yet."""
@@ -310,8 +359,7 @@ class EngineConfig:
             raise TypeError(f"data_parallel_replica_timeout_s: expected float, got {type(timeout).__name__}")
         if not timeout > 0:
             raise ValueError(f"data_parallel_replica_timeout_s: must be > 0 seconds, got {timeout}")
-        if self.data_parallel_routing not in ("load", "prefix"):
-            raise ValueError(f"data_parallel_routing: must be 'load' or 'prefix', got {self.data_parallel_routing!r}")
+        _check_choice("data_parallel_routing", self.data_parallel_routing, DataParallelRouting)
         if dp == 1:
             return
         if self.tensor_parallel_size != 1:  # a replica's process is a daemon: it cannot start TP workers
@@ -348,13 +396,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs: must be >= 0, got {self.max_logprobs}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold: must be >= 0, got {self.long_prefill_token_threshold}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
-            raise ValueError(
-                f"prefix_caching_hash_algo: must be one of {list(PREFIX_CACHING_HASH_ALGOS)}, "
-                f"got {self.prefix_caching_hash_algo!r}"
-            )
+        _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
+        _check_choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, PrefixCachingHashAlgo)
 
     def set_max_model_len(self, model_max: int) -> None:
         """Fill `max_model_len` from the model's limit, then check what depends on it."""

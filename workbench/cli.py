@@ -18,11 +18,11 @@ import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from workbench.bench.args import DEFAULT_MODEL, add_common_args, non_negative_int, positive_int
-from workbench.bench.report import DEFAULT_DOCS_PATH
+from workbench.bench.args import add_common_args, non_negative_int, positive_int
 
 BENCH_DIR = Path(__file__).resolve().parent / "bench"
 
@@ -78,18 +78,21 @@ BENCHMARKS = discover_benchmarks()
 ALL_BENCHES = {b.name: b.in_all[1] for b in BENCHMARKS if b.in_all is not None}
 
 
-class _BenchParser(argparse.ArgumentParser):
-    """The parser of one `workbench bench NAME`: its module's `add_cli_args` adds the flags the first time it parses
-    or shows help, so that building the whole parser imports no benchmark."""
+class _LazyParser(argparse.ArgumentParser):
+    """The parser of one subcommand: `add_flags(parser)` adds its flags the first time it parses or shows help, so
+    that building the whole parser imports no benchmark, and no engine (the engine flags come from EngineConfig,
+    which imports torch)."""
 
-    def __init__(self, *args: Any, module: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, add_flags: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self._module = module
+        self._add_flags = add_flags
 
     def _load(self) -> None:
-        if self._module is not None:
-            module, self._module = self._module, None
-            importlib.import_module(module).add_cli_args(self)
+        if self._add_flags is not None:
+            add_flags, self._add_flags = self._add_flags, None
+            add_flags(self)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
         self._load()
@@ -104,14 +107,23 @@ class _BenchParser(argparse.ArgumentParser):
         return super().format_help()
 
 
+def _cli_args_of(module: str) -> Callable[[argparse.ArgumentParser], None]:
+    """The `add_cli_args` of `module`, imported when first called."""
+    return lambda parser: importlib.import_module(module).add_cli_args(parser)
+
+
 def _add_bench(commands: Any) -> None:
     bench = commands.add_parser("bench", help="benchmarks of the engine")
-    benches = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK", parser_class=_BenchParser)
+    benches = bench.add_subparsers(dest="bench_name", required=True, metavar="BENCHMARK", parser_class=_LazyParser)
     for b in BENCHMARKS:
-        benches.add_parser(b.name, help=b.help, module=f"workbench.bench.{b.name}").set_defaults(bench=b.name)
-    p = benches.add_parser("all", help="every CPU benchmark in turn: " + ", ".join(ALL_BENCHES))
-    add_common_args(p, runs=False, budget=False)
-    p.set_defaults(bench="all")
+        benches.add_parser(b.name, help=b.help, add_flags=_cli_args_of(f"workbench.bench.{b.name}")).set_defaults(
+            bench=b.name
+        )
+    benches.add_parser(
+        "all",
+        help="every CPU benchmark in turn: " + ", ".join(ALL_BENCHES),
+        add_flags=partial(add_common_args, runs=False, budget=False),
+    ).set_defaults(bench="all")
 
 
 def run_bench(args: argparse.Namespace, command: str, out: Callable[[str], None] = print) -> dict[str, Any]:
@@ -138,16 +150,17 @@ run_gains = run_bench  # `bench gains` reports as every benchmark does
 def run_all(args: argparse.Namespace, out: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
     """`workbench bench all`: run each of ALL_BENCHES as its own command would (the same flags, recorded in the
     docs with --write-docs), one after the other."""
-    shared = []  # the settings given to `all` that differ from the defaults pass on to each benchmark
-    for flag, value, default in (
-        ("--model", args.model, DEFAULT_MODEL),
-        ("--seed", args.seed, 0),
-        ("--num-kv-blocks", args.num_kv_blocks, None),
-        ("--docs-path", args.docs_path, str(DEFAULT_DOCS_PATH)),
-    ):
-        if value != default:
-            shared += [flag, str(value)]
     parser = build_parser()
+    defaults = parser.parse_args(["bench", "all"])
+    shared = []  # the settings given to `all` that differ from the defaults pass on to each benchmark
+    for flag, name in (
+        ("--model", "model"),
+        ("--seed", "seed"),
+        ("--num-kv-blocks", "num_kv_blocks"),
+        ("--docs-path", "docs_path"),
+    ):
+        if getattr(args, name) != getattr(defaults, name):
+            shared += [flag, str(getattr(args, name))]
     results = {}
     for name, extra in ALL_BENCHES.items():
         argv = ["bench", name, *extra, *shared, *(["--write-docs"] if args.write_docs else [])]
@@ -159,7 +172,7 @@ def run_all(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
     if missing:  # results are kept only with --write-docs, and ALL_BENCHES may leave some out
         out(f"== no gains table: no kept result of {', '.join(missing)} beside {args.docs_path}")
         return results
-    docs = ["--docs-path", args.docs_path] if args.docs_path != str(DEFAULT_DOCS_PATH) else []
+    docs = ["--docs-path", args.docs_path] if args.docs_path != defaults.docs_path else []
     argv = ["bench", "gains", *docs, *(["--write-docs"] if args.write_docs else [])]
     out(f"== workbench {shlex.join(argv)}")
     run_gains(parser.parse_args(argv), "workbench " + shlex.join(argv), out)
@@ -168,32 +181,48 @@ def run_all(args: argparse.Namespace, out: Callable[[str], None] = print) -> dic
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_BenchParser)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_LazyParser)
     _add_bench(commands)
     # `workbench tune`: the benchmark module workbench/bench/tune.py (also `workbench bench tune`), flags on first use
     commands.add_parser(
-        "tune", help="search the engine's knobs for the most goodput under latency SLOs", module="workbench.bench.tune"
+        "tune",
+        help="search the engine's knobs for the most goodput under latency SLOs",
+        add_flags=_cli_args_of("workbench.bench.tune"),
     ).set_defaults(bench="tune")
-    _add_run(commands)
+    commands.add_parser(
+        "run", help="run prompts headless to completion and record a step trace", add_flags=_add_run_args
+    )
     _add_export(commands)
-    _add_serve(commands)
+    commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API of one engine and its live dashboard at /dashboard (127.0.0.1 by "
+        "default)",
+        add_flags=_add_serve_args,
+    )
     _add_replay(commands)
-    _add_pd(commands)
-    _add_train_draft(commands)
+    commands.add_parser(
+        "pd", help="disaggregated prefill/decode: N prefill + M decode engine processes", add_flags=_add_pd_args
+    )
+    commands.add_parser(
+        "train-draft",
+        help="self-distil an EAGLE or Medusa draft head for a target, on a CPU",
+        add_flags=_add_train_draft_args,
+    )
     # `workbench fidelity run|record|check`: this engine against vLLM 0.33.0's own scheduler (workbench/fidelity/)
     commands.add_parser(
         "fidelity",
         help="check the engine's decisions against vLLM's own scheduler, step by step",
-        module="workbench.fidelity.command",
+        add_flags=_cli_args_of("workbench.fidelity.command"),
     )
     return parser
 
 
-def _add_train_draft(commands: Any) -> None:
+def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
     # the flags live here: workbench/train_draft.py imports torch, which the CLI does not until a command runs
-    p = commands.add_parser("train-draft", help="self-distil an EAGLE or Medusa draft head for a target, on a CPU")
+    from engine.arg_utils import add_engine_args
+
     p.add_argument("--method", required=True, choices=("eagle", "medusa"))
-    p.add_argument("--model", default=DEFAULT_MODEL, help="the target (default: %(default)s)")
+    add_engine_args(p, include=["model"], title="the target")
     p.add_argument("--out", help="the head folder to write (default: the cache's draft_heads/MODEL/METHOD)")
     for flag, kind, default, what in (
         ("--num-prompts", positive_int, None, "the first N bundled prompts (default: all)"),
@@ -214,25 +243,17 @@ def _add_train_draft(commands: Any) -> None:
         p.add_argument(flag, type=kind, default=default, help=f"{what} (default: %(default)s)")
 
 
-def _add_run(commands: Any) -> None:
-    p = commands.add_parser("run", help="run prompts headless to completion and record a step trace")
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    from engine.arg_utils import add_engine_args
+
     p.add_argument("--prompts", required=True, help="a file with one prompt per line ('-': standard input)")
-    p.add_argument("--trace", required=True, help="the JSONL step trace to write")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
-    engine = p.add_argument_group("engine (default: EngineConfig's)")
-    engine.add_argument("--block-size", type=positive_int)
-    engine.add_argument("--max-num-batched-tokens", type=positive_int, help="the token budget per step")
-    engine.add_argument("--long-prefill-token-threshold", type=non_negative_int)
-    engine.add_argument("--num-kv-blocks", type=positive_int)
-    engine.add_argument("--max-num-seqs", type=positive_int)
-    engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument(
-        "--data-parallel-size",
-        type=positive_int,
-        help="engine replicas in processes behind the load balancer; the trace is then the front "
-        "end's (routing, per-replica load, tokens)",
+    p.add_argument(
+        "--trace",
+        required=True,
+        help="the JSONL step trace to write (with --data-parallel-size, the front end's: routing, per-replica load, "
+        "tokens)",
     )
+    add_engine_args(p, exclude=["seed"])  # --seed is the prompts' sampling seed, as it was before these flags
     sampling = p.add_argument_group("sampling, for every prompt (default: SamplingParams')")
     sampling.add_argument("--temperature", type=float)
     sampling.add_argument("--top-p", type=float)
@@ -243,15 +264,6 @@ def _add_run(commands: Any) -> None:
     sampling.add_argument("--ignore-eos", action="store_true")
 
 
-_RUN_ENGINE_FLAGS = (
-    "block_size",
-    "max_num_batched_tokens",
-    "long_prefill_token_threshold",
-    "num_kv_blocks",
-    "max_num_seqs",
-    "scheduling_policy",
-    "data_parallel_size",
-)
 _RUN_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed")
 
 
@@ -271,15 +283,12 @@ def run_prompts(args: argparse.Namespace, out: Callable[[str], None] = print) ->
     import time
 
     from engine import EngineConfig, SamplingParams
+    from engine.arg_utils import engine_kwargs_from_args
     from engine.async_llm import build_engine
     from workbench.trace import TraceWriter
 
     prompts = _read_prompts(args.prompts)
-    config = EngineConfig(
-        model=args.model,
-        enable_prefix_caching=not args.no_prefix_caching,
-        **{k: getattr(args, k) for k in _RUN_ENGINE_FLAGS if getattr(args, k) is not None},
-    )
+    config = EngineConfig(**engine_kwargs_from_args(args))
     params = SamplingParams(
         ignore_eos=args.ignore_eos, **{k: getattr(args, k) for k in _RUN_SAMPLING_FLAGS if getattr(args, k) is not None}
     )
@@ -332,14 +341,10 @@ def export_trace(args: argparse.Namespace, out: Callable[[str], None] = print) -
     return result
 
 
-def _add_serve(commands: Any) -> None:
-    p = commands.add_parser(
-        "serve",
-        help="serve the OpenAI-compatible API of one engine and its live dashboard "
-        "at /dashboard (127.0.0.1 by default)",
-    )
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from engine.arg_utils import add_engine_args
+
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="as vLLM's `vllm serve MODEL` (default: --model)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
     p.add_argument(
@@ -356,29 +361,8 @@ def _add_serve(commands: Any) -> None:
     )
     p.add_argument("--max-request-body-bytes", type=positive_int, help="larger request bodies get 413 (default: 4 MiB)")
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: the model's)")
-    engine = p.add_argument_group("engine (default: EngineConfig's)")
-    engine.add_argument("--block-size", type=positive_int)
-    engine.add_argument("--max-num-batched-tokens", type=positive_int, help="the token budget per step")
-    engine.add_argument("--long-prefill-token-threshold", type=non_negative_int)
-    engine.add_argument(
-        "--num-kv-blocks",
-        type=positive_int,
-        default=256,
-        help="KV cache size in blocks, small so the block map reads well (default: %(default)s)",
-    )
-    engine.add_argument("--max-num-seqs", type=positive_int, help="also the most `n` a request may ask for")
-    engine.add_argument("--max-model-len", type=positive_int, help="prompt plus max_tokens, at most")
-    engine.add_argument(
-        "--max-logprobs", type=non_negative_int, help="the most logprobs a request may ask for (vLLM's; default 20)"
-    )
-    engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument(
-        "--data-parallel-size",
-        type=positive_int,
-        help="engine replicas in processes behind vLLM's load balancer (the dashboard then follows the "
-        "front end: routing and each replica's load)",
-    )
+    # a small cache, so that the dashboard's block map reads well
+    add_engine_args(p, defaults={"num_kv_blocks": 256})
     queued = p.add_argument_group("requests queued before any HTTP request; the loop then starts paused")
     queued.add_argument(
         "--prompt",
@@ -408,18 +392,11 @@ def serve(args: argparse.Namespace) -> None:
 
     check_port(args.port, args.host)
     from engine import EngineConfig, SamplingParams
+    from engine.arg_utils import engine_kwargs_from_args
     from workbench.serving import ServerLimits, serve_openai
 
     model = args.model_tag or args.model
-    config = EngineConfig(
-        model=model,
-        enable_prefix_caching=not args.no_prefix_caching,
-        **{
-            k: getattr(args, k)
-            for k in (*_RUN_ENGINE_FLAGS, "max_model_len", "max_logprobs")
-            if getattr(args, k) is not None
-        },
-    )
+    config = EngineConfig(**{**engine_kwargs_from_args(args), "model": model})
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     where = "dashboard: {url}dashboard" + (" of the data-parallel front end" if config.data_parallel_size > 1 else "")
     serve_openai(
@@ -449,16 +426,16 @@ def replay(args: argparse.Namespace) -> None:
     serve_replay(args.trace, args.port, announce=_announce(f"replaying {args.trace} at "))
 
 
-def _add_pd(commands: Any) -> None:
-    p = commands.add_parser("pd", help="disaggregated prefill/decode: N prefill + M decode engine processes")
+def _add_pd_args(p: argparse.ArgumentParser) -> None:
+    from engine.arg_utils import add_engine_args
+
     p.add_argument("--prefill", type=positive_int, default=1, help="prefill instances (default: %(default)s)")
     p.add_argument("--decode", type=positive_int, default=1, help="decode instances (default: %(default)s)")
     p.add_argument("--connector", choices=("shared_storage", "redis"), default="shared_storage")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
+    add_engine_args(p, include=["model", "num_kv_blocks"])  # the instances' other settings are the cluster's
     p.add_argument("--prompts", help="a file with one prompt per line (default: a few samples)")
     p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--num-kv-blocks", type=positive_int)
     p.add_argument("--trace-dir", help="write one step trace per instance here")
     p.add_argument("--stream", action="store_true", help="print each step's new text as the decode instances give it")
 

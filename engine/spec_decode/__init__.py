@@ -1,9 +1,9 @@
 """Speculative decoding: proposers (n-gram, draft model, EAGLE, Medusa) behind one interface (proposer.py),
-verification by
-rejection sampling (engine/sample/rejection_sampler.py), the SpecDecoder that joins them (decoder.py).
+verification by rejection sampling (engine/sample/rejection_sampler.py), the SpecDecoder that joins them (decoder.py).
 
-PROPOSERS is the one list of methods: EngineConfig validates speculative_config.method against it and the
-SpecDecoder imports the named class. A new method is its Proposer subclass and one line here.
+The method names are EngineConfig's (SpeculativeMethod, engine/config.py: the config checks speculative_config.method
+without importing this package); PROPOSERS registers each one's class, which the SpecDecoder imports. A new method is
+its Proposer subclass, its name there and one line here (tests/test_arg_utils.py checks the two agree).
 """
 
 # speculative_config.method -> "module:class" of its proposer (imported when an engine uses it)

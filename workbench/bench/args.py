@@ -1,18 +1,17 @@
 """The flags every benchmark shares and the command line's argument types. Each benchmark module's `add_cli_args`
-starts with `add_common_args`, and its `main` calls its run function through `run_with_flags`. Imports nothing
-heavy: the CLI builds its parser with it before any benchmark is imported."""
+starts with `add_common_args`, and its `main` calls its run function through `run_with_flags`. Engine flags come from
+engine/arg_utils.py, imported when a parser is given them. Imports nothing heavy: the CLI builds its parser with it
+before any benchmark (or torch) is imported."""
 
 from __future__ import annotations
 
 import argparse
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from workbench.bench.report import DEFAULT_DOCS_PATH
-
-DEFAULT_MODEL = "smollm2-135m"
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -57,45 +56,37 @@ def add_docs_args(
     )
 
 
-def add_common_args(parser: argparse.ArgumentParser, runs: bool = True, budget: bool = True) -> None:
-    """The flags of every benchmark that runs a model: --model, --seed, --runs (where it repeats its timings),
-    --max-num-batched-tokens (where one engine budget applies), --num-kv-blocks and the docs flags."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF folder (default: %(default)s)")
+def add_common_args(
+    parser: argparse.ArgumentParser,
+    runs: bool = True,
+    budget: bool = True,
+    engine: Sequence[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """The flags of every benchmark that runs a model: the engine's --model, --max-num-batched-tokens (where one
+    engine budget applies), --num-kv-blocks and those of the fields `engine` names (engine/arg_utils.py, with
+    `defaults` for this benchmark), then --seed of the workload, --runs (where it repeats its timings) and the docs
+    flags."""
+    from engine.arg_utils import add_engine_args
+
+    budget_flag = ["max_num_batched_tokens"] if budget else []
+    add_engine_args(parser, include=["model", *budget_flag, "num_kv_blocks", *engine], defaults=defaults)
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     if runs:
         parser.add_argument("--runs", type=positive_int, default=3, help="timed runs per side; medians (default: 3)")
-    if budget:
-        parser.add_argument(
-            "--max-num-batched-tokens",
-            type=positive_int,
-            default=2048,
-            help="the engine's token budget per step (default: %(default)s)",
-        )
-    parser.add_argument(
-        "--num-kv-blocks",
-        type=positive_int,
-        default=None,
-        help="KV cache size in blocks (default: sized from the engine's kv_cache_memory)",
-    )
     add_docs_args(parser)
 
 
-def add_executor_args(parser: argparse.ArgumentParser) -> None:
-    """--executor, --hardware, --tensor-parallel-size, --gpu-memory-utilization: the simulated executor's settings
-    (vLLM's names), passed to the engine through engine_kwargs when given."""
-    parser.add_argument(
-        "--executor",
-        choices=("uniproc", "simulated"),
-        default=None,
-        help="uniproc (default): the model in this process; simulated: the scheduler and KV cache "
-        "over a cost model, in simulated time",
-    )
-    parser.add_argument("--hardware", default=None, help="simulated executor: h100-sxm, h200, a100-80gb, l4 or cpu")
-    parser.add_argument("--tensor-parallel-size", type=positive_int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=positive_float, default=None)
-
-
+# the simulated executor's settings (vLLM's names): passed to the engine through engine_kwargs when given
 EXECUTOR_FLAGS = ("executor", "hardware", "tensor_parallel_size", "gpu_memory_utilization")
+
+
+def add_executor_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's --executor, --hardware, --tensor-parallel-size and --gpu-memory-utilization, unset unless given:
+    the engine's defaults apply, and reports and reproducing commands name only what was given."""
+    from engine.arg_utils import add_engine_args
+
+    add_engine_args(parser, include=EXECUTOR_FLAGS, defaults=dict.fromkeys(EXECUTOR_FLAGS), title="engine: executor")
 
 
 def executor_text(engine_kwargs: dict[str, Any]) -> str | None:
@@ -109,10 +100,12 @@ def executor_text(engine_kwargs: dict[str, Any]) -> str | None:
 
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig settings the shared flags gave: --num-kv-blocks and the executor's flags, where set."""
-    kwargs = {"num_kv_blocks": args.num_kv_blocks}
-    kwargs.update({name: getattr(args, name, None) for name in EXECUTOR_FLAGS})
-    return {k: v for k, v in kwargs.items() if v is not None}
+    """The EngineConfig settings a run function takes as engine_kwargs: --num-kv-blocks and the executor's flags,
+    where set (the other engine flags are its own parameters)."""
+    from engine.arg_utils import engine_kwargs_from_args
+
+    given = engine_kwargs_from_args(args)
+    return {name: given[name] for name in ("num_kv_blocks", *EXECUTOR_FLAGS) if name in given}
 
 
 def add_positive_ints(parser: argparse.ArgumentParser, **defaults: int) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from engine import LLM
 from workbench.bench.args import add_common_args, add_positive_ints, run_with_flags
 from workbench.bench.datasets import shared_prefix_requests, token_id_range
-from workbench.bench.report import Line, Part, Table, bold, describe, described, formatters
+from workbench.bench.report import Line, Part, Table, bold, describe, described, formatters, run_settings
 from workbench.bench.throughput import greedy_params
 
 HELP = "data parallelism: routing by load vs by cached prefix (hit rate, preemptions, requests per replica)"
@@ -128,25 +128,17 @@ def run_dp_routing(
     random.Random(seed).shuffle(requests)
     waves = [requests[i : i + wave_size] for i in range(0, len(requests), wave_size)]
     rules = {rule: run_rule(model, rule, waves, data_parallel_size, kwargs, log) for rule in RULES}
-    settings_kwargs = {k: v for k, v in engine_kwargs.items() if k != "num_kv_blocks"}
     # the most any routing can hit: every request but the first of each prefix finds its prefix's full blocks
     full_prefix = prefix_len // block_size * block_size
     ceiling_tokens = max(0, len(requests) - num_prefixes) * full_prefix
     return {
         "model": model,
-        "settings": {
-            "data_parallel_size": data_parallel_size,
-            "num_prefixes": num_prefixes,
-            "prefix_len": prefix_len,
-            "suffix_len": suffix_len,
-            "num_waves": num_waves,
-            "wave_size": wave_size,
-            "output_len": output_len,
-            "num_kv_blocks": num_kv_blocks,
-            "block_size": block_size,
-            "seed": seed,
-            "engine_kwargs": settings_kwargs,
-        },
+        # num_kv_blocks is a setting of its own: engine_kwargs keeps the others
+        "settings": run_settings(
+            run_dp_routing,
+            locals(),
+            engine_kwargs={k: v for k, v in engine_kwargs.items() if k != "num_kv_blocks"},
+        ),
         "ceiling_hit_tokens": ceiling_tokens,
         "ceiling_hit_rate": ceiling_tokens / rules["load"]["num_prompt_tokens"],
         **rules,
@@ -154,19 +146,14 @@ def run_dp_routing(
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    add_common_args(parser, runs=False, budget=False)
-    parser.set_defaults(model="tiny-llama", num_kv_blocks=56)
-    add_positive_ints(
+    add_common_args(
         parser,
-        data_parallel_size=2,
-        num_prefixes=4,
-        prefix_len=256,
-        suffix_len=32,
-        num_waves=8,
-        wave_size=8,
-        output_len=8,
-        block_size=16,
+        runs=False,
+        budget=False,
+        engine=["data_parallel_size", "block_size"],
+        defaults={"model": "tiny-llama", "num_kv_blocks": 56, "data_parallel_size": 2},
     )
+    add_positive_ints(parser, num_prefixes=4, prefix_len=256, suffix_len=32, num_waves=8, wave_size=8, output_len=8)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

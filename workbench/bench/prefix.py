@@ -151,10 +151,8 @@ def run_prefix(
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    add_common_args(parser)
-    add_positive_ints(
-        parser, num_prefixes=5, prefix_len=512, suffix_len=128, num_requests=64, output_len=16, block_size=16
-    )
+    add_common_args(parser, engine=["block_size"])
+    add_positive_ints(parser, num_prefixes=5, prefix_len=512, suffix_len=128, num_requests=64, output_len=16)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -390,9 +390,10 @@ class StepRecord:
 
 
 @dataclass
-class RequestSnapshot:
-    """One request as it stands between steps: what `request.added` said of it, then its status (a
-    RequestStatus name), counts, text so far, finish and the KV blocks it holds, in block-table order."""
+class RequestSummary:
+    """One request as the engine's events describe it: what `request.added` said of it, then its status, counts,
+    text so far and finish. The one definition that RequestSnapshot (between steps, from the engine) and the views'
+    RequestState (workbench/state.py, folded from events) extend."""
 
     request_id: str
     prompt: str
@@ -401,13 +402,20 @@ class RequestSnapshot:
     priority: int
     arrival_ns: int
     status: str
-    num_output_tokens: int
-    num_cached_tokens: int
-    num_preemptions: int
-    text: str
-    finish_reason: str | None
-    error: str | None
-    block_ids: list[int]
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestSnapshot(RequestSummary):
+    """One request as it stands between steps: its summary, its status a RequestStatus name, and the KV blocks it
+    holds, in block-table order."""
+
+    block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -5,9 +5,9 @@ here; the views read this state and each record's StepDelta, never the events.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from engine.events import DPLoad, DPRouted, EngineSnapshot, StepRecord
+from engine.events import DPLoad, DPRouted, EngineSnapshot, RequestSummary, StepRecord
 
 WAITING, RUNNING, PREEMPTED, FINISHED = "waiting", "running", "preempted", "finished"
 # the engine's RequestStatus names, as the views group them (every other one is a finished status); traces recorded
@@ -23,27 +23,16 @@ _STATUS = {
 
 
 @dataclass
-class RequestState:
-    """One request as seen through its events: queue status, last phase, token counts, timings, text."""
+class RequestState(RequestSummary):
+    """One request as seen through its events: the engine's summary of it (its status grouped as the views show
+    it: waiting, running, preempted or finished), its last phase, its prefix-cache lookup, its token timings."""
 
-    request_id: str
-    prompt: str
-    num_prompt_tokens: int
-    max_tokens: int
-    priority: int
-    arrival_ns: int
     status: str = WAITING
     phase: str = ""
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
     num_queried_tokens: int = 0  # tokens its last prefix-cache lookup covered (outputs too, after a preemption)
-    num_preemptions: int = 0
-    text: str = ""
     first_token_ns: int | None = None
     last_token_ns: int | None = None
     itls_ms: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
 
     @property
     def ttft_ms(self) -> float | None:
@@ -412,22 +401,9 @@ class EngineState:
         for b in snapshot.blocks:
             self.blocks[b.block_id] = BlockState(block_hash=b.block_hash, parent_hash=b.parent_hash)
         for r in snapshot.requests:
-            req = RequestState(
-                r.request_id,
-                r.prompt,
-                r.num_prompt_tokens,
-                r.max_tokens,
-                r.priority,
-                r.arrival_ns,
-                status=_STATUS.get(r.status, FINISHED),
-                num_output_tokens=r.num_output_tokens,
-                num_cached_tokens=r.num_cached_tokens,
-                num_preemptions=r.num_preemptions,
-                text=r.text,
-                finish_reason=r.finish_reason,
-                error=r.error,
-            )
-            self.requests[r.request_id] = req
+            summary = {f.name: getattr(r, f.name) for f in fields(RequestSummary)}
+            summary["status"] = _STATUS.get(r.status, FINISHED)  # a RequestStatus name -> the views' group
+            self.requests[r.request_id] = RequestState(**summary)
             self.block_tables[r.request_id] = tuple(r.block_ids)
             for block_id in r.block_ids:
                 self.blocks.setdefault(block_id, BlockState()).holders.append(r.request_id)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from engine.core.block_hash import HASH_FUNCTIONS, update_block_hashes
@@ -17,7 +16,7 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache queries and hits, in tokens, overall and over the most recent requests."""
+    """Prefix-cache queries and hits, in tokens, and how many lookups counted them."""
 
     queries: int = 0
     hits: int = 0
@@ -39,7 +38,6 @@ class KVCacheManager:
         enable_caching: bool,
         hash_algo: str,
         events: EventLog,
-        recent_window: int = 64,
         max_model_len: int | None = None,
     ) -> None:
         self.block_size = block_size
@@ -51,7 +49,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.stats = PrefixCacheStats()
-        self._recent: deque[tuple[int, int]] = deque(maxlen=recent_window)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -79,7 +76,6 @@ class KVCacheManager:
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
         self.stats.hits += hit_tokens
-        self._recent.append((request.num_tokens, hit_tokens))
         self.events.emit(
             PrefixLookup,
             request_id=request.request_id,
@@ -87,11 +83,6 @@ class KVCacheManager:
             num_hit_blocks=len(hits),
             num_hit_tokens=hit_tokens,
         )
-
-    @property
-    def recent_hit_rate(self) -> float:
-        queries = sum(q for q, _ in self._recent)
-        return sum(h for _, h in self._recent) / queries if queries else 0.0
 
     def allocate_slots(
         self,

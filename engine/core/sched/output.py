@@ -39,9 +39,5 @@ class SchedulerOutput:
         return {s.request_id: s.num_new_tokens for s in self.scheduled}
 
     @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled

@@ -11,6 +11,9 @@ from engine.request import Request
 
 
 class RequestQueue(Protocol):
+    """What the scheduler asks of its waiting queue (vLLM's `RequestQueue`), whichever the policy: the type that
+    `create_request_queue` returns, so the scheduler depends on no one queue."""
+
     def add_request(self, request: Request) -> None: ...
     def prepend_request(self, request: Request) -> None: ...
     def peek_request(self) -> Request: ...
@@ -76,5 +79,6 @@ class PriorityRequestQueue:
         return iter(sorted(self._heap))
 
 
-def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
+def create_request_queue(policy: str) -> RequestQueue:
+    """The waiting queue for a scheduling policy ("fcfs" or "priority")."""
     return PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.output import ScheduledRequest, SchedulerOutput
 from engine.core.sched.request_queue import create_request_queue
+from engine.core.sched.utils import check_stop
 from engine.events import EventLog, RequestFinished, RequestPreempted, SpecProposed
 from engine.kv_transfer.base import KVLoadError
 from engine.request import Request, RequestStatus
@@ -481,7 +482,7 @@ class Scheduler:
         for token in tokens:
             request.append_output_token_ids(token)
             taken.append(token)
-            status = self._check_stop(request, token)
+            status = check_stop(request, token, self.config.max_model_len)
             if status is not None:
                 break
         if not stale:
@@ -508,19 +509,6 @@ class Scheduler:
                 draft_token_ids=tuple(tokens),
                 num_cut_by_grammar=num_proposed - len(tokens),
             )
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        # vLLM 0.33's order (vllm/v1/core/sched/utils.py check_stop): EOS, then stop token ids, then length. The
-        # sampler keeps EOS and stop tokens out before min_tokens, so they are not checked against it here
-        params = request.sampling_params
-        if not params.ignore_eos and token == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def finish_request(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """End a request in any state: leave its queue, free its blocks, record why."""

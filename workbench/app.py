@@ -27,6 +27,8 @@ from workbench.views import Dashboard, ensure_extension
 from workbench.views.sync import connect, drawing
 
 if TYPE_CHECKING:
+    from bokeh.document import Document
+
     from engine.async_llm import AsyncLLM
     from engine.llm_engine import LLMEngine
     from workbench.trace import Trace
@@ -107,7 +109,11 @@ class Workbench:
             (self.engine_form.button, self.rebuild_from_form),
         ):
             # a notebook may call widget callbacks on a comm subshell thread: the work runs on the UI's
-            button.on_click(lambda event, action=action: self._post(action) or action())
+            def clicked(_event: Any, action: Callable[[], object] = action) -> None:
+                if not self._post(action):
+                    action()
+
+            button.on_click(clicked)
 
     def _build_layout(self) -> pn.Row:
         controls = pn.Row(
@@ -135,7 +141,7 @@ class Workbench:
     def _title(self) -> str:
         c = self.engine.config
         dp = (
-            f" · data parallel: {c.data_parallel_size} replicas, routing by {self.engine.routing}"
+            f" · data parallel: {c.data_parallel_size} replicas, routing by {c.data_parallel_routing}"
             if self.data_parallel_size > 1
             else ""
         )
@@ -172,11 +178,20 @@ class Workbench:
 
     # ---- messages -----------------------------------------------------------------------------------------
     def _say(self, text: str, kind: str = "danger") -> None:
-        self._in_ui(lambda: self.message.param.update(object=text, alert_type=kind, visible=bool(text)))
+        def show() -> None:
+            self.message.param.update(object=text, alert_type=kind, visible=bool(text))
+
+        self._in_ui(show)
+
+    @property
+    def _served_doc(self) -> Document | None:
+        """The document of the server session showing the Workbench; None outside a server (a notebook, a script)."""
+        doc = self._doc
+        return doc if doc is not None and doc.session_context is not None else None
 
     @property
     def _served(self) -> bool:
-        return self._doc is not None and self._doc.session_context is not None
+        return self._served_doc is not None
 
     def _post(self, work: Callable[[], Any]) -> bool:
         """Hand `work` to the UI's event loop if this is another thread (a worker, a notebook's comm subshell);
@@ -188,8 +203,9 @@ class Workbench:
 
     def _in_ui(self, callback: Callable[[], None]) -> None:
         """Run `callback`, which changes the views, on the UI's thread (see the module's docstring)."""
-        if self._served:
-            self._doc.add_next_tick_callback(callback)
+        doc = self._served_doc
+        if doc is not None:
+            doc.add_next_tick_callback(callback)
         elif not self._post(lambda: self._in_ui(callback)):
             with drawing(self.layout):
                 callback()
@@ -403,8 +419,9 @@ class Replay:
         return self.layout.servable(title=title)
 
     def _step_on(self) -> None:
-        if self.slider.value < len(self.records):
-            self.slider.value += 1
+        shown = self.slider.value
+        if shown is not None and shown < len(self.records):
+            self.slider.value = shown + 1
 
     def show(self, num_records: int) -> None:
         """Show the state after the first `num_records` records (on the trace's snapshot, if it begun mid-run)."""

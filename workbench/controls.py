@@ -7,7 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import panel as pn
 
@@ -58,15 +58,17 @@ class RequestForm:
         )
 
     def sampling_params(self) -> SamplingParams:
+        # An emptied number field is None: SamplingParams checks its fields' types when built and raises the
+        # TypeError the Workbench shows, so the value goes to it as the field holds it.
         return SamplingParams(
-            temperature=self.temperature.value,
+            temperature=cast(float, self.temperature.value),
             seed=self.seed.value,
-            max_tokens=self.max_tokens.value,
+            max_tokens=cast(int, self.max_tokens.value),
             structured_outputs=self._structured(),
         )
 
     def _structured(self) -> StructuredOutputsParams | None:
-        kind, text = self.guide_kind.value, self.guide.value_input.strip()
+        kind, text = self.guide_kind.value, (self.guide.value_input or "").strip()
         if kind == NO_GUIDE:
             return None
         if not text:

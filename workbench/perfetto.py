@@ -15,9 +15,18 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from engine.events import Event, StepRecord
+from engine.events import (
+    Event,
+    KVTransferDone,
+    RequestAdded,
+    RequestFinished,
+    RequestPreempted,
+    RequestScheduled,
+    RequestTokens,
+    StepRecord,
+)
 from workbench.trace import Trace
 
 ENGINE_TID = 1
@@ -91,6 +100,10 @@ class _RequestSpans:
     def finish_all(self, ts_ns: int) -> None:
         for rid in list(self.open):
             self.finish(rid, ts_ns, {"unfinished": True})
+
+
+# the request.* events: they open, move and close their request's span
+_REQUEST_EVENTS = (RequestAdded, RequestTokens, RequestScheduled, RequestPreempted, RequestFinished)
 
 
 def _payload(event: Any) -> dict[str, Any]:
@@ -174,27 +187,30 @@ class _ChromeTraceBuilder:
         )
 
     def request_event(self, spans: _RequestSpans, record: StepRecord, event: Event) -> None:
-        if not event.kind.startswith("request.") or event.request_id in spans.done:
+        if not isinstance(event, _REQUEST_EVENTS) or event.request_id in spans.done:
             return
         rid = event.request_id
-        if event.kind == "request.added":
+        if isinstance(event, RequestAdded):
             spans.start(rid, event.arrival_ns or record.start_ns, _payload(event))
             return
         if rid not in spans.open:  # its request.added lies before the trace began
             spans.start(rid, record.start_ns, {"request_id": rid})
-        if event.kind == "request.scheduled":
+        if isinstance(event, RequestScheduled):
             spans.move(rid, SPAN_OF_PHASE.get(event.phase, "prefill"), record.start_ns, _payload(event))
-        elif event.kind == "request.tokens" and spans.open[rid] == "prefill":
+        elif isinstance(event, RequestTokens) and spans.open[rid] == "prefill":
             spans.move(rid, "decode", record.end_ns)  # the first token closes the prefill
-        elif event.kind == "request.preempted":
+        elif isinstance(event, RequestPreempted):
             spans.move(rid, "queued", record.start_ns, _payload(event))
-        elif event.kind == "request.finished":
+        elif isinstance(event, RequestFinished):
             spans.finish(rid, record.end_ns, _payload(event))
 
     # ---- KV transfers -----------------------------------------------------------------------------
     def transfer_event(self, pid: int, record: StepRecord, event: Event) -> None:
         if event.kind not in ("kv_transfer.save", "kv_transfer.load"):
             return
+        # the kind names a KVTransferSave or KVTransferLoad (`ms` and `remote_request_id` are read as optional: a
+        # stand-in with the kind and request_id will do)
+        rid = cast(KVTransferDone, event).request_id
         timing = record.timing
         # save runs after the forward pass (wait_for_save), load before it (start_load_kv)
         offset_ms = timing.get("schedule", 0.0) + (timing.get("forward", 0.0) if event.kind.endswith("save") else 0)
@@ -206,9 +222,9 @@ class _ChromeTraceBuilder:
         step_anchor = _Anchor(pid, ENGINE_TID, (record.start_ns + record.end_ns) // 2)
         transfer_anchor = _Anchor(pid, TRANSFER_TID, (start + end) // 2)
         if event.kind.endswith("save"):
-            self.transfers.saves[event.request_id] = (step_anchor, transfer_anchor)
+            self.transfers.saves[rid] = (step_anchor, transfer_anchor)
         else:  # the decode side may know the producer's request under another id
-            producer_id = getattr(event, "remote_request_id", None) or event.request_id
+            producer_id = getattr(event, "remote_request_id", None) or rid
             self.transfers.loads[producer_id] = (transfer_anchor, step_anchor)
 
     def flows(self) -> None:
@@ -239,7 +255,13 @@ class _ChromeTraceBuilder:
 
 def _origin_ns(traces: Sequence[Trace]) -> int:
     instants = [r.start_ns for t in traces for r in t.records]
-    instants += [e.arrival_ns for t in traces for r in t.records for e in r.of_kind("request.added") if e.arrival_ns]
+    instants += [
+        e.arrival_ns
+        for t in traces
+        for r in t.records
+        for e in r.events
+        if isinstance(e, RequestAdded) and e.arrival_ns
+    ]
     return min(instants, default=0)
 
 

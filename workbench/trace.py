@@ -135,10 +135,10 @@ def read_trace(path: str | os.PathLike) -> Trace:
             json.loads(lines[-1])  # only a newline missing: the line is whole
         except json.JSONDecodeError:
             lines.pop()
-    lines = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
-    if not lines:
+    numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
         raise ValueError(f"{path}: empty, not a trace (no header line)")
-    header = _parse_line(lines[0][1], lines[0][0], path)
+    header = _parse_line(numbered[0][1], numbered[0][0], path)
     _check_header(header, path)
-    records = [_record(_parse_line(line, i, path), i, path) for i, line in lines[1:]]
+    records = [_record(_parse_line(line, i, path), i, path) for i, line in numbered[1:]]
     return Trace(header, records)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
+from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import resolve_model
 from engine.model.registry import load_model
 from engine.spec_decode.draft_heads import DRAFT_IDS, save_head, trained_heads_dir
@@ -446,7 +447,7 @@ def cached_answers(
 @torch.inference_mode()
 def target_features(
     model: str, sequences: list[tuple[list[int], int]], batch_tokens: int = 4096
-) -> tuple[list[Sample], torch.nn.Module]:
+) -> tuple[list[Sample], LlamaForCausalLM]:
     """The engine's model over each whole sequence (prefill, several per forward): the final hidden states the
     runner would hand a proposer, and the greedy token at each position."""
     net, _ = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
@@ -489,7 +490,7 @@ def target_features(
 
 def cached_features(
     model: str, sequences: list[tuple[list[int], int]], keys: list[str], path: Path
-) -> tuple[list[Sample], torch.nn.Module]:
+) -> tuple[list[Sample], LlamaForCausalLM]:
     """`target_features`, kept by answer key beside the cached answers they were read from: they cost minutes on
     smollm2, and a second method's run (or another training setting, or a longer prompt set) reads the same ones."""
     known = torch.load(path) if path.is_file() else {}
@@ -553,7 +554,7 @@ def medusa_config(
     }
 
 
-def new_head(config: dict, seed: int) -> torch.nn.Module:
+def new_head(config: dict, seed: int) -> EagleHead | MedusaHeads:
     """A freshly initialised head of the config's method (seeded): EAGLE's linear weights ~ N(0, 1/fan_in) with
     fc starting near the target's own state, Medusa's blocks at zero (each head starts as the LM head's guess)."""
     torch.manual_seed(seed)
@@ -630,7 +631,7 @@ class Trainer:
 
     def __init__(
         self,
-        head: torch.nn.Module,
+        head: EagleHead | MedusaHeads,
         method: str,
         embed: torch.Tensor,
         lm_head: torch.Tensor,
@@ -648,7 +649,7 @@ class Trainer:
         self.draft_ids = draft_ids
         self.steps, self.ce_weight = steps, ce_weight
 
-    def _eagle(self, tokens: torch.Tensor, hidden: torch.Tensor, noise: float) -> list[torch.Tensor]:
+    def _eagle(self, head: EagleHead, tokens: torch.Tensor, hidden: torch.Tensor, noise: float) -> list[torch.Tensor]:
         """Predicted states of each unrolled draft step j, [B, T-1, H] each: entry t reads the step before's
         prediction at t (step 0: the target's h_t) and token x_{t+1+j}, at position t+j, and should match
         h_{t+1+j}. Entries past the sequence read token 0 and are masked out by the loss."""
@@ -657,20 +658,20 @@ class Trainer:
         if noise:  # EAGLE's feature noise: later draft steps read the head's own, imperfect states
             h = h + noise * torch.randn_like(h) * h.pow(2).mean(-1, keepdim=True).sqrt()
         padded = F.pad(tokens, (0, self.steps - 1))
-        attend = UnrolledAttention(b, t, self.head.config.head_dim**-0.5)
+        attend = UnrolledAttention(b, t, head.shape.head_dim**-0.5)
         preds = []
         for j in range(self.steps):
             embeds = F.embedding(padded[:, 1 + j : 1 + j + t], self.embed)
             positions = (torch.arange(t) + j).repeat(b)
-            h = self.head(embeds.reshape(b * t, -1), h.reshape(b * t, -1), positions, attend).view(b, t, -1)
+            h = head(embeds.reshape(b * t, -1), h.reshape(b * t, -1), positions, attend).view(b, t, -1)
             preds.append(h)
         return preds
 
     def predictions(self, tokens: torch.Tensor, hidden: torch.Tensor, noise: float = 0.0) -> list[torch.Tensor]:
         """Per draft position i, the head's predicted states aligned so that entry t should match target's state
         at t+1+i: EAGLE one per unrolled step; Medusa one per head."""
-        if self.method == "eagle":
-            return self._eagle(tokens, hidden, noise)
+        if isinstance(self.head, EagleHead):  # new_head builds the head of the config's method
+            return self._eagle(self.head, tokens, hidden, noise)
         return list(self.head(hidden.flatten(0, 1)).view(len(self.head.blocks), *hidden.shape))
 
     def loss(self, tokens: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, noise: float) -> torch.Tensor:
@@ -742,7 +743,7 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, total))))
     )
-    history = {"untrained": trainer.acceptance(held_out, max_len), "epochs": []}
+    history: dict[str, Any] = {"untrained": trainer.acceptance(held_out, max_len), "epochs": []}
     log(f"held-out acceptance before training: {_fmt(history['untrained'])}")
     step, t0 = 0, time.perf_counter()
     for epoch in range(epochs):
@@ -866,7 +867,7 @@ def train_draft(
         trainer, train_set, held_set or train_set[:4], epochs, batch_size, max_len, lr, seed, log=log, progress=progress
     )
     folder = Path(out) if out else trained_heads_dir() / model / method
-    manifest = {
+    manifest: dict[str, Any] = {
         "method": method,
         "target": model,
         "command": command,

@@ -20,7 +20,7 @@ def ensure_extension() -> None:
     """Load Panel's extension once per process, its JavaScript inline: offline, the CDN default renders nothing.
     In a notebook, also the script that keeps the browser from echoing the kernel's changes back."""
     global _extension_loaded
-    pn.config.inline = True
+    pn.config.inline = True  # type: ignore[misc]  # a read-only property in Panel's types; its __setattr__ sets it
     if not _extension_loaded:
         pn.extension("tabulator", inline=True)  # Tabulator ships its own JavaScript: named, or a notebook lacks it
         if _in_kernel():
@@ -52,7 +52,7 @@ def counts_on(*axes: Any) -> None:
         axis.ticker = BasicTicker(min_interval=1)
 
 
-def fit_to(fig: figure, *renderers: Any, start: float | None = 0) -> None:
+def fit_to(fig: figure, *renderers: Any, start: float = 0) -> None:
     """Scale the y axis to these renderers' data only (a budget or a total drawn beside the data would squash
     it: 2048 tokens of budget over bars of 13), from `start`."""
     fig.y_range = DataRange1d(renderers=list(renderers), start=start)
@@ -75,7 +75,7 @@ def legend_above(fig: figure) -> None:
     legend = fig.legend[0]
     legend.orientation = "horizontal"
     legend.margin = 0
-    legend.padding = 2
+    legend.padding = 2  # type: ignore[assignment]  # bokeh's stub types Legend.padding as the Property itself
     fig.center.remove(legend)
     fig.add_layout(legend, "above")
 
@@ -119,7 +119,7 @@ class SourceBuffer:
             self.source.patch({c: sorted(p.items()) for c, p in self._patches.items()})
             self._patches = {}
         if self._rows[self.columns[0]]:
-            self.source.stream(self._rows)
+            self.source.stream(dict(self._rows))  # dict(): typed as bokeh's DataDict, which a dict[str, list] is not
             self._sent = len(self.source.data[self.columns[0]])
             self._rows = {c: [] for c in self.columns}
 

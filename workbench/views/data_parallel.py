@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import panel as pn
-from bokeh.models import DataTable, HoverTool, TableColumn
+from bokeh.models import HoverTool
+from bokeh.models.widgets import DataTable, TableColumn
 
 from engine.events import DPLoad, DPRouted
 from workbench.state import ParallelState, StepDelta

@@ -4,7 +4,9 @@ at each position, and what compiling each grammar cost. Empty until the first gr
 from __future__ import annotations
 
 import panel as pn
-from bokeh.models import ColorBar, DataTable, HoverTool, NumberFormatter, TableColumn
+from bokeh.models import HoverTool
+from bokeh.models.annotations import ColorBar
+from bokeh.models.widgets import DataTable, NumberFormatter, TableColumn
 from bokeh.transform import log_cmap
 
 from engine.events import StepRecord

@@ -114,7 +114,7 @@ class KVBlockMap(View):
         self._total, self._num_shown = total, shown
         self._columns = 32 * max(1, math.ceil(math.sqrt(shown / 1024)))
         rows = max(1, math.ceil(shown / self._columns))
-        data = {c: [] for c in _CELL_COLUMNS}
+        data: dict[str, list] = {c: [] for c in _CELL_COLUMNS}
         for block_id in range(1, shown + 1):
             row = {
                 "x": (block_id - 1) % self._columns,

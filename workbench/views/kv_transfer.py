@@ -11,7 +11,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import panel as pn
-from bokeh.models import ColumnDataSource, DataTable, HoverTool, NumberFormatter, TableColumn
+from bokeh.models import ColumnDataSource, HoverTool
+from bokeh.models.widgets import DataTable, NumberFormatter, TableColumn
 from bokeh.plotting import figure
 
 from engine.events import StepRecord
@@ -102,8 +103,10 @@ class KVTransferView(View):
             self.empty.fill()
 
     def _transfer(self, t: Transfer) -> None:
+        origin_ns = self.state.kv_transfer.origin_ns
+        assert origin_ns is not None  # the state sets it at its first transfer, this one at the latest
         self.points.append(
-            t=(t.end_ns - self.state.kv_transfer.origin_ns) / 1e9,
+            t=(t.end_ns - origin_ns) / 1e9,
             mb=t.instance_mb,
             instance=t.instance,
             kind=t.kind,
@@ -207,7 +210,8 @@ def transfer_timeline(records: dict[str, list[StepRecord]]) -> TransferTimeline:
     to finished, and freed) is in the records get spans."""
     timeline = TransferTimeline()
     for instance, recs in records.items():
-        state, lives = EngineState(), defaultdict(_Life)
+        state = EngineState()
+        lives: defaultdict[str, _Life] = defaultdict(_Life)
         for record in recs:
             delta = state.apply(record)
             for rid in delta.added:
@@ -242,9 +246,14 @@ def _decided_ns(record: StepRecord) -> int:
 
 
 def _spans(instance: str, rid: str, life: _Life) -> list[TimelineSpan]:
+    added, allocated, scheduled, finished, freed = life.added, life.allocated, life.scheduled, life.finished, life.freed
     if (
-        None in (life.added, life.allocated, life.scheduled, life.finished, life.freed)
-        or life.freed.step < life.finished.step
+        added is None
+        or allocated is None
+        or scheduled is None
+        or finished is None
+        or freed is None
+        or freed.step < finished.step
     ):
         return []  # added before these records began, or still going (or holding its blocks)
     spans = []
@@ -252,14 +261,14 @@ def _spans(instance: str, rid: str, life: _Life) -> list[TimelineSpan]:
     def add(state: str, start_ns: int, end_ns: int, first: StepRecord, last: StepRecord, blocks: int) -> None:
         spans.append(TimelineSpan(instance, rid, state, start_ns, end_ns, first.step, last.step, blocks))
 
-    add(WAITING, life.arrival_ns, _decided_ns(life.allocated), life.added, life.allocated, 0)
+    add(WAITING, life.arrival_ns, _decided_ns(allocated), added, allocated, 0)
     # parked: its blocks allocated in one step, its first tokens scheduled in a later one, once the load landed
-    if life.scheduled.step > life.allocated.step:
-        end = life.transfer or life.scheduled
-        add(LOADING, _decided_ns(life.allocated), _decided_ns(end), life.allocated, end, life.num_blocks)
-    add(RUNNING, _decided_ns(life.scheduled), life.finished.end_ns, life.scheduled, life.finished, life.num_blocks)
-    if life.freed.step > life.finished.step:  # freed when a later step collected the save that read them
-        add(HELD, life.finished.end_ns, _decided_ns(life.freed), life.finished, life.freed, life.num_blocks)
+    if scheduled.step > allocated.step:
+        end = life.transfer or scheduled
+        add(LOADING, _decided_ns(allocated), _decided_ns(end), allocated, end, life.num_blocks)
+    add(RUNNING, _decided_ns(scheduled), finished.end_ns, scheduled, finished, life.num_blocks)
+    if freed.step > finished.step:  # freed when a later step collected the save that read them
+        add(HELD, finished.end_ns, _decided_ns(freed), finished, freed, life.num_blocks)
     return spans
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import panel as pn
-from bokeh.models import HoverTool
+from bokeh.models import DataRange1d, HoverTool
 
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
@@ -45,7 +45,7 @@ class MetricsView(View):
         self.kv = self.buffer(["step", "used", "cached_free", "total"], name="metrics_kv")
         self._clear_histograms()
         self.summary = pn.pane.Markdown("no step yet", margin=(0, 10))
-        self._totals = dict.fromkeys(_TOTALS, 0)
+        self._totals: dict[str, float] = dict.fromkeys(_TOTALS, 0)  # counts, and seconds and milliseconds
         self._panel = pn.Column(
             self.summary,
             pn.Row(
@@ -93,8 +93,9 @@ class MetricsView(View):
         return fig
 
     def _histogram(self, title: str, buf, color: str):
-        fig = new_figure(title, x_axis_type="log", x_axis_label="ms", y_axis_label="count")
-        fig.y_range.start = 0
+        fig = new_figure(
+            title, x_axis_type="log", x_axis_label="ms", y_axis_label="count", y_range=DataRange1d(start=0)
+        )
         counts_on(fig.yaxis)
         bars = fig.quad(
             left="left", right="right", bottom=0, top="count", source=buf.source, fill_color=color, line_color="white"

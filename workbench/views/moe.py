@@ -4,8 +4,9 @@ first one. Empty until the first moe.routed event (a dense model never sends one
 from __future__ import annotations
 
 import panel as pn
-from bokeh.models import HoverTool
+from bokeh.models import DataRange1d, HoverTool
 from bokeh.palettes import Blues256
+from bokeh.plotting import figure
 from bokeh.transform import linear_cmap
 
 from engine.events import StepRecord
@@ -43,8 +44,11 @@ class MoEView(View):
         )
 
     @staticmethod
-    def _heatmap(buf: SourceBuffer, title: str):
-        fig = new_figure(title, height=300, x_axis_label="expert", y_axis_label="layer")
+    def _heatmap(buf: SourceBuffer, title: str) -> figure:
+        # the first layer on top, as a model is drawn
+        fig = new_figure(
+            title, height=300, x_axis_label="expert", y_axis_label="layer", y_range=DataRange1d(flipped=True)
+        )
         # shares in [0, 1]: the colours keep their meaning as counts grow (no colour bar to rescale)
         cells = fig.rect(
             x="x",
@@ -60,7 +64,6 @@ class MoEView(View):
         )
         label_ticks(fig.yaxis, buf.source, "y", "layer")
         counts_on(fig.xaxis)
-        fig.y_range.flipped = True  # the first layer on top, as a model is drawn
         return fig
 
     @property
@@ -74,7 +77,7 @@ class MoEView(View):
         self.empty.fill()
         if self._shape != (moe.layers, moe.num_experts):  # the first routed step: lay out the grid once
             self._shape = (moe.layers, moe.num_experts)
-            grid = {c: [] for c in COLUMNS}
+            grid: dict[str, list[float]] = {c: [] for c in COLUMNS}
             for row, layer in enumerate(moe.layers):
                 for expert in range(moe.num_experts):
                     for c, v in zip(COLUMNS, (expert, row, layer, expert, 0, 0.0)):

@@ -161,14 +161,16 @@ class PrefixCacheView(View):
         """A new node: at the end of its parent's lane, or first in a new lane (a root, or a second child)."""
         parent_hash = node.parent_hash
         parent = self._node.get(parent_hash) if parent_hash else None
-        if parent is not None:
-            px, py = self.nodes.get(parent, "x"), self.nodes.get(parent, "y")
-        if parent is not None and parent_hash not in self._has_child:
-            x, y = px + 1, py  # the chain goes on in its parent's lane
-        else:  # a new root, or a branch off a parent that has a child already: a new lane, drawn downwards
-            x, y = (px + 1 if parent is not None else 0), -self._lanes
+        if parent_hash is None or parent is None:  # a new root: a new lane, drawn downwards
+            x, y = 0, -self._lanes
             self._lanes += 1
-        if parent is not None:
+        else:
+            px, py = self.nodes.get(parent, "x"), self.nodes.get(parent, "y")
+            if parent_hash not in self._has_child:
+                x, y = px + 1, py  # the chain goes on in its parent's lane
+            else:  # a branch off a parent that has a child already: a new lane
+                x, y = px + 1, -self._lanes
+                self._lanes += 1
             self._has_child.add(parent_hash)
             self.edges.append(x0=px, y0=py, x1=x, y1=y)
         self._node[node.block_hash] = self.nodes.append(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 import panel as pn
-from bokeh.models import NumberFormatter
+from bokeh.models.widgets import NumberFormatter
 
 from engine.events import StepRecord
 from workbench.state import EngineState, RequestState, StepDelta

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pandas as pd
 import panel as pn
-from bokeh.models import HoverTool, NumberFormatter, Range1d
+from bokeh.models import HoverTool, Range1d
+from bokeh.models.widgets import NumberFormatter
 
 from engine.events import StepRecord
 from workbench.state import ACCEPTED, NOT_REACHED, REJECTED, DraftPosition, EngineState, StepDelta, Verification

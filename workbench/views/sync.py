@@ -110,14 +110,19 @@ def _with_events(msg: dict, events: list[Any]) -> dict:
     }
 
 
-def _locked(handler: Callable[[Any], None]) -> Callable[[Any], None]:
-    def run(msg: Any) -> None:
+class _Locked:
+    """A comm handler run under the document lock, part by part; marked so that a second display of the same
+    view does not wrap it again."""
+
+    workbench_locked = True
+
+    def __init__(self, handler: Callable[[Any], None]) -> None:
+        self.handler = handler
+
+    def __call__(self, msg: Any) -> None:
         with _doc_lock:
             for part in _in_order(msg):
-                handler(part)
-
-    run.workbench_locked = True
-    return run
+                self.handler(part)
 
 
 def _guard(shown: Any, ref: str, doc: Any, comm: Any) -> None:
@@ -128,7 +133,7 @@ def _guard(shown: Any, ref: str, doc: Any, comm: Any) -> None:
     client_comm = shown._comms[ref][1]
     if getattr(client_comm._on_msg, "workbench_locked", False):
         return
-    client_comm._on_msg = _locked(client_comm._on_msg)
+    client_comm._on_msg = _Locked(client_comm._on_msg)
     if comm._comm is not None:
         return
     outbox, opened = _Outbox(), client_comm._on_open
@@ -141,7 +146,7 @@ def _guard(shown: Any, ref: str, doc: Any, comm: Any) -> None:
         outbox.messages.clear()
         push_doc(doc, comm)  # what was held since
 
-    comm._comm, client_comm._on_open = outbox, _locked(on_open)
+    comm._comm, client_comm._on_open = outbox, _Locked(on_open)
 
 
 class _EarlyMessages:

@@ -73,23 +73,11 @@ def pytest_runtest_protocol(item, nextitem):
 
 def machine_line() -> str:
     """The machine, for reading a CI log: the CPU, its vector units, its cores, how busy it is."""
-    import platform
+    from kernels.cpu.cpuinfo import cpu_info
 
-    from kernels.cpu.build import cpu_flags
-
-    model = platform.processor()
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
-    flags = cpu_flags()
-    vector = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
+    cpu = cpu_info()
     return (
-        f"machine: {model}, {os.cpu_count()} cores, {' '.join(vector) or 'no AVX2'}, "
+        f"machine: {cpu.model}, {os.cpu_count()} cores, {' '.join(cpu.vector_units) or 'no AVX2'}, "
         f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
 

@@ -18,22 +18,14 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu.cpuinfo import cpu_info
+
 SOURCE = Path(__file__).with_name("ops.cpp")
 
 
-def cpu_flags() -> str:
-    """/proc/cpuinfo's flags line (the instruction sets), or the processor's name where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def build_name() -> str:
-    key = SOURCE.read_bytes() + torch.__version__.encode() + cpu_flags().encode()
+    """The build's name: a hash of the source, torch's version and the CPU's flags line (the build uses them all)."""
+    key = SOURCE.read_bytes() + torch.__version__.encode() + cpu_info().flags_line.encode()
     return "workbench_cpu_" + hashlib.sha256(key).hexdigest()[:12]
 
 
@@ -79,7 +71,7 @@ def available() -> bool:
     """Whether torch.ops.workbench_cpu is loaded (built now if needed)."""
     if os.environ.get("WORKBENCH_CPU_OPS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    if "avx2" not in cpu_flags() or "fma" not in cpu_flags():
+    if not {"avx2", "fma"} <= cpu_info().flags:
         return False
     # ninja, which the build runs, is installed beside this interpreter (a venv's bin may not be on PATH)
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from kernels.cpu.build import cpu_flags
+from kernels.cpu.cpuinfo import cpu_info
 
 # Rows of input up to which a float32 linear streams its weights once through our op (above: oneDNN's GEMM). The op
 # takes any number of rows (tiles of 8 over weight rows held in L1), 8 floats wide (AVX2); where the CPU has AVX-512,
@@ -15,7 +15,7 @@ from kernels.cpu.build import cpu_flags
 # alternating: on an AVX2-only EPYC (1 thread, CPU time, at load 10) ours took 62 / 74 / 99 / 145 / 169 ms at
 # 9 / 12 / 16 / 24 / 32 rows where oneDNN took 105 / 105 / 131 / 151 / 165; on an AVX-512 EPYC (2 threads, other work
 # paused) 8.8 / 13.4 / 18.7 / 19.3 / 23.2 ms at 1 / 8 / 11 / 12 / 16 rows against 14.0 / 17.3 / 18.8 / 18.9 / 20.4.
-SMALL_M = 11 if "avx512f" in cpu_flags().split() else 16
+SMALL_M = 11 if "avx512f" in cpu_info().flags else 16
 # bfloat16 and int8 weights have no GEMM of their own: the reference converts the whole weight to float32 on every
 # call. Against it (same machine and method, 2 threads, paused: 120 linears) our op took 18 / 38 / 70 / 275 / 577 ms
 # at 16 / 32 / 64 / 256 / 512 rows with bf16 weights where the reference took 33 / 48 / 117 / 307 / 532, and with

@@ -21,7 +21,7 @@ def test_each_side_decodes_and_the_float32_sides_agree_on_the_tokens():
     }
     assert all(len(r["runs"]) == 2 and r["tok_s"] > 0 for r in rows.values())
     assert rows[("transformers generate", "float32")]["same_tokens_as_engine_fp32"] is True  # greedy == HF
-    assert len(result["load_average"]) == 3
+    assert set(result["load_average"]) == {"before", "after"}
     assert "vs transformers fp32" in decode.format_text(result)
 
 

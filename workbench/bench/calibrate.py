@@ -34,7 +34,7 @@ from engine.executor.sim.model_spec import load_model_spec
 from kernels.cpu.ops import SMALL_M
 from workbench.bench.args import add_common_args, positive_float, positive_int, run_with_flags
 from workbench.bench.datasets import prefix_repetition_requests, random_dataset, token_id_range
-from workbench.bench.report import Part, Table, bold, described, formatters, machine_info, percentile
+from workbench.bench.report import Part, Table, bold, described, formatters, machine_info, percentile, run_settings
 from workbench.bench.roofline import measure_bandwidth, measure_matmul
 from workbench.bench.serve import compute_metrics, request_arrivals, run_serve_once
 
@@ -210,16 +210,7 @@ def run_calibrate(
     result = {
         "model": model,
         "date": machine_info()["date"],
-        "settings": {
-            "num_requests": num_requests,
-            "heldout_rate": heldout_rate,
-            "calibration_budget": calibration_budget,
-            "heldout_budget": heldout_budget,
-            "seed": seed,
-            "runs": runs,
-            "dtype": dtype,
-            "engine_kwargs": engine_kwargs,
-        },
+        "settings": run_settings(run_calibrate, locals(), omit=("calibration_path",), dtype=dtype),
         "machine": {"memory_bandwidth": bandwidth, "flops_float32": peak},
         "efficiency": vars(eff),
         "calibration_steps": len(batches),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,8 @@ from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams, resolve_model
 from workbench.bench.args import add_common_args, run_with_flags
-from workbench.bench.report import Table, described, formatters
+from workbench.bench.report import Line, Part, Table, described, formatters, run_settings
+from workbench.bench.timing import LoadAverage, alternate, load_line
 
 HELP = "single-stream decode tok/s: the engine in each weight format vs transformers (and llama.cpp if installed)"
 IN_ALL = (10, [])  # `workbench bench all` runs it: (place, flags)
@@ -133,14 +133,12 @@ def run_decode(
         sides.append(llamacpp_side(label, gguf, prompt_ids, max_tokens))
     tokens = {(s.system, s.weights): s.decode() for s in sides}  # warm-up, and what each made
     reference = tokens.get(("engine", "float32"))
-    loads = [os.getloadavg()[0]]
-    for round_ in range(runs):
-        for side in sides:
-            t0 = time.perf_counter()
-            made = side.decode()
-            side.tok_s.append(len(made) / (time.perf_counter() - t0))
-        loads.append(os.getloadavg()[0])
-        log(f"round {round_ + 1}/{runs}: " + ", ".join(f"{s.system} {s.weights} {s.tok_s[-1]:.1f}" for s in sides))
+    load = LoadAverage()
+    for turn in alternate({i: side.decode for i, side in enumerate(sides)}, runs):
+        sides[turn.side].tok_s.append(len(turn.value) / turn.seconds)
+        if turn.side == len(sides) - 1:  # the round's last side
+            done = ", ".join(f"{s.system} {s.weights} {s.tok_s[-1]:.1f}" for s in sides)
+            log(f"round {turn.run + 1}/{runs}: {done}")
     rows = [
         {
             "system": s.system,
@@ -156,16 +154,9 @@ def run_decode(
         "prompt": PROMPT,
         "prompt_len": len(prompt_ids),
         "threads": torch.get_num_threads(),
-        "load_average": loads,
+        "load_average": load.done(),
         "rows": rows,
-        "settings": {
-            "weight_formats": list(weight_formats),
-            "max_tokens": max_tokens,
-            "runs": runs,
-            "seed": seed,
-            "baseline": baseline,
-            "engine_kwargs": engine_kwargs,
-        },
+        "settings": run_settings(run_decode, locals(), omit=("llamacpp_gguf",)),
     }
 
 
@@ -219,7 +210,7 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
 
 _TEXT = (
     "{model}: a {prompt_len}-token prompt, {max_tokens} greedy tokens, {threads} threads, median of {runs} "
-    "alternating rounds; load average (1 min) {loads}"
+    "alternating rounds"
 )
 _DOCS = _TEXT + (
     ". The engine's bfloat16 and int8 store the weights so and compute in float32 (checked against "
@@ -228,9 +219,8 @@ _DOCS = _TEXT + (
 )
 
 
-def _parts(result: dict[str, Any]) -> list:
-    loads = " ".join(f"{x:.1f}" for x in result["load_average"])
-    return [described(result, _TEXT, _DOCS, loads=loads), Table(_HEADERS, _rows(result))]
+def _parts(result: dict[str, Any]) -> list[Part]:
+    return [described(result, _TEXT, _DOCS), Table(_HEADERS, _rows(result)), Line(load_line(result))]
 
 
 format_text, format_markdown = formatters("Single-stream decode: the engine in each weight format", _parts)

@@ -20,7 +20,7 @@ from engine import LLM
 from engine.structured_output.backend_xgrammar import apply_bitmask
 from workbench.bench.args import add_common_args, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, json_schema_requests
-from workbench.bench.report import Part, Table, described, formatters
+from workbench.bench.report import Part, Table, described, formatters, run_settings
 from workbench.bench.serve import request_params
 
 HELP = "per-step cost of guided decoding (bitmask fill + apply) vs the forward"
@@ -97,14 +97,7 @@ def run_guided(
         )
     return {
         "model": model,
-        "settings": {
-            "batch_sizes": list(batch_sizes),
-            "steps": steps,
-            "output_len": output_len,
-            "seed": seed,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "engine_kwargs": engine_kwargs,
-        },
+        "settings": run_settings(run_guided, locals()),
         "rows": rows,
     }
 

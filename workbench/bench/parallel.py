@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ from engine.model.loader import resolve_model
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, random_requests, token_id_range
 from workbench.bench.report import Line, Part, Table, describe, described, formatters
+from workbench.bench.timing import LoadAverage, Timed, load_line, timed
 from workbench.state import EngineState
 
 HELP = "tensor and data parallelism: tokens/s at TP 1/2/3 and DP 2, compute vs communication, bytes all-reduced"
@@ -62,17 +62,6 @@ def _split(records: list) -> dict[str, float]:
     }
 
 
-def _measure(generate: Callable[[], tuple[list[list[int]], list]], runs: int) -> tuple[float, list[list[int]], list]:
-    """Median seconds of `runs` calls of `generate` after a warm-up call; the last call's tokens and records."""
-    generate()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        tokens, records = generate()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), tokens, records
-
-
 def _generate_dp(llm: LLM, requests: Sequence[BenchRequest]) -> tuple[list[list[int]], list]:
     """The requests through the data-parallel front end; the steps every replica ran for them."""
     params = SamplingParams(temperature=0.0, max_tokens=requests[0].output_len, ignore_eos=True)
@@ -87,10 +76,11 @@ def _row(
     tp: int,
     dp: int,
     threads: int,
-    measured: tuple[float, list[list[int]], list],
+    measured: Timed[tuple[list[list[int]], list]],
     reference: list[list[int]],
 ) -> dict[str, Any]:
-    seconds, tokens, records = measured
+    """One row: the median of `measured` (the last run's tokens against the first row's, its records split)."""
+    seconds, (tokens, records) = measured.median_s, measured.last
     out = sum(len(t) for t in tokens)
     return {
         "label": label,
@@ -114,7 +104,7 @@ def _tp1_at(
     torch.set_num_threads(threads)
     try:
         with LLMEngine(**kwargs, tensor_parallel_size=1) as engine:
-            measured = _measure(lambda: _generate(engine, requests), runs)
+            measured = timed(lambda: _generate(engine, requests), runs)
     finally:
         torch.set_num_threads(before)
     return _row(f"TP 1 at {threads} thread(s), as a TP rank", 1, 1, threads, measured, reference)
@@ -134,8 +124,8 @@ def run_parallel(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """One row per tensor-parallel size that divides the model's heads (the others under `skipped`, with the
-    engine's reason), then one per data-parallel size above 1 (whole engines behind the router); the 1-minute load
-    average before the first row and after the last. Prefix caching is off: every run computes every prompt."""
+    engine's reason), then one per data-parallel size above 1 (whole engines behind the router); the load average
+    before the first row and after the last. Prefix caching is off: every run computes every prompt."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
@@ -146,7 +136,7 @@ def run_parallel(
         enable_prefix_caching=False,
         **(engine_kwargs or {}),
     )
-    rows, skipped, load = [], {}, [os.getloadavg()[0]]
+    rows, skipped, load = [], {}, LoadAverage()
     hf = AutoConfig.from_pretrained(resolve_model(model))
     requests = random_requests(
         num_requests,
@@ -164,8 +154,8 @@ def run_parallel(
             log(f"TP {size}: not run ({exc})")
             continue
         with engine:
-            measured = _measure(lambda engine=engine: _generate(engine, requests), runs)
-            reference = reference or measured[1]
+            measured = timed(lambda engine=engine: _generate(engine, requests), runs)
+            reference = reference or measured.last[0]
             threads = getattr(engine.executor, "threads_per_rank", torch.get_num_threads())
             label = f"TP {size}" if size > 1 else f"TP 1, all {threads} thread(s) in one process"
             rows.append(_row(label, size, 1, threads, measured, reference))
@@ -177,11 +167,10 @@ def run_parallel(
             log(f"{rows[-1]['label']}: {rows[-1]['seconds']:.2f} s, {rows[-1]['output_tok_s']:.1f} output tok/s")
     for size in (n for n in data_parallel_sizes if n > 1):
         with LLM(**kwargs, data_parallel_size=size) as llm:
-            measured = _measure(lambda: _generate_dp(llm, requests), runs)
-            reference = reference or measured[1]
+            measured = timed(lambda: _generate_dp(llm, requests), runs)
+            reference = reference or measured.last[0]
             rows.append(_row(f"DP {size}", 1, size, llm.engine.torch_threads, measured, reference))
         log(f"DP {size}: {rows[-1]['seconds']:.2f} s, {rows[-1]['output_tok_s']:.1f} output tok/s")
-    load.append(os.getloadavg()[0])
     # per token: the embedding's all-reduce, then o_proj's and down_proj's in every layer, hidden_size fp32 each
     expected = (1 + 2 * hf.num_hidden_layers) * hf.hidden_size * 4
     return {
@@ -193,7 +182,7 @@ def run_parallel(
         "cores": os.cpu_count(),
         "rows": rows,
         "skipped": skipped,
-        "load_average": load,
+        "load_average": load.done(),
         "expected_all_reduce_bytes_per_token": expected,
     }
 
@@ -266,7 +255,7 @@ _SETUP = (
     "threads split between the processes; TP 1 runs in one process on all its threads, then again at a TP "
     "rank's threads (the fair row to compare a rank with). Compute and comm: each step's forward on each rank, "
     "split into the time inside collectives (waiting for a slower peer included) and the rest, mean over "
-    "ranks and steps (DP: over every replica's steps). 1-minute load average before and after: {load}.{skipped}"
+    "ranks and steps (DP: over every replica's steps).{skipped}"
 )
 _VERDICT = (
     "{cores} cores cannot show what tensor parallelism is for: the N ranks share the same cores, each with 1/N "
@@ -283,13 +272,13 @@ _VERDICT = (
 def _parts(result: dict[str, Any]) -> list[Part]:
     skipped = "".join(f" TP {size} not run: {why}." for size, why in result["skipped"].items())
     values = {
-        "load": ", ".join(f"{x:.1f}" for x in result["load_average"]),
         "skipped": skipped,
         "expected": result["expected_all_reduce_bytes_per_token"] / 1e3,
     }
     return [
         described(result, _SETUP, _SETUP, **values),
         Table(_HEADERS, _table_rows(result)),
+        Line(load_line(result)),
         Line(describe(_VERDICT, result, **values)),
     ]
 

@@ -32,7 +32,18 @@ from engine.events import StepRecord
 from engine.sampling_params import SamplingParams
 from workbench.bench.args import add_common_args, non_negative_int, positive_float, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest
-from workbench.bench.report import Line, Part, Table, described, docs_only, formatters, machine_info, text_only
+from workbench.bench.report import (
+    Line,
+    Part,
+    Table,
+    described,
+    docs_only,
+    formatters,
+    machine_info,
+    run_settings,
+    text_only,
+)
+from workbench.bench.timing import alternate, medians
 
 HELP = "disaggregated prefill/decode: decode ITL while long prompts arrive, vs one engine"
 IN_ALL = (9, [])  # `workbench bench all` runs it: (place, flags)
@@ -317,10 +328,6 @@ def setup_metrics(timelines: Sequence[Timeline]) -> dict[str, float]:
     }
 
 
-def _medians(samples: Sequence[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-
-
 def available_connectors(first: str) -> list[str]:
     """`first`, then the other connector where it can run here (redis needs redis-server and its client)."""
     import importlib.util
@@ -382,8 +389,8 @@ def _run_setups(
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in serve}
     parts: list[dict[str, float]] = []
     for run, workload in enumerate(workloads):
-        for name, fn in serve.items():
-            timelines = fn(workload)
+        for turn in alternate({name: partial(fn, workload) for name, fn in serve.items()}, runs=1):
+            name, timelines = turn.side, turn.value
             samples[name].append(setup_metrics(timelines))
             if name == "pd":
                 parts.append(_mean_breakdown(cluster.records(), timelines))
@@ -423,8 +430,8 @@ def _measure_setups(model: str, s: dict[str, Any], log: Callable[[str], None]) -
         samples, parts = _run_setups(serve, cluster, workloads, log)
         return (
             {
-                "setups": {name: _medians(v) for name, v in samples.items()},
-                "breakdown": _medians(parts) if parts and parts[0] else {},
+                "setups": {name: medians(v) for name, v in samples.items()},
+                "breakdown": medians(parts) if parts and parts[0] else {},
                 "transfers": transfer_summary(cluster.records()),
             },
             cluster.torch_threads,
@@ -470,21 +477,7 @@ def run_pd(
             f"long_len: {long_len} prompt + {long_output_len} output tokens must fit "
             f"max_num_batched_tokens ({max_num_batched_tokens}): without chunking a prompt runs whole"
         )
-    settings = {
-        "connector": connector,
-        "runs": runs,
-        "num_short": num_short,
-        "short_len": short_len,
-        "output_len": output_len,
-        "num_long": num_long,
-        "long_len": long_len,
-        "long_output_len": long_output_len,
-        "long_interval": long_interval,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "chunk_budget": chunk_budget,
-        "seed": seed,
-        "engine_kwargs": dict(engine_kwargs or {}),
-    }
+    settings = run_settings(run_pd, locals(), omit=("json_path",), engine_kwargs=dict(engine_kwargs or {}))
     measured, pd_threads = _measure_setups(model, settings, log)
     rates = _connector_rates(model, connector, long_len, runs, log)
     settings.update(engine_torch_threads=torch.get_num_threads(), pd_torch_threads=pd_threads)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import inspect
 import json
 import os
 import platform
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,24 +20,19 @@ DEFAULT_DOCS_PATH = Path("docs") / "BENCHMARKS.md"
 DEFAULT_RESULTS_DIR = Path("docs") / "bench"  # one committed JSON per benchmark: the numbers behind its section
 
 
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo, or platform.processor() elsewhere."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine_info() -> dict[str, str]:
-    """What a timing depends on: platform, CPU, cores and threads, library versions, and the date."""
+    """What a timing depends on: platform, CPU and its vector units, cores and threads, library versions, the
+    date. torch and the CPU's reader (the kernels package imports torch) are imported on use: the CLI imports this
+    module as it starts."""
     import torch
 
+    from kernels.cpu.cpuinfo import cpu_info
+
+    cpu = cpu_info()
     return {
         "platform": platform.platform(),
-        "cpu": cpu_model(),
+        "cpu": cpu.model,
+        "vector units": " ".join(cpu.vector_units) or "none",
         "cores": str(os.cpu_count()),
         "torch threads": str(torch.get_num_threads()),
         "python": platform.python_version(),
@@ -139,6 +135,18 @@ def markdown_report(title: str, command: str, parts: Iterable[Part], machine: di
     machine = machine_info() if machine is None else machine
     paragraphs = [f"## {title}", f"`{command}`", *(p.as_markdown() for p in parts), machine_markdown(machine)]
     return "\n\n".join(p for p in paragraphs if p)
+
+
+def run_settings(
+    run: Callable[..., Any], values: Mapping[str, Any], omit: Iterable[str] = (), **changed: Any
+) -> dict[str, Any]:
+    """What a benchmark's result keeps as its `settings` (what `describe` reads): the value in `values` (the run
+    function's locals()) of each parameter of `run`, in their order, less `model` (the result's own entry), `log`,
+    `progress` and `omit`; a tuple as a list, as the JSON kept beside the docs holds it, so that a fresh result
+    reads as a kept one; `changed` replaces or adds entries."""
+    skip = {"model", "log", "progress", *omit}
+    settings = {name: values[name] for name in inspect.signature(run).parameters if name not in skip}
+    return {**{k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}, **changed}
 
 
 def describe(template: str, result: dict[str, Any], **values: Any) -> str:

@@ -10,9 +10,7 @@ same weights serve more tokens, until compute binds.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +22,8 @@ from torch import nn
 from engine import LLM, SamplingParams
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import random_requests, token_id_range
-from workbench.bench.report import Part, Table, described, formatters
+from workbench.bench.report import Line, Part, Table, described, formatters, run_settings
+from workbench.bench.timing import LoadAverage, load_line, timed
 
 HELP = "a decode step against the machine's bandwidth and matmul floor"
 IN_ALL = (7, [])  # `workbench bench all` runs it: (place, flags)
@@ -77,24 +76,14 @@ def model_cost(
     )
 
 
-def _median_s(fn: Callable[[], object], runs: int) -> float:
-    """Median seconds of `runs` calls: this machine is shared, and one run reads 44-74 GB/s from the next."""
-    fn()  # first touch: page faults and allocator warm-up stay out of the timing
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_bandwidth(nbytes: int = 1 << 30, runs: int = 5) -> dict[str, float]:
-    """Memory bandwidth (bytes/s), median of `runs`, with the engine's threads (torch's intra-op pool): a sum over
-    an fp32 array of `nbytes` (read) and a copy into another (read + write, 2 x nbytes moved)."""
+    """Memory bandwidth (bytes/s), median of `runs` after a warm-up (this machine is shared, and one run reads
+    44-74 GB/s from the next), with the engine's threads (torch's intra-op pool): a sum over an fp32 array of
+    `nbytes` (read) and a copy into another (read + write, 2 x nbytes moved)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    read = nbytes / _median_s(src.sum, runs)
-    copy = 2 * nbytes / _median_s(lambda: dst.copy_(src), runs)
+    read = nbytes / timed(src.sum, runs).median_s
+    copy = 2 * nbytes / timed(lambda: dst.copy_(src), runs).median_s
     return {"read": read, "copy": copy, "threads": torch.get_num_threads()}
 
 
@@ -102,11 +91,11 @@ def measure_matmul(n: int = 2048, runs: int = 5) -> dict[str, float]:
     """fp32 matmul throughput (FLOP/s) of an n x n by n x n product, median of `runs`: torch's default (MKL) and
     oneDNN with the weight as is (where torch has it); the better one is the machine's compute peak."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    rates = {"mkl": 2 * n**3 / _median_s(lambda: a @ b, runs)}
+    rates = {"mkl": 2 * n**3 / timed(lambda: a @ b, runs).median_s}
     if torch.backends.mkldnn.is_available():
         w = b.t().contiguous()
         rates["onednn"] = (
-            2 * n**3 / _median_s(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), runs)
+            2 * n**3 / timed(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), runs).median_s
         )
     return rates
 
@@ -118,7 +107,7 @@ def time_linears(model: nn.Module, batch: int, runs: int = 5) -> float:
     cache, which would put the time below the memory floor. What the matmuls cost without anything around them."""
     layers = linear_layers(model)
     inputs = {m.in_features: torch.randn(batch, m.in_features) for m in layers}
-    return _median_s(lambda: [m(inputs[m.in_features]) for m in layers], runs)
+    return timed(lambda: [m(inputs[m.in_features]) for m in layers], runs).median_s
 
 
 def decode_step_ms(
@@ -176,6 +165,7 @@ def run_roofline(
 ) -> dict[str, Any]:
     """Measure the machine (bandwidth, matmul peak), compute the model's per-step cost, and time the engine's
     decode step at each batch size; returns the floors and where the engine stands."""
+    load = LoadAverage()
     engine_kwargs = dict(engine_kwargs or {})
     bandwidth = measure_bandwidth(bandwidth_bytes, runs)
     rates = measure_matmul(matmul_n, runs)
@@ -228,25 +218,14 @@ def run_roofline(
     first = costs[weight_formats[0]]
     return {
         "model": model,
-        "settings": {
-            "batch_sizes": list(batch_sizes),
-            "prompt_len": prompt_len,
-            "steps": steps,
-            "runs": runs,
-            "bandwidth_bytes": bandwidth_bytes,
-            "matmul_n": matmul_n,
-            "seed": seed,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "engine_kwargs": engine_kwargs,
-            "weight_formats": list(weight_formats),
-        },
+        "settings": run_settings(run_roofline, locals()),
         "num_params": first.num_params,
         "weight_bytes": {w: c.weight_bytes for w, c in costs.items()},
         "flops_per_token": first.linear_flops_per_token,
         "bandwidth": bandwidth,
         "matmul_flops": peak,
         "matmul_rates": rates,
-        "load_average": os.getloadavg(),
+        "load_average": load.done(),
         "rows": rows,
     }
 
@@ -312,8 +291,7 @@ _MACHINE = (
     "{model}: {params_m:.1f} M parameters, weights read per decode step {weight_mb}, {mflop:.0f} MFLOP "
     "per token in linear layers (the arithmetic is float32 whatever the weights are stored in). "
     "Machine: {read_gbs:.1f} GB/s read ({copy_gbs:.1f} "
-    "GB/s copy) with {threads} threads, fp32 matmul {gflops:.0f} GFLOP/s ({matmul_n}^3, {rates}); load "
-    "average {load}"
+    "GB/s copy) with {threads} threads, fp32 matmul {gflops:.0f} GFLOP/s ({matmul_n}^3, {rates})"
 )
 _DOCS = _MACHINE + (
     ". Bandwidth: median of {runs} sums over (and copies of) a {array_mib} MiB array. A step of B "
@@ -339,12 +317,15 @@ def _machine_values(result: dict[str, Any]) -> dict[str, float]:
         "array_mib": result["settings"]["bandwidth_bytes"] >> 20,
         "threads": result["bandwidth"].get("threads", "?"),
         "rates": ", ".join(f"{k} {v / 1e9:.0f}" for k, v in result.get("matmul_rates", {}).items()),
-        "load": " ".join(f"{x:.1f}" for x in result.get("load_average", ())),
     }
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
-    return [described(result, _MACHINE, _DOCS, **_machine_values(result)), Table(_HEADERS, _rows(result))]
+    return [
+        described(result, _MACHINE, _DOCS, **_machine_values(result)),
+        Table(_HEADERS, _rows(result)),
+        Line(load_line(result)),
+    ]
 
 
 format_text, format_markdown = formatters("The limit: a decode step against the machine's floor", _parts)

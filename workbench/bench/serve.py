@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import time
 from collections import defaultdict, deque
@@ -50,8 +49,19 @@ from workbench.bench.args import (
     run_with_flags,
 )
 from workbench.bench.datasets import DATASET_DEFAULTS, DATASETS, BenchRequest, sample_dataset
-from workbench.bench.report import Line, Part, Table, bold, described, formatters, machine_info, percentile
-from workbench.bench.throughput import HFBaseline, cold_start, load_line
+from workbench.bench.report import (
+    Line,
+    Part,
+    Table,
+    bold,
+    described,
+    formatters,
+    machine_info,
+    percentile,
+    run_settings,
+)
+from workbench.bench.throughput import HFBaseline, cold_start
+from workbench.bench.timing import LoadAverage, load_line
 
 if TYPE_CHECKING:
     from workbench.bench.http_serve import Streamed
@@ -407,7 +417,7 @@ def run_serve(
     became of every request."""
     from workbench.bench.http_serve import Chaos, run_http_serve_once, served_in_process
 
-    load_before = os.getloadavg()
+    load = LoadAverage()
     engine_kwargs = dict(engine_kwargs or {})
     arrivals = request_arrivals(num_requests, request_rate, burstiness, seed)
     chaos = Chaos(chaos_disconnect, chaos_malformed, seed)
@@ -438,26 +448,16 @@ def run_serve(
     result = {
         "model": model,
         "date": machine_info()["date"],
-        "settings": {
-            "dataset": dataset,
-            "num_requests": num_requests,
-            "dataset_args": dataset_args,
-            "request_rate": request_rate,
-            "burstiness": burstiness,
-            "max_concurrency": max_concurrency,
-            "goodput": goodput or {},
-            "seed": seed,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "hf_batch_size": hf_batch_size if baseline else None,
-            "engine_kwargs": engine_kwargs,
-            "base_url": base_url,
-            "chaos_disconnect": chaos_disconnect,
-            "chaos_malformed": chaos_malformed,
-        },
+        "settings": run_settings(
+            run_serve,
+            locals(),
+            omit=("baseline", "cb_baseline", "result_file", "served_model_name"),
+            goodput=goodput or {},
+            hf_batch_size=hf_batch_size if baseline else None,
+        ),
         "engine": compute_metrics(results, duration, goodput),
         "baseline": None,
         "baseline_cb": None,
-        "load_average": {"before": list(load_before)},
         "http": http.to_dict() if http is not None else None,
     }
     files = {"engine": per_request(results)}
@@ -478,7 +478,7 @@ def run_serve(
         files["baseline_cb"] = per_request(cb_results)
     result["ratio"] = _ratios(result["engine"], result["baseline"])
     result["ratio_cb"] = _ratios(result["engine"], result["baseline_cb"])
-    result["load_average"]["after"] = list(os.getloadavg())
+    result["load_average"] = load.done()
     if result_file:
         write_result_file(result_file, result, files)
     return result

@@ -11,17 +11,17 @@ gives the draft's share of the run's time, and the load average around the runs 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestOutput, SamplingParams
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, chat_prompt_ids, editing_requests
 from workbench.bench.report import Line, Part, Table, describe, docs_only, formatters
+from workbench.bench.timing import LoadAverage, alternate, load_line
 
 HELP = "speculative decoding: tokens/s with and without drafts, batch 1 and 8"
 IN_ALL = (8, ["--runs", "2"])  # `workbench bench all` runs it: (place, flags)
@@ -60,12 +60,10 @@ def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[st
     return {name: configs[name] for name in ("none", *names) if name in configs}
 
 
-def _run_batch(llm: LLM, batch: Sequence[BenchRequest]) -> tuple[float, list[list[int]]]:
-    """One batch of requests together; returns seconds and the tokens."""
+def _generate(llm: LLM, batch: Sequence[BenchRequest]) -> Callable[[], list[RequestOutput]]:
+    """A call that runs one batch of requests together on `llm` (its arguments made now, outside any timing)."""
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=r.ignore_eos) for r in batch]
-    t0 = time.perf_counter()
-    tokens = [o.token_ids for o in llm.generate([r.prompt_token_ids for r in batch], params, use_tqdm=False)]
-    return time.perf_counter() - t0, tokens
+    return partial(llm.generate, [r.prompt_token_ids for r in batch], params, use_tqdm=False)
 
 
 def _run_in_turns(
@@ -79,10 +77,10 @@ def _run_in_turns(
     for llm in llms.values():
         llm.engine.reset_prefix_cache()
     for i in range(0, len(requests), batch_size):
-        for name, llm in llms.items():
-            s, batch_tokens = _run_batch(llm, requests[i : i + batch_size])
-            seconds[name] += s
-            tokens[name] += batch_tokens
+        batch = requests[i : i + batch_size]
+        for turn in alternate({name: _generate(llm, batch) for name, llm in llms.items()}, runs=1):
+            seconds[turn.side] += turn.seconds
+            tokens[turn.side] += [o.token_ids for o in turn.value]
     return seconds, tokens
 
 
@@ -102,8 +100,8 @@ def run_spec(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Median seconds per (workload, batch size, method), the methods taking turns batch by batch; acceptance
-    statistics and the proposer's time from the engines' SpecDecodingStats; the 1-minute load average before each
-    run and after the last."""
+    statistics and the proposer's time from the engines' SpecDecodingStats; the load average before the first run
+    and after the last."""
     configs = methods(k, draft_model or model, methods_)
     llms = {
         name: LLM(
@@ -127,9 +125,8 @@ def run_spec(
     }
     times: dict[tuple, list[float]] = {}
     results: dict[tuple, dict] = {}
-    load = []
+    load = LoadAverage()
     for run in range(runs):
-        load.append(os.getloadavg()[0])
         for wname, requests in workloads.items():
             for bs in batch_sizes:
                 before = {name: _stats(llm) for name, llm in llms.items()}
@@ -159,14 +156,13 @@ def run_spec(
                 **r,
             }
         )
-    load.append(os.getloadavg()[0])
     return {
         "model": model,
         "k": k,
         "draft_model": draft_model or model,
         "runs": runs,
         "rows": rows,
-        "load_average": load,
+        "load_average": load.done(),
         "heads": _heads(llms),
     }
 
@@ -259,21 +255,15 @@ _DOCS = (
     "every method before the next batch). Median of {runs} runs. Editing prompts ask to rewrite a code "
     "passage (input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and "
     "Medusa: the target's default heads ({heads}; each folder's manifest.json says how it was made). Draft "
-    "share: the proposer's time over the run's. 1-minute load average before each run and after the last: "
-    "{load_average} (2 cores; above 2 the machine was shared and every number is slower and noisier)."
+    "share: the proposer's time over the run's."
 )
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
     values = {
         "heads": ", ".join(f"{m}: {p}" for m, p in result.get("heads", {}).items()) or "none run",
-        "load_average": ", ".join(f"{x:.1f}" for x in result.get("load_average", [])) or "not recorded",
     }
-    return [
-        docs_only(describe(_DOCS, result, **values)),
-        Table(_HEADERS, _table_rows(result)),
-        Line(describe("load average (1 min) before each run and after the last: {load_average}", result, **values), ""),
-    ]  # the docs say it in the paragraph above
+    return [docs_only(describe(_DOCS, result, **values)), Table(_HEADERS, _table_rows(result)), Line(load_line(result))]
 
 
 format_text, format_markdown = formatters("Speculative decoding", _parts)

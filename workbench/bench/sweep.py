@@ -13,14 +13,16 @@ import argparse
 import importlib.util
 import statistics
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from engine import LLM
 from workbench.bench.args import add_common_args, add_positive_ints, positive_float, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, random_dataset, token_id_range
-from workbench.bench.report import Part, Table, described, docs_only, formatters, percentile
+from workbench.bench.report import Part, Table, described, docs_only, formatters, percentile, run_settings
 from workbench.bench.serve import RequestResult, request_arrivals, run_serve_once
+from workbench.bench.timing import alternate, medians
 
 HELP = "TTFT, ITL, throughput as max_num_batched_tokens varies, with a long prompt"
 IN_ALL = (5, [])  # `workbench bench all` runs it: (place, flags)
@@ -99,13 +101,14 @@ def run_sweep(
         }
         run_serve_once(llm, workloads["short only"][0][:2], [0.0, 0.0], progress=False)  # warm-up
         samples: dict[str, list[dict[str, float]]] = {name: [] for name in SCENARIOS}
-        for _ in range(runs):
-            for name, (requests, arrivals, long_index) in workloads.items():
-                samples[name].append(
-                    point_metrics(*run_serve_once(llm, requests, arrivals, progress=False), long_index)
-                )
+        serve = {
+            name: partial(run_serve_once, llm, requests, arrivals, progress=False)
+            for name, (requests, arrivals, _) in workloads.items()
+        }
+        for turn in alternate(serve, runs):  # each serving run times itself, from its first arrival
+            samples[turn.side].append(point_metrics(*turn.value, workloads[turn.side][2]))
         for name, runs_metrics in samples.items():
-            point = {k: statistics.median(m[k] for m in runs_metrics) for k in runs_metrics[0]}
+            point = medians(runs_metrics)
             points.append({"budget": budget, "scenario": name, **point})
             log(
                 f"budget {budget}, {name}: ITL p99 {point['itl_p99_ms']:.1f} ms, "
@@ -114,17 +117,7 @@ def run_sweep(
         del llm  # free this engine's KV cache before the next one is built
     result = {
         "model": model,
-        "settings": {
-            "budgets": list(budgets),
-            "num_requests": num_requests,
-            "input_len": input_len,
-            "output_len": output_len,
-            "long_prompt_len": long_prompt_len,
-            "request_rate": request_rate,
-            "runs": runs,
-            "seed": seed,
-            "engine_kwargs": engine_kwargs,
-        },
+        "settings": run_settings(run_sweep, locals(), omit=("plot_path",)),
         "points": points,
         "plot": None,
     }

@@ -13,7 +13,6 @@ both measured here) says how far from the hardware all three are.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +26,8 @@ from engine import LLM, SamplingParams
 from engine.model import resolve_model
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, random_requests, token_id_range
-from workbench.bench.report import Line, Part, Table, bold, described, formatters
+from workbench.bench.report import Line, Part, Table, bold, described, formatters, run_settings
+from workbench.bench.timing import LoadAverage, alternate, load_line
 
 HELP = "engine vs transformers generate on a mixed workload"
 IN_ALL = (1, [])  # `workbench bench all` runs it: (place, flags)
@@ -164,7 +164,7 @@ def run_throughput(
     ratio to each baseline, the machine's floor for the workload and the load average before and after."""
     from workbench.bench.roofline import measure_bandwidth, measure_matmul
 
-    load_before = os.getloadavg()
+    load = LoadAverage()
     engine_kwargs = dict(engine_kwargs or {})
     llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
     requests = random_requests(num_requests, input_len_range, output_len_range, token_id_range(llm.tokenizer), seed)
@@ -179,17 +179,16 @@ def run_throughput(
     if hf is not None:
         hf.run(warmup)
     sides: dict[str, list[RunStats]] = {"engine": [], "baseline": [], "baseline_cb": []}
-    timed: dict[str, Callable[[], RunStats]] = {"engine": lambda: run_engine(llm, requests)}
+    calls: dict[str, Callable[[], RunStats]] = {"engine": lambda: run_engine(llm, requests)}
     if hf is not None:
-        timed["baseline"] = lambda: hf.run(requests)
+        calls["baseline"] = lambda: hf.run(requests)
     if cb is not None:
         cb.run(warmup)
-        timed["baseline_cb"] = lambda: RunStats(cb.run(requests), *_token_counts(requests))
+        calls["baseline_cb"] = lambda: RunStats(cb.run(requests), *_token_counts(requests))
     try:
-        for i in range(runs):
-            for side, run in timed.items():
-                sides[side].append(run())
-                log(f"run {i + 1}/{runs}: {_SIDE_NAMES[side]} {sides[side][-1].elapsed_s:.2f} s")
+        for turn in alternate(calls, runs):  # each side's RunStats times its own run, without the set-up
+            sides[turn.side].append(turn.value)
+            log(f"run {turn.run + 1}/{runs}: {_SIDE_NAMES[turn.side]} {turn.value.elapsed_s:.2f} s")
     finally:
         if cb is not None:
             cb.close()
@@ -200,16 +199,9 @@ def run_throughput(
     num_prompt, num_output = _token_counts(requests)
     result = {
         "model": model,
-        "settings": {
-            "num_requests": num_requests,
-            "input_len_range": list(input_len_range),
-            "output_len_range": list(output_len_range),
-            "runs": runs,
-            "seed": seed,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "hf_batch_size": batch_size,
-            "engine_kwargs": engine_kwargs,
-        },
+        "settings": run_settings(
+            run_throughput, locals(), omit=("baseline", "cb_baseline", "batch_size"), hf_batch_size=batch_size
+        ),
         "num_prompt_tokens": num_prompt,
         "num_output_tokens": num_output,
         **{side: _summary(runs_) if runs_ else None for side, runs_ in sides.items()},
@@ -219,7 +211,7 @@ def run_throughput(
             "read_bytes_s": bandwidth,
             "matmul_flops": peak,
         },
-        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+        "load_average": load.done(),
     }
     for side, key in (("baseline", "ratio"), ("baseline_cb", "ratio_cb")):
         result[key] = result["engine"]["output_tok_s"] / result[side]["output_tok_s"] if result[side] else None
@@ -312,18 +304,6 @@ def ratio_line(result: dict[str, Any]) -> str:
             "other load, so it is no bound on this run"
         )
     return "ratio engine / transformers (output tok/s): " + ", ".join(parts) + at
-
-
-def load_line(result: dict[str, Any]) -> str:
-    """The load average (1, 5, 15 min) before and after a benchmark: other work on the machine shares its cores."""
-    load = result.get("load_average")
-    if not load:
-        return ""
-    before, after = (" / ".join(f"{x:.2f}" for x in load[k]) for k in ("before", "after"))
-    busy = max(load["before"][0], load["after"][0]) > (os.cpu_count() or 1)
-    return f"Load average (1 / 5 / 15 min) before: {before}, after: {after}, on {os.cpu_count()} cores" + (
-        ": above the core count, other work shared the machine during these runs" if busy else ""
-    )
 
 
 _HEAD = (

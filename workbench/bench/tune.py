@@ -30,7 +30,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import re
 import shlex
 import statistics
@@ -48,7 +47,8 @@ from workbench.bench.args import (
     positive_int,
     run_with_flags,
 )
-from workbench.bench.report import Line, Part, Table, bold, described, docs_only, formatters, percentile
+from workbench.bench.report import Line, Part, Table, bold, described, docs_only, formatters, percentile, run_settings
+from workbench.bench.timing import LoadAverage, load_line
 
 HELP = "search the engine's knobs for the most goodput under latency SLOs (vLLM's auto_tune)"
 
@@ -437,7 +437,7 @@ def run_tune(
     from workbench.bench.datasets import DATASET_DEFAULTS, sample_dataset
     from workbench.bench.serve import request_arrivals
 
-    load_before = os.getloadavg()
+    load = LoadAverage()
     slos = dict(slos or {})
     space = {k.name: list(k.default) for k in KNOBS} | {k: list(v) for k, v in (space or {}).items()}
     unknown = sorted(set(space) - set(KNOB_NAMES))
@@ -473,28 +473,21 @@ def run_tune(
     best = search["best"]
     result = {
         "model": model,
-        "settings": {
-            "dataset": dataset if trace is None else "trace",
-            "num_requests": len(requests),
-            "dataset_args": {**DATASET_DEFAULTS[dataset], **(dataset_args or {})} if trace is None else {},
-            "request_rate": request_rate,
-            "burstiness": burstiness,
-            "max_concurrency": max_concurrency,
-            "trace": trace,
-            "slos": slos,
-            "goodput": bounds,
-            "primary": primary,
-            "max_runs": max_runs,
-            "seed": seed,
-            "space": space,
-            "speculative_method": speculative_method,
-            "engine_kwargs": engine_kwargs,
-        },
+        "settings": run_settings(
+            run_tune,
+            locals(),
+            omit=("workload_argv",),
+            dataset=dataset if trace is None else "trace",
+            num_requests=len(requests),
+            dataset_args={**DATASET_DEFAULTS[dataset], **(dataset_args or {})} if trace is None else {},
+            goodput=bounds,
+            primary=primary,
+        ),
         **search,
         "front": pareto_front(search["points"], primary),
         "command": reproduce_command(best["config"], workload_argv) if best else None,
         "serve_command": serve_command(model, best["config"], engine_kwargs) if best else None,
-        "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+        "load_average": load.done(),
     }
     return result
 
@@ -758,8 +751,6 @@ def _pruned_text(result: dict[str, Any]) -> str:
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
-    from workbench.bench.throughput import load_line
-
     plot = (
         f"![the Pareto front of goodput against {result['settings']['primary']}, and the sweep run by run]"
         f"(img/{Path(result['plot']).name})"

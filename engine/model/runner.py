@@ -7,6 +7,7 @@ positions that sample (the last token of a request whose prefill completes, or i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,10 @@ class ModelRunner:
         self.events = events
         # (layer, SparseMoeBlock) of a mixture-of-experts model, whose routing each step reports
         self.moe_blocks = self.model.moe_blocks() if hasattr(self.model, "moe_blocks") else []
+        # Each is called with every SchedulerOutput as execute_model starts, before any of the step runs, and must
+        # leave it as it is: how a profiler or a tracer sees the steps without replacing execute_model (bench
+        # profile captures a step's output with one, then times prepare_inputs on it).
+        self.step_hooks: list[Callable[[SchedulerOutput], None]] = []
 
     @property
     def vocab_size(self) -> int:
@@ -105,13 +110,15 @@ class ModelRunner:
         self, output: SchedulerOutput, grammar_bitmask: torch.Tensor | None = None, guided_rows: list[int] | None = None
     ) -> ModelRunnerOutput:
         """Run the step's batch; `grammar_bitmask` (one row per logits row) masks the `guided_rows`."""
+        for hook in self.step_hooks:
+            hook(output)
         # rows of requests that finished or were preempted since the last step are reused
         self.block_table.remove(output.finished_req_ids)
         self.block_table.remove(output.preempted_req_ids)
         if output.is_empty:
             return ModelRunnerOutput({}, {})
         t0 = time.perf_counter()
-        batch = self._prepare_inputs(output)
+        batch = self.prepare_inputs(output)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
         if self.moe_blocks:
             self._emit_routing(output, batch)
@@ -207,10 +214,12 @@ class ModelRunner:
             )
         return sampled, logprobs
 
-    def _prepare_inputs(self, output: SchedulerOutput) -> _BatchInputs:
+    def prepare_inputs(self, output: SchedulerOutput) -> _BatchInputs:
         """The step's flat inputs: one Python pass over the requests, then positions, slots, query start locs and
         logits rows by numpy arithmetic over per-request counts, and one int64 plus one int32 array to the device
-        (two host-to-device copies on an accelerator)."""
+        (two host-to-device copies on an accelerator). Public so that it can be timed alone (bench profile): run
+        again on an output this runner was given, it writes the same block table rows and returns the same
+        inputs."""
         rows, ids, counts, sampling_rows = self._scan_requests(output)
         starts, query_lens, num_logits, num_blocks = counts
         cu_query, cu_logits = np.cumsum(query_lens), np.cumsum(num_logits)

@@ -99,14 +99,14 @@ ATTN_DTYPES = {
 
 
 class Checker:
-    """Wraps a runner's _prepare_inputs: checks each batch against reference_batch and notes what it saw."""
+    """Wraps a runner's prepare_inputs: checks each batch against reference_batch and notes what it saw."""
 
     def __init__(self, runner) -> None:
-        self.runner, self.prepare = runner, runner._prepare_inputs
+        self.runner, self.prepare = runner, runner.prepare_inputs
         self.seen: set[str] = set()
         self.first_seen: set[str] = set()
         self.steps = 0
-        runner._prepare_inputs = self
+        runner.prepare_inputs = self
 
     def __call__(self, output):
         batch = self.prepare(output)

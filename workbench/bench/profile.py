@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -34,7 +33,8 @@ from engine.output_processor import IncrementalDetokenizer
 from engine.sample.sampler import Sampler
 from workbench.bench.args import add_common_args, add_positive_ints, non_negative_int, positive_int, run_with_flags
 from workbench.bench.datasets import random_requests, token_id_range
-from workbench.bench.report import Line, Part, Table, described, docs_only, formatters
+from workbench.bench.report import Line, Part, Table, described, docs_only, formatters, run_settings
+from workbench.bench.timing import timed
 
 HELP = "where a decode step's time goes (cProfile, torch.profiler)"
 IN_ALL = (3, [])  # `workbench bench all` runs it: (place, flags)
@@ -44,7 +44,7 @@ _FUNCS = {
     "step": LLMEngine.step,
     "schedule": Scheduler.schedule,
     "execute_model": ModelRunner.execute_model,
-    "prepare_inputs": ModelRunner._prepare_inputs,
+    "prepare_inputs": ModelRunner.prepare_inputs,
     "model": LlamaForCausalLM.forward,
     "store_kvcache": kernels.store_kvcache,
     "paged_attention": kernels.paged_attention,
@@ -106,32 +106,28 @@ def replay_events_ms(record: StepRecord, repeats: int = 20) -> float:
     (median of `repeats`)."""
     payloads = _payloads(record)
     others = {f.name: getattr(record, f.name) for f in fields(record) if f.name != "events"}
-    times = []
-    for _ in range(repeats):
-        log = EventLog()
-        t0 = time.perf_counter()
+    fresh = iter([EventLog() for _ in range(repeats)])  # made before the timings: making one is not replaying
+
+    def replay() -> None:
+        log = next(fresh)
         log.begin(record.step)
         for cls, payload in payloads:
             log.emit(cls, **payload)
         StepRecord(**others, events=log.drain())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+
+    return timed(replay, repeats, warmup=0).median_s * 1e3
 
 
 def capture_scheduler_output(eng: LLMEngine) -> SchedulerOutput:
-    """Step `eng` once and return the SchedulerOutput its model runner was given."""
-    runner, captured = eng.runner, []
-    execute = runner.execute_model
-
-    def record(output: SchedulerOutput, *args: Any, **kwargs: Any):
-        captured.append(output)
-        return execute(output, *args, **kwargs)
-
-    runner.execute_model = record
+    """Step `eng` once and return the SchedulerOutput its model runner was given (through the runner's step
+    hooks)."""
+    captured: list[SchedulerOutput] = []
+    hook, hooks = captured.append, eng.runner.step_hooks
+    hooks.append(hook)
     try:
         eng.step()
     finally:
-        del runner.execute_model  # the instance attribute shadowed the method
+        hooks.remove(hook)
     if not captured or captured[0].is_empty:
         raise RuntimeError("capture_scheduler_output: the step scheduled nothing")
     return captured[0]
@@ -139,12 +135,7 @@ def capture_scheduler_output(eng: LLMEngine) -> SchedulerOutput:
 
 def input_prep_ms(runner: ModelRunner, output: SchedulerOutput, repeats: int = PREP_REPEATS) -> float:
     """Median ms of the runner's input preparation for `output`, without any profiler."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner._prepare_inputs(output)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return timed(lambda: runner.prepare_inputs(output), repeats, warmup=0).median_s * 1e3
 
 
 def _two_chunk_prompt_len(eng: LLMEngine, budget: int) -> int:
@@ -285,15 +276,7 @@ def run_profile(
     input_prep = _input_prep(llm, ids, chunked_prompt_len, seed, log)
     return {
         "model": model,
-        "settings": {
-            "num_requests": num_requests,
-            "prompt_len": prompt_len,
-            "steps": steps,
-            "warmup": warmup,
-            "seed": seed,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "engine_kwargs": engine_kwargs,
-        },
+        "settings": run_settings(run_profile, locals()),
         **_step_costs(plain, ms),
         "torch_ops": ops,
         "inside_ops_ms": inside_ops_ms,

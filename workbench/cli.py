@@ -1,4 +1,4 @@
-"""The `workbench` command line. `workbench bench throughput|prefix|profile|serve|sweep|guided|roofline|spec|pd|kernels`
+"""The `workbench` command line. `workbench bench throughput|prefix|profile|serve|sweep|guided|roofline|spec|pd`
 measure the engine; each prints a table and, with --write-docs, rewrites its own section of docs/BENCHMARKS.md;
 `workbench bench gains` tabulates the gains their kept results show; `workbench bench all` runs every CPU benchmark.
 `workbench run` runs prompts headless and records a step trace; `workbench export` turns step traces into a Chrome
@@ -74,7 +74,7 @@ def discover_benchmarks(folder: Path = BENCH_DIR) -> list[Benchmark]:
 
 
 BENCHMARKS = discover_benchmarks()
-# `bench all`: every CPU benchmark (kernels needs CUDA), each with its defaults plus these flags, in this order.
+# `bench all`: every CPU benchmark (gpu_kernels needs CUDA), each with its defaults plus these flags, in this order.
 ALL_BENCHES = {b.name: b.in_all[1] for b in BENCHMARKS if b.in_all is not None}
 
 

@@ -87,7 +87,7 @@ def gpu_rejection() -> list[dict[str, Any]]:
     greedy/random mixes, zero-draft requests, n-gram and draft probabilities, SmolLM2's vocabulary."""
     from kernels import reference
     from kernels import triton as kt
-    from workbench.bench.kernels import rejection_case
+    from workbench.bench.gpu_kernels import rejection_case
 
     rows = []
     for batch, k, ngram in ((1, 1, False), (7, 4, True), (64, 4, False), (256, 5, True)):
@@ -106,7 +106,7 @@ def gpu_attention() -> list[dict[str, Any]]:
     over cached context, a verification batch, a whole prefill, at every split count and at the wrapper's choice."""
     from kernels import reference
     from kernels import triton as kt
-    from workbench.bench.kernels import AttentionShape, paged_case
+    from workbench.bench.gpu_kernels import AttentionShape, paged_case
 
     mixes = {
         "decodes at block boundaries": ([1] * 6, [1, 15, 16, 17, 32, 4097]),
@@ -259,8 +259,8 @@ def gpu_engine(model: str) -> dict[str, Any]:
 
 
 def gpu_timings() -> list[dict[str, Any]]:
-    """`do_bench` medians of decode, prefill, cache write and rejection (workbench bench kernels' workloads)."""
-    from workbench.bench import kernels as bench
+    """`do_bench` medians of decode, prefill, cache write and rejection (workbench bench gpu_kernels' workloads)."""
+    from workbench.bench import gpu_kernels as bench
 
     copy = bench.copy_bandwidth()
     shapes = (*bench.SHAPES, bench.AttentionShape("qwen2.5-0.5b heads (14/2 x 64)", 14, 2, 64))

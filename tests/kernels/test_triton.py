@@ -155,19 +155,19 @@ def test_dispatch_picks_triton_for_cuda_tensors(triton_kernels):
         )
 
 
-def test_bench_kernels_refuses_without_cuda(capsys):
+def test_bench_gpu_kernels_refuses_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present: the refusal does not apply")
     from workbench.cli import main
 
-    assert main(["bench", "kernels"]) == 2
+    assert main(["bench", "gpu_kernels"]) == 2
     err = capsys.readouterr().err
-    assert "workbench: error: bench kernels needs a CUDA GPU (torch.cuda.is_available() is False)" in err
+    assert "workbench: error: bench gpu_kernels needs a CUDA GPU (torch.cuda.is_available() is False)" in err
 
 
-def test_bench_kernels_cases_and_report_on_cpu(triton_kernels):
+def test_bench_gpu_kernels_cases_and_report_on_cpu(triton_kernels):
     """The GPU bench's inputs and tables, checked here on CPU (its timings need CUDA)."""
-    from workbench.bench import kernels as bench
+    from workbench.bench import gpu_kernels as bench
 
     shape = bench.AttentionShape("tiny heads", 6, 2, 64, block_size=8)
     case = bench.paged_case([1, 4, 1], [9, 20, 1], shape, torch.float32, device="cpu")
@@ -202,7 +202,7 @@ def test_bench_kernels_cases_and_report_on_cpu(triton_kernels):
     }
     text = bench.format_text(result)
     assert "GPU: Fake GPU" in text and "75%" in text and "ratio 3.00x" in text
-    markdown = bench.format_markdown(result, "workbench bench kernels")
+    markdown = bench.format_markdown(result, "workbench bench gpu_kernels")
     assert markdown.startswith("## Kernels on Fake GPU") and "| decode attention | w | 1.500 |" in markdown
     failed = {**result, "checks": [{**check, "ok": False}], "timings": None, "throughput": None}
     assert "timings skipped" in bench.format_text(failed)

@@ -50,7 +50,7 @@ def test_every_benchmark_module_is_a_subcommand_with_its_own_flags() -> None:
         "roofline",
         "spec",
         "pd",
-        "kernels",
+        "gpu_kernels",
         "gains",
     } <= set(modules)
     for name, module in modules.items():
@@ -86,7 +86,7 @@ def test_bench_all_runs_the_cpu_benchmarks_in_their_order() -> None:
         "decode": [],
     }
     listed = [b.name for b in cli.BENCHMARKS]
-    assert listed[: len(cli.ALL_BENCHES)] == list(cli.ALL_BENCHES) and "kernels" in listed[len(cli.ALL_BENCHES) :]
+    assert listed[: len(cli.ALL_BENCHES)] == list(cli.ALL_BENCHES) and "gpu_kernels" in listed[len(cli.ALL_BENCHES) :]
 
 
 def test_a_module_is_a_benchmark_by_its_source_alone(tmp_path) -> None:

@@ -2,7 +2,7 @@
 (where a step's time goes), `serve` (online serving metrics), `sweep` (the token budget), `guided` (the cost of
 grammar masks), `roofline` (against the machine's limits), `spec` (speculative decoding), `pd` (disaggregated
 prefill/decode), `parallel` (tensor parallelism), `dp_routing` (data parallelism: routing by load vs by
-cached prefix), `kernels` (Triton, CUDA only) and `gains` (a table from the
+cached prefix), `gpu_kernels` (Triton, CUDA only) and `gains` (a table from the
 others' kept results).
 
 Each module owns its command line, as vLLM's `vllm/benchmarks/serve.py` does, and has what `BenchmarkModule`

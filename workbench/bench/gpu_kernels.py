@@ -13,15 +13,17 @@ import argparse
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from workbench.bench.args import add_common_args, positive_int, run_with_flags
 from workbench.bench.report import Line, Part, Table, docs_only, machine_info, markdown_report, text_report
+from workbench.bench.timing import alternate
 
 HELP = "the Triton kernels on a CUDA GPU: checks, timings, engine vs transformers"
-NO_CUDA = "bench kernels needs a CUDA GPU (torch.cuda.is_available() is False)"
+NO_CUDA = "bench gpu_kernels needs a CUDA GPU (torch.cuda.is_available() is False)"
 BF16_REL_ERROR = 2e-2  # max |triton - reference| / max |reference|, reference in fp32 on the same bf16 inputs
 DECODE_BANDWIDTH_GOAL = 0.6
 # transformers static batches on the GPU: larger than the CPU bench's 8, which would leave the GPU idle.
@@ -284,9 +286,9 @@ def _hf_on_gpu(model: str, requests: list, batch_size: int, runs: int, log: Call
     with torch.device("cuda"):  # HFBaseline builds its input tensors with torch.tensor: put them on the GPU
         hf.run(requests[:2])
         times = []
-        for i in range(runs):
-            times.append(hf.run(requests).elapsed_s)
-            log(f"run {i + 1}/{runs}: transformers on GPU {times[-1]:.2f} s")
+        for turn in alternate({"transformers on GPU": partial(hf.run, requests)}, runs):  # its RunStats time it
+            times.append(turn.value.elapsed_s)
+            log(f"run {turn.run + 1}/{runs}: {turn.side} {times[-1]:.2f} s")
     elapsed = statistics.median(times)
     num_output = sum(r.output_len for r in requests)
     return {"elapsed_s": elapsed, "output_tok_s": num_output / elapsed, "runs_s": times}
@@ -388,7 +390,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    """`workbench bench kernels`: run_kernels with the command line's settings (a ValueError without CUDA)."""
+    """`workbench bench gpu_kernels`: run_kernels with the command line's settings (a ValueError without CUDA)."""
     return run_with_flags(run_kernels, args, throughput=not args.no_throughput)
 
 

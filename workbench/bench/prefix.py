@@ -12,13 +12,15 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from engine import LLM
 from workbench.bench.args import add_common_args, add_positive_ints, run_with_flags
 from workbench.bench.datasets import BenchRequest, shared_prefix_requests, token_id_range
-from workbench.bench.report import Part, Table, bold, described, formatters, percentile
+from workbench.bench.report import Part, Table, bold, described, formatters, percentile, run_settings
 from workbench.bench.throughput import cold_start, greedy_params
+from workbench.bench.timing import alternate, medians
 
 HELP = "TTFT and throughput with prefix caching on vs off"
 IN_ALL = (2, [])  # `workbench bench all` runs it: (place, flags)
@@ -83,11 +85,6 @@ def run_prefix_once(llm: LLM, requests: Sequence[BenchRequest]) -> PrefixRun:
     )
 
 
-def _median_summary(runs: list[PrefixRun]) -> dict[str, float]:
-    summaries = [r.summary() for r in runs]
-    return {k: statistics.median(s[k] for s in summaries) for k in summaries[0]}
-
-
 def run_prefix(
     model: str = "smollm2-135m",
     num_prefixes: int = 5,
@@ -123,26 +120,15 @@ def run_prefix(
     warmup = [BenchRequest(r.prompt_token_ids[:16], 2) for r in requests[:2]]
     for llm in engines.values():
         run_prefix_once(llm, warmup)
-    results: dict[str, list[PrefixRun]] = {mode: [] for mode in MODES}
-    for i in range(runs):
-        for mode, llm in engines.items():
-            results[mode].append(run_prefix_once(llm, requests))
-            log(f"run {i + 1}/{runs}: caching {mode}: {results[mode][-1].elapsed_s:.2f} s")
-    on, off = _median_summary(results["on"]), _median_summary(results["off"])
+    summaries: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    # each PrefixRun times its own run, from the requests' common arrival to the last one's end
+    for turn in alternate({mode: partial(run_prefix_once, llm, requests) for mode, llm in engines.items()}, runs):
+        summaries[turn.side].append(turn.value.summary())
+        log(f"run {turn.run + 1}/{runs}: caching {turn.side}: {turn.value.elapsed_s:.2f} s")
+    on, off = medians(summaries["on"]), medians(summaries["off"])
     return {
         "model": model,
-        "settings": {
-            "num_prefixes": num_prefixes,
-            "prefix_len": prefix_len,
-            "suffix_len": suffix_len,
-            "num_requests": num_requests,
-            "output_len": output_len,
-            "runs": runs,
-            "seed": seed,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "block_size": block_size,
-            "engine_kwargs": engine_kwargs,
-        },
+        "settings": run_settings(run_prefix, locals()),
         "on": on,
         "off": off,
         "ttft_mean_speedup": off["ttft_mean_ms"] / on["ttft_mean_ms"],

@@ -19,7 +19,16 @@ from typing import Any
 import torch
 
 from workbench.bench.args import add_common_args, positive_int, run_with_flags
-from workbench.bench.report import Line, Part, Table, docs_only, machine_info, markdown_report, text_report
+from workbench.bench.report import (
+    Line,
+    Part,
+    Table,
+    docs_only,
+    machine_info,
+    markdown_report,
+    run_settings,
+    text_report,
+)
 from workbench.bench.timing import alternate
 
 HELP = "the Triton kernels on a CUDA GPU: checks, timings, engine vs transformers"
@@ -363,7 +372,7 @@ def run_kernels(
         "timings": None,
         "copy_gbs": None,
         "throughput": None,
-        "settings": {"batch_size": batch_size, "context_len": context_len, "runs": runs},
+        "settings": run_settings(run_kernels, locals(), omit=("throughput",)),  # the result's throughput is its own
     }
     if not all(c["ok"] for c in checks):
         log("a kernel failed its check: no timings")

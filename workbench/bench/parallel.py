@@ -19,6 +19,7 @@ import argparse
 import os
 import statistics
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from engine import LLM, LLMEngine, SamplingParams
@@ -154,7 +155,7 @@ def run_parallel(
             log(f"TP {size}: not run ({exc})")
             continue
         with engine:
-            measured = timed(lambda engine=engine: _generate(engine, requests), runs)
+            measured = timed(partial(_generate, engine, requests), runs)
             reference = reference or measured.last[0]
             threads = getattr(engine.executor, "threads_per_rank", torch.get_num_threads())
             label = f"TP {size}" if size > 1 else f"TP 1, all {threads} thread(s) in one process"

@@ -121,6 +121,8 @@ def replay_events_ms(record: StepRecord, repeats: int = 20) -> float:
 def capture_scheduler_output(eng: LLMEngine) -> SchedulerOutput:
     """Step `eng` once and return the SchedulerOutput its model runner was given (through the runner's step
     hooks)."""
+    if eng.runner is None:
+        raise RuntimeError("capture_scheduler_output: no model runner in this process (a simulated executor)")
     captured: list[SchedulerOutput] = []
     hook, hooks = captured.append, eng.runner.step_hooks
     hooks.append(hook)

@@ -34,19 +34,19 @@ class Timed(Generic[T]):
 
 def timed(fn: Callable[[], T], runs: int, warmup: int = 1) -> Timed[T]:
     """`warmup` untimed calls of `fn` (first touch: page faults, the allocator's first requests and lazy set-up stay
-    out of the timing), then `runs` calls timed with time.perf_counter."""
+    out of the timing), then `runs` (at least one) calls timed with time.perf_counter."""
     for _ in range(warmup):
         fn()
     seconds: list[float] = []
-    last = None
+    values: list[T] = []
     for _ in range(runs):
         # the previous call's value is let go before this call runs: memory it held is free to reuse, as it is for
         # a caller that drops each value (a timing of fresh allocations would add page faults to the run)
-        last = None
+        values.clear()
         t0 = time.perf_counter()
-        last = fn()
+        values.append(fn())
         seconds.append(time.perf_counter() - t0)
-    return Timed(seconds, last)
+    return Timed(seconds, values[-1])
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ class _Collector:
         await self.ready.wait()
         self.ready.clear()
         output, self.output = self.output, None
+        assert output is not None, "ready is set only once an output is delivered"
         return output
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 EVENT_TYPES: dict[str, type[Event]] = {}
 
@@ -22,7 +22,7 @@ class Event:
             EVENT_TYPES[cls.kind] = cls
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"kind": self.kind}
+        d: dict[str, Any] = {"kind": self.kind}
         for f in fields(self):
             value = getattr(self, f.name)
             d[f.name] = list(value) if isinstance(value, tuple) else value
@@ -33,7 +33,11 @@ class Event:
         d = dict(d)
         cls = EVENT_TYPES[d.pop("kind")]
         tuple_fields = {f.name for f in fields(cls) if f.type.startswith("tuple[")}
-        return cls(**{k: tuple(v) if k in tuple_fields and v is not None else v for k, v in d.items()})
+        kwargs: dict[str, Any] = {k: tuple(v) if k in tuple_fields and v is not None else v for k, v in d.items()}
+        return cls(**kwargs)
+
+
+E = TypeVar("E", bound=Event)
 
 
 @dataclass(frozen=True)
@@ -387,6 +391,10 @@ class StepRecord:
 
     def of_kind(self, kind: str) -> list[Event]:
         return [e for e in self.events if e.kind == kind]
+
+    def of_type(self, cls: type[E]) -> list[E]:
+        """This step's events of one type, typed as that type (`of_kind` takes the kind's name)."""
+        return [e for e in self.events if isinstance(e, cls)]
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.clock import Clock, SimulatedClock
 from engine.config import EngineConfig
@@ -36,6 +36,9 @@ from engine.request import Request, RequestStatus
 from engine.sample.logits_processors import bad_words_token_ids, check_token_ids, uses_logits_options
 from engine.sampling_params import SamplingParams
 from engine.structured_output.manager import StructuredOutputManager, xgrammar_backend
+
+if TYPE_CHECKING:
+    from engine.kv_transfer.base import KVCache, KVConnectorBase
 
 
 class LLMEngine:
@@ -204,14 +207,15 @@ class LLMEngine:
         return token_ids
 
     def _validate_length(self, token_ids: list[int], params: SamplingParams) -> None:
-        cfg = self.config
-        if len(token_ids) >= cfg.max_model_len:
+        cfg, max_model_len = self.config, self.config.max_model_len
+        assert max_model_len is not None, "resolved from the model in __init__"
+        if len(token_ids) >= max_model_len:
             raise ValueError(
-                f"prompt: {len(token_ids)} tokens, but max_model_len is {cfg.max_model_len} "
+                f"prompt: {len(token_ids)} tokens, but max_model_len is {max_model_len} "
                 "(the prompt must leave room for at least one output token)"
             )
         # a request must fit alone in the cache, its last output token included
-        max_len = min(len(token_ids) + params.max_tokens, cfg.max_model_len)
+        max_len = min(len(token_ids) + params.max_tokens, max_model_len)
         blocks = -(-max_len // cfg.block_size)
         usable = self.kv_cache_manager.num_usable_blocks
         if blocks > usable:
@@ -393,7 +397,7 @@ class LLMEngine:
         if self.scheduler.nothing_runnable():
             self._wait_outside()
         if self.connector is not None:
-            self._finish_transfers()
+            self._finish_transfers(self.connector)
         asynchronous = self.config.async_scheduling
         sched_out = (
             self.scheduler.schedule()
@@ -401,7 +405,7 @@ class LLMEngine:
             else SchedulerOutput([], [], set())
         )
         if self.connector is not None:
-            self._start_load_kv(sched_out)
+            self._start_load_kv(self.connector, sched_out)
         # after the loads: a chunk they withdrew never runs, so it gets no phase (its recompute is the prefill)
         phases = self.phase_tracker.label(sched_out)
         t1 = self.clock.perf_counter()
@@ -465,9 +469,11 @@ class LLMEngine:
         )
         runner_out = self.executor.execute_model(sched_out, *bitmask)
         for rid, entries in runner_out.prompt_logprobs.items():
-            self._requests[rid].prompt_logprobs.extend(entries)
+            kept = self._requests[rid].prompt_logprobs
+            assert kept is not None, "the runner computes prompt logprobs only for requests that asked"
+            kept.extend(entries)
         if self.connector is not None:
-            self._save_kv()
+            self._save_kv(self.connector)
         return runner_out
 
     def _update(self, sched_out: SchedulerOutput, runner_out) -> dict[str, list[int]]:
@@ -499,25 +505,30 @@ class LLMEngine:
         elif self.connector is not None:
             self.connector.wait_for_transfers(timeout=5.0)
 
-    def _finish_transfers(self) -> None:
+    def _finish_transfers(self, connector: KVConnectorBase) -> None:
         """Asynchronous loads and saves that ended since the last step: their events, held blocks, waiting requests."""
-        sending, recving = self.connector.get_finished(set())
+        sending, recving = connector.get_finished(set())
         if sending or recving:
-            self.scheduler.update_kv_xfer_finished(sending, recving, self.connector.get_block_ids_with_load_errors())
+            self.scheduler.update_kv_xfer_finished(sending, recving, connector.get_block_ids_with_load_errors())
 
-    def _start_load_kv(self, sched_out) -> None:
+    def _start_load_kv(self, connector: KVConnectorBase, sched_out: SchedulerOutput) -> None:
         """The decode side of P/D: fill the blocks of external hits before the forward reads them."""
-        self.connector.bind_connector_metadata(sched_out.kv_connector_metadata)
-        self.connector.start_load_kv(self.runner.kv_caches)
-        failed = self.connector.get_block_ids_with_load_errors()
+        connector.bind_connector_metadata(sched_out.kv_connector_metadata)
+        connector.start_load_kv(self._kv_caches())
+        failed = connector.get_block_ids_with_load_errors()
         if failed:
             self.scheduler.handle_kv_load_errors(sched_out, failed)
 
-    def _save_kv(self) -> None:
+    def _save_kv(self, connector: KVConnectorBase) -> None:
         """The prefill side of P/D: store the KV of prompts completed this step, layer by layer."""
-        for layer_index, kv_layer in enumerate(self.runner.kv_caches):
-            self.connector.save_kv_layer(layer_index, kv_layer)
-        self.connector.wait_for_save()
+        for layer_index, kv_layer in enumerate(self._kv_caches()):
+            connector.save_kv_layer(layer_index, kv_layer)
+        connector.wait_for_save()
+
+    def _kv_caches(self) -> list[KVCache]:
+        if self.runner is None:  # EngineConfig refuses a connector with any other executor
+            raise RuntimeError("kv_transfer_config: the connector needs the in-process model runner's cache")
+        return self.runner.kv_caches
 
     def _process_outputs(self, appended: dict[str, list[int]], logprobs: dict[str, list[dict[int, float]]]) -> None:
         for rid, tokens in appended.items():

@@ -83,7 +83,7 @@ REQUEST_LATENCY_BUCKETS = [
 ]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 FINISH_REASONS = ("stop", "length", "abort", "error")
-HISTOGRAMS = {  # attribute: vLLM's name, its help, its buckets
+HISTOGRAMS = {  # key in `histograms`: vLLM's name, its help, its buckets
     "request_prompt_tokens": ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS),
     "request_generation_tokens": (
         "vllm:request_generation_tokens",
@@ -154,8 +154,9 @@ class PrometheusStatLogger:
         self.request_success = make(
             Counter, "vllm:request_success", "Count of successfully processed requests.", extra=["finished_reason"]
         )
-        for attr, (name, doc, buckets) in HISTOGRAMS.items():
-            setattr(self, attr, make(Histogram, name, doc, buckets=buckets))
+        self.histograms = {
+            attr: make(Histogram, name, doc, buckets=buckets) for attr, (name, doc, buckets) in HISTOGRAMS.items()
+        }
         self.spec_num_drafts = make(Counter, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_num_draft_tokens = make(Counter, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.spec_num_accepted_tokens = make(
@@ -187,7 +188,7 @@ class PrometheusStatLogger:
         r = self._requests.get(e.request_id)
         if r is not None and not r.scheduled:
             r.scheduled = True
-            self.queue_time.observe(max(record.start_ns - r.arrival_ns, 0) / 1e9)
+            self.histograms["queue_time"].observe(max(record.start_ns - r.arrival_ns, 0) / 1e9)
 
     def _lookup(self, e: Any, record: StepRecord) -> None:
         r = self._requests.get(e.request_id)
@@ -202,9 +203,9 @@ class PrometheusStatLogger:
             return
         if r.last_token_ns is None:  # its prefill completed this step: the first token
             self.prompt_tokens.inc(r.num_prompt_tokens)
-            self.ttft.observe(max(record.end_ns - r.arrival_ns, 0) / 1e9)
+            self.histograms["ttft"].observe(max(record.end_ns - r.arrival_ns, 0) / 1e9)
         else:
-            self.itl.observe((record.end_ns - r.last_token_ns) / 1e9)
+            self.histograms["itl"].observe((record.end_ns - r.last_token_ns) / 1e9)
         r.last_token_ns = record.end_ns
         r.num_output_tokens = e.num_output_tokens
 
@@ -214,9 +215,9 @@ class PrometheusStatLogger:
         if r is None:
             return
         # an abort between steps is recorded with the step after it: its latency ends with that step
-        self.e2e.observe(max(record.end_ns - r.arrival_ns, 0) / 1e9)
-        self.request_prompt_tokens.observe(r.num_prompt_tokens)
-        self.request_generation_tokens.observe(e.num_output_tokens)
+        self.histograms["e2e"].observe(max(record.end_ns - r.arrival_ns, 0) / 1e9)
+        self.histograms["request_prompt_tokens"].observe(r.num_prompt_tokens)
+        self.histograms["request_generation_tokens"].observe(e.num_output_tokens)
 
     def _preempted(self, e: Any, record: StepRecord) -> None:
         self.num_preemptions.inc()

@@ -20,7 +20,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.stop_string: str | None = None
-        self._max_stop_len = max((len(s) for s in self.params.stop), default=0)
+        self.stop_strings: list[str] = list(self.params.stop or ())  # SamplingParams made it a list
+        self._max_stop_len = max((len(s) for s in self.stop_strings), default=0)
 
     def update(self, output_token_ids: list[int]) -> str | None:
         """Decode what is new; return the stop string that ended the request, if one appeared."""
@@ -39,7 +40,7 @@ class IncrementalDetokenizer:
     def _check_stop_strings(self, new_len: int) -> str | None:
         # a stop string may straddle the old text and the new piece: search only that tail
         start = max(0, len(self.text) - new_len - self._max_stop_len + 1)
-        found = [(self.text.find(s, start), s) for s in self.params.stop]
+        found = [(self.text.find(s, start), s) for s in self.stop_strings]
         found = [(i, s) for i, s in found if i >= 0]
         if not found:
             return None

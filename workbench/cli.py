@@ -94,9 +94,9 @@ class _LazyParser(argparse.ArgumentParser):
             add_flags, self._add_flags = self._add_flags, None
             add_flags(self)
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:  # argparse's overloads, passed through
         self._load()
-        return super().parse_known_args(args, namespace)
+        return super().parse_known_args(*args, **kwargs)
 
     def format_usage(self) -> str:
         self._load()

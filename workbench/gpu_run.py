@@ -216,7 +216,7 @@ def gpu_engine(model: str) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (5, 40, 300, 900)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    setups = {
+    setups: dict[str, dict[str, Any]] = {
         "chunked prefill": dict(max_num_batched_tokens=128),
         "n-gram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4}),
         "draft model": dict(speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3}),

@@ -333,12 +333,13 @@ def _chains(blocks: dict[int, BlockState]) -> dict[str, ChainNode]:
     }
     chains: dict[str, ChainNode] = {}
     walked: set[str] = set()
-    for block_hash in sorted(cached, key=lambda h: cached[h].block_id):
+    for start in sorted(cached, key=lambda h: cached[h].block_id):
         chain = []  # this block and its ancestors not placed yet, child first (chains run to thousands)
-        while block_hash in cached and block_hash not in walked:
-            chain.append(block_hash)
-            walked.add(block_hash)
-            block_hash = cached[block_hash].parent_hash
+        node: str | None = start
+        while node is not None and node in cached and node not in walked:
+            chain.append(node)
+            walked.add(node)
+            node = cached[node].parent_hash
         for block_hash in reversed(chain):
             chains[block_hash] = cached[block_hash]
     return chains
@@ -474,8 +475,10 @@ class EngineState:
         req.num_output_tokens = e.num_output_tokens
         if req.first_token_ns is None:
             req.first_token_ns = record.end_ns
-            delta.ttfts_ms.append(req.ttft_ms)
-        else:
+            ttft = req.ttft_ms
+            assert ttft is not None  # first_token_ns was just set
+            delta.ttfts_ms.append(ttft)
+        elif req.last_token_ns is not None:  # set with the first token
             itl = (record.end_ns - req.last_token_ns) / 1e6
             req.itls_ms.append(itl)
             delta.itls_ms.append(itl)

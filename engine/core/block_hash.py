@@ -15,6 +15,7 @@ import hashlib
 import os
 import pickle
 from collections.abc import Callable, Sequence
+from typing import overload
 
 import cbor2
 
@@ -60,6 +61,10 @@ def builtin_hash(parent: BlockHash | None, token_ids: Sequence[int], extra: Extr
 HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": sha256_hash, "sha256_cbor": sha256_cbor_hash, "builtin": builtin_hash}
 
 
+@overload
+def hash_hex(block_hash: BlockHash) -> str: ...
+@overload
+def hash_hex(block_hash: None) -> None: ...
 def hash_hex(block_hash: BlockHash | None) -> str | None:
     """A short, JSON-safe spelling of a hash for events and views."""
     if block_hash is None:

@@ -51,6 +51,7 @@ class FreeKVCacheBlockQueue:
         if self.num_free_blocks == 0:
             raise ValueError("No free blocks available")
         block = self._head.next_free_block
+        assert block is not None  # the sentinels: a block in the list always has both neighbours
         self.remove(block)
         return block
 
@@ -69,6 +70,7 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free_block
+        assert last is not None
         last.next_free_block, block.prev_free_block = block, last
         block.next_free_block, self._tail.prev_free_block = self._tail, block
         self.num_free_blocks += 1
@@ -80,6 +82,7 @@ class FreeKVCacheBlockQueue:
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         """Put blocks at the head, in the given order (the first is popped first)."""
         nxt = self._head.next_free_block
+        assert nxt is not None
         for block in reversed(blocks):
             nxt.prev_free_block, block.next_free_block = block, nxt
             nxt = block
@@ -88,7 +91,7 @@ class FreeKVCacheBlockQueue:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         out, block = [], self._head.next_free_block
-        while block is not self._tail:
+        while block is not None and block is not self._tail:
             out.append(block)
             block = block.next_free_block
         return out
@@ -183,7 +186,8 @@ class BlockPool:
         """Drop one reference from each; those that reach 0 join the free queue in the given order (callers pass a
         request's blocks tail first): cached ones at the tail (LRU: its tail is evicted before its prefix),
         the others at the head (LIFO: reused first, as they can never be hit)."""
-        reuse_first, reuse_last = [], []
+        reuse_first: list[KVCacheBlock] = []
+        reuse_last: list[KVCacheBlock] = []
         for block in ordered_blocks:
             if block.is_null:
                 continue

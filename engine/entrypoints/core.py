@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from engine.events import KVCached, KVEvicted, RequestFinished, RequestTokens
 from engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -78,9 +80,9 @@ def _run_busy_loop(conn: Connection, engine: LLMEngine, state: _WorkerState) -> 
                 return
         record = engine.step()
         state.records.append(record)
-        tokens = [(e.request_id, e.token_ids, e.text, e.text_offset) for e in record.of_kind("request.tokens")]
-        outputs = [out for e in record.of_kind("request.finished") for out in _finished(engine, state, e.request_id)]
-        kv = [(e.kind, e.block_hash) for e in record.events if e.kind in ("kv.cached", "kv.evicted")]
+        tokens = [(e.request_id, e.token_ids, e.text, e.text_offset) for e in record.of_type(RequestTokens)]
+        outputs = [out for e in record.of_type(RequestFinished) for out in _finished(engine, state, e.request_id)]
+        kv = [(e.kind, e.block_hash) for e in record.events if isinstance(e, (KVCached, KVEvicted))]
         _report(conn, engine, state, record.end_ns / 1e9, tokens, outputs, kv)
 
 
@@ -89,9 +91,9 @@ def _report(
     engine: LLMEngine,
     state: _WorkerState,
     t: float,
-    tokens: list = (),
-    outputs: list = (),
-    kv: list = (),
+    tokens: Sequence[tuple] = (),
+    outputs: Sequence[RequestOutput] = (),
+    kv: Sequence[tuple] = (),
 ) -> None:
     """Send a step's tokens, outputs and block events, with the queue counts after it; nothing when there is
     nothing new, except a heartbeat every HEARTBEAT_S while it holds work (steps that change nothing, waiting for

@@ -328,7 +328,7 @@ class EngineProcs:
 
     def pids(self) -> dict[str, int]:
         """Each instance's process id, by engine id (dead ones included until close)."""
-        return {inst.engine_id: inst.process.pid for inst in self.instances}
+        return {inst.engine_id: inst.process.pid for inst in self.instances if inst.process.pid is not None}
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(
@@ -486,7 +486,7 @@ class EngineProcs:
             if not any(rids is None or rid in rids for rid in self._routes):
                 return
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._pump(left) and left is not None and time.monotonic() >= deadline:
+            if not self._pump(left) and deadline is not None and time.monotonic() >= deadline:
                 return
 
     def _next_delta(self, rids: set[str] | None) -> TokenDelta | None:
@@ -514,7 +514,7 @@ class EngineProcs:
             if not inst.alive:  # declared dead meanwhile
                 continue
             try:
-                kind, payload = _recv_within(conn, self.reply_timeout_s)
+                kind, payload = _recv_within(inst.conn, self.reply_timeout_s)
             except ReplyTimeout as exc:
                 inst.timed_out = str(exc)
                 self._instance_died(inst)

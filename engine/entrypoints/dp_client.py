@@ -249,6 +249,8 @@ class DPLBClient(EngineProcs):
             error = self.pop_output(rid).error
             self._next_delta({rid})  # its finishing delta: a refused request is not streamed
             raise ValueError(error)
+        if route is None:
+            raise RuntimeError(f"request {rid}: no replica took it")
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else route.prompt
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids[:200])
         self._emit(
@@ -361,7 +363,7 @@ class DPLBClient(EngineProcs):
         to be recorded (the next record adds them). No blocks: each replica has its own cache, which the front end
         does not see block by block."""
         requests = []
-        unrecorded = {e.request_id for e in self._pending if e.kind == "request.added"}
+        unrecorded = {e.request_id for e in self._pending if isinstance(e, RequestAdded)}
         for rid, route in self._routes.items():
             if rid in unrecorded:
                 continue
@@ -457,6 +459,7 @@ class DPLBClient(EngineProcs):
                 )
             )
         if delta.finished:
+            assert delta.finish_reason is not None, "a finishing delta names its reason"
             self._num_tokens.pop(rid, None)
             output = self._outputs.get(rid)
             count = len(output.token_ids) if output is not None else count  # n > 1: the replica's own count

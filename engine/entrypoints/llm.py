@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.entrypoints.core_client import batch_prompts
+from engine.events import RequestFinished
 from engine.limits import check_engine_limits
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.entrypoints.dp_client import DPLBClient
 
 
 class LLM:
@@ -24,7 +28,7 @@ class LLM:
         if config.data_parallel_size > 1:
             from engine.entrypoints.dp_client import DPLBClient
 
-            self.engine = DPLBClient(config).start()
+            self.engine: LLMEngine | DPLBClient = DPLBClient(config).start()
         else:
             self.engine = LLMEngine(config)
 
@@ -65,25 +69,26 @@ class LLM:
                 self.engine.abort(rid)
                 self.engine.pop_output(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(self.engine, ids, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    @staticmethod
+    def _run(engine: LLMEngine, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         # a request with n > 1 is done when all its children are
-        unfinished = {rid: set(self.engine.child_ids(rid)) for rid in ids}
+        unfinished = {rid: set(engine.child_ids(rid)) for rid in ids}
         # disable=None: a bar on an interactive terminal (and in a notebook, where tqdm.auto draws a widget), none
         # when stderr is piped or redirected; use_tqdm=False turns it off everywhere.
         with tqdm(total=len(ids), desc="generate", disable=None if use_tqdm else True, unit="req") as bar:
             while unfinished:
-                record = self.engine.step()
-                finished = {e.request_id for e in record.of_kind("request.finished")}
+                record = engine.step()
+                finished = {e.request_id for e in record.events if isinstance(e, RequestFinished)}
                 for rid in list(unfinished):
                     unfinished[rid] -= finished
                     if not unfinished[rid]:
                         del unfinished[rid]
                         bar.update(1)
-        return [self.engine.pop_output(rid) for rid in ids]
+        return [engine.pop_output(rid) for rid in ids]
 
     def chat(
         self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None, use_tqdm: bool = True

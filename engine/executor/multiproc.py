@@ -142,7 +142,7 @@ class _Worker:
 
         torch.set_num_threads(threads)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback only
-        cuda = config.device.startswith("cuda")
+        cuda = config.device is not None and config.device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(rank)
         dist.init_process_group(
@@ -190,7 +190,9 @@ class _Worker:
         self.events.begin(0)
         result = self.runner.execute_model(out, msg.grammar_bitmask, msg.guided_rows)
         for rid, entries in result.prompt_logprobs.items():  # the runner reads how many it has reported
-            self.requests[rid].prompt_logprobs.extend(entries)
+            kept = self.requests[rid].prompt_logprobs
+            assert kept is not None, "the runner computes prompt logprobs only for requests that asked"
+            kept.extend(entries)
         report = RankReport(self.rank, result.forward_ms, result.sample_ms, self.tp.take_stats())
         # every rank sampled the same tokens from the same gathered logits; rank 0's are the ones returned
         return (result if self.rank == 0 else None), report
@@ -268,7 +270,7 @@ class MultiProcExecutor(Executor):
         check_tp_divides(hf_config.num_attention_heads, hf_config.num_key_value_heads, self.size)
         if hf_config.model_type == "qwen3_moe" and self.size > 1:
             raise ValueError("tensor_parallel_size: mixture-of-experts models (qwen3_moe) are not split yet")
-        if config.device.startswith("cuda") and torch.cuda.device_count() < self.size:
+        if config.device is not None and config.device.startswith("cuda") and torch.cuda.device_count() < self.size:
             raise ValueError(f"tensor_parallel_size: {self.size} needs as many GPUs, found {torch.cuda.device_count()}")
         self.model_shape = ModelShape.from_config(hf_config)  # the whole model's (each rank holds its heads)
         self._known: dict[str, int] = {}  # request id -> how many of its tokens the workers hold
@@ -285,7 +287,8 @@ class MultiProcExecutor(Executor):
         local = node_ranks(self.size, nnodes, 0)
         # the CPU's threads shared between this node's ranks: oversubscribed threads spin against each other
         self.threads_per_rank = threads = max(1, (os.cpu_count() or 1) // len(local))
-        self._procs, self._conns = [], []
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[mp.connection.Connection] = []
         self._reaper = weakref.finalize(self, _reap, self._procs, self._conns, store_dir)
         for rank in local:
             parent_end, child_end = ctx.Pipe()
@@ -321,7 +324,7 @@ class MultiProcExecutor(Executor):
     @property
     def pids(self) -> list[int]:
         """The worker processes' ids, rank order."""
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._procs if p.pid is not None]  # every started process has one
 
     def determine_num_available_blocks(self) -> int:
         """Each rank sized its cache from `kv_cache_memory` (per rank, as vLLM's per-GPU memory); all agree."""
@@ -425,9 +428,9 @@ class MultiProcExecutor(Executor):
             for obj in ready:
                 # a dead process whose answer is not pending is fine; one we still wait for is a failure (its
                 # pipe may hold a last error message: read it first)
-                rank = sentinels.get(obj)
-                if rank is not None and self._conns[rank] in pending:
-                    conn = self._conns[rank]
+                dead = sentinels.get(obj) if isinstance(obj, int) else None  # a sentinel is an int
+                if dead is not None and self._conns[dead] in pending:
+                    conn = self._conns[dead]
                     if conn.poll(0):
                         continue  # its message is read on the next pass
                     self._fail(f"rank {rank} died (exit code {self._exitcode(rank)})")

@@ -26,6 +26,7 @@ class TokenScript:
         self.vocab_size = vocab_size
 
     def next_token(self, request: Request) -> int:
+        token: int | None
         if callable(self.script):
             token = self.script(request)
         else:

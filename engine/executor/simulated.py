@@ -40,6 +40,9 @@ class SimulatedExecutor(Executor):
         super().__init__(config, events, clock)
         self.spec = load_model_spec(config.model, config.revision)
         self.model_path = self.spec.folder
+        # EngineConfig settles both for a simulated executor (the "cpu" table, the hardware's default dtype)
+        assert config.hardware is not None and config.dtype is not None
+        self.clock: SimulatedClock = clock
         self.hardware = get_hardware(config.hardware)
         self.cost_model = CostModel(self.spec, self.hardware, config.tensor_parallel_size, config.dtype)
         self.model_shape = ModelShape(**self.spec.to_shape_dict())
@@ -101,5 +104,5 @@ class SimulatedExecutor(Executor):
         params = request.sampling_params
         while True:  # a redraw is rare: a few excluded ids in a vocabulary of tens of thousands
             token = int(self._rng.integers(self.vocab_size))
-            if token not in self._never and token not in params.stop_token_ids:
+            if token not in self._never and token not in (params.stop_token_ids or ()):
                 return token

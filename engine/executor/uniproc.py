@@ -19,7 +19,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, events: EventLog, clock: Clock) -> None:
         super().__init__(config, events, clock)
         self.model_path = resolve_model(config.model, config.revision)
-        self.runner = ModelRunner(config, self.model_path, events)
+        self.runner: ModelRunner = ModelRunner(config, self.model_path, events)
         self.model_shape = self.runner.model.shape
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id = getattr(self.runner.hf_config, "eos_token_id", None)

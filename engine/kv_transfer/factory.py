@@ -15,9 +15,12 @@ def create_connector(
     config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int, events: EventLog
 ) -> KVConnectorBase:
     """Build the configured connector (imported on demand: redis is needed only by the Redis one)."""
-    name = config.kv_transfer.kv_connector
-    if name == "ExampleConnector":
-        from engine.kv_transfer.shared_storage import ExampleConnector as cls
-    else:
-        from engine.kv_transfer.redis_connector import RedisConnector as cls
-    return cls(config, num_layers, num_kv_heads, head_dim, events)
+    if config.kv_transfer is None:
+        raise ValueError("kv_transfer_config: required for a connector")
+    if config.kv_transfer.kv_connector == "ExampleConnector":
+        from engine.kv_transfer.shared_storage import ExampleConnector
+
+        return ExampleConnector(config, num_layers, num_kv_heads, head_dim, events)
+    from engine.kv_transfer.redis_connector import RedisConnector
+
+    return RedisConnector(config, num_layers, num_kv_heads, head_dim, events)

@@ -9,7 +9,7 @@ lease: KV nobody loads goes away by itself. Client calls time out after `timeout
 from __future__ import annotations
 
 import json
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import redis
 
@@ -63,4 +63,6 @@ class RedisConnector(KVStoreConnector):
 
     def _get_layer(self, key: str, manifest: dict, layer_index: int) -> bytes | None:
         parts = self.client.mget([self._k(key, f"L{layer_index}:{c}") for c in range(manifest["chunks"][layer_index])])
-        return None if any(p is None for p in parts) else b"".join(parts)
+        if any(p is None for p in parts):
+            return None
+        return b"".join(cast(list[bytes], parts))  # redis-py types replies loosely; a chunk is bytes

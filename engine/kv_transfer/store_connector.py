@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -30,7 +31,7 @@ from engine.events import EventLog, KVTransferFail, KVTransferLoad, KVTransferSa
 from engine.kv_transfer.base import KVCache, KVConnectorBase, KVConnectorMetadata, KVLoadError, ReqMeta
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, KVTransferConfig
     from engine.core.sched.output import SchedulerOutput
     from engine.request import Request
 
@@ -43,6 +44,8 @@ def prompt_key(request: Request, block_size: int) -> str:
     tokens, parent = request.prompt_token_ids, None
     for i in range(0, len(tokens), block_size):
         parent = sha256_hash(parent, tokens[i : i + block_size], extra_keys_for_block(request, i // block_size))
+    if parent is None:
+        raise ValueError(f"request {request.request_id}: an empty prompt has no key")
     return parent.hex()
 
 
@@ -82,7 +85,9 @@ class KVStoreConnector(KVConnectorBase):
     def __init__(
         self, config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int, events: EventLog
     ) -> None:
-        self.config = config.kv_transfer
+        if config.kv_transfer is None:
+            raise ValueError("kv_transfer_config: a connector needs one")
+        self.config: KVTransferConfig = config.kv_transfer
         self.block_size = config.block_size
         self.num_layers = num_layers
         self.events = events
@@ -220,7 +225,7 @@ class KVStoreConnector(KVConnectorBase):
         self._load_errors = set()
         for meta in self.connector_metadata.loads:
             manifest = self._manifests.pop(meta.request_id)
-            self._run("load", meta, lambda m=meta, mf=manifest: self._load(m, mf, kv_caches))
+            self._run("load", meta, partial(self._load, meta, manifest, kv_caches))
 
     def _load(self, meta: ReqMeta, manifest: dict, kv_caches: list[KVCache]) -> TransferResult:
         t0 = time.perf_counter()
@@ -260,8 +265,9 @@ class KVStoreConnector(KVConnectorBase):
             self._failed_loads.add(meta.request_id)
             policy = self.config.kv_load_failure_policy
             start = max(meta.start, min(result.bad) * self.block_size)
+            failure = result.failure or "corrupt"  # a bad block always has its failure named
             self._emit_fail(
-                meta.request_id, result.failure, policy, meta.end - start if policy == "recompute" else 0, result.detail
+                meta.request_id, failure, policy, meta.end - start if policy == "recompute" else 0, result.detail
             )
             return
         self.events.emit(
@@ -333,7 +339,7 @@ class KVStoreConnector(KVConnectorBase):
                 "remote_key": meta.key,
                 "remote_num_tokens": meta.end,
             }
-            self._run("save", meta, lambda m=meta: self._save(m, layers))
+            self._run("save", meta, partial(self._save, meta, layers))
         self.clear_connector_metadata()
 
     def _save(self, meta: ReqMeta, kv_layers: list[KVCache]) -> TransferResult:

@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -199,7 +200,7 @@ class LlamaDecoderLayer(nn.Module):
     each residual add happens inside the next norm."""
 
     def __init__(
-        self, config: PretrainedConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None
+        self, config: PretrainedConfig, self_attn: LlamaAttention | None = None, mlp: nn.Module | None = None
     ) -> None:
         super().__init__()
         # Other families (engine/model/qwen3.py, qwen3_moe.py) pass their own attention or MLP.
@@ -240,15 +241,20 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
+        self.embed_tokens: VocabParallelEmbedding | nn.Embedding
         if get_tp_group().size > 1:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_hidden_layers))
-        for i, layer in enumerate(self.layers):
-            layer.self_attn.sliding_window = layer_sliding_window(config, i)
+        for i in range(len(self.layers)):
+            self.attention(i).sliding_window = layer_sliding_window(config, i)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+
+    def attention(self, index: int) -> LlamaAttention:
+        """Layer `index`'s attention (its head counts and sizes are this rank's)."""
+        return cast(LlamaDecoderLayer, self.layers[index]).self_attn  # ModuleList items are typed as Module
 
     def make_layer(self, config: PretrainedConfig, index: int) -> LlamaDecoderLayer:
         """Decoder layer `index`; a family overrides this to swap in its attention or MLP."""
@@ -287,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = get_tp_group()
         self.model = self.model_cls(config)
-        attn = self.model.layers[0].self_attn
+        attn = self.model.attention(0)
         # this rank's shape: its heads and KV heads (the cache it allocates); the whole model's outside TP
         self.shape = replace(ModelShape.from_config(config), num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
         self.lm_head = Linear(config.hidden_size, padded_vocab_per_rank(config.vocab_size, self.tp.size), bias=False)
@@ -314,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the input embedding as the LM head."""
-        self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head.weight = cast(nn.Parameter, self.model.embed_tokens.weight)  # nn.Embedding types it Tensor
 
     def store_weights(self, dtype: torch.dtype, quantization: str | None = None) -> None:
         """Keep the linear weights (and the embedding) as `dtype`, or the linear weights as int8; norms and
@@ -370,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _shard(self, name: str, param: torch.Tensor, shard: int) -> torch.Tensor:
         if ".qkv_proj" in name:
-            attn = self.model.layers[0].self_attn
+            attn = self.model.attention(0)
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
             sizes = [param.shape[0] // 2] * 2  # gate and up halves (an MoE expert's are moe_intermediate_size)
@@ -382,7 +388,7 @@ class LlamaForCausalLM(nn.Module):
         head rows by vocabulary (zero padding past its end). Norms and anything else are replicated."""
         rank = self.tp.rank
         if name.endswith((".qkv_proj.weight", ".qkv_proj.bias")):
-            attn = self.model.layers[0].self_attn
+            attn = self.model.attention(0)
             if shard == 0:
                 return tensor.narrow(0, rank * attn.q_size, attn.q_size)
             return tensor.narrow(0, attn.kv_head_start * attn.head_dim, attn.kv_size)

@@ -16,7 +16,7 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
-from engine.core.sched.output import SchedulerOutput
+from engine.core.sched.output import ScheduledRequest, SchedulerOutput
 from engine.events import EventLog, MoERouted
 from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.block_table import BlockTable
@@ -45,7 +45,7 @@ class _BatchInputs:
     positions: torch.Tensor
     attn: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling_rows: list  # the ScheduledRequests that sample, in batch order
+    sampling_rows: list[ScheduledRequest]  # those that sample, in batch order
     first_rows: list[int]  # each one's first logits row (a verify request has one per draft, plus one)
 
 
@@ -66,6 +66,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model_path: Path, events: EventLog) -> None:
         self.config = config
+        assert config.device is not None, "EngineConfig resolves it (CUDA where present)"
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         self.model, self.hf_config = load_model(model_path, config.torch_dtype, self.device, config.quantization)
@@ -89,7 +90,8 @@ class ModelRunner:
         self.spec = None if config.speculative is None else SpecDecoder(config, self._as_target(), self.sampler, events)
         self.events = events
         # (layer, SparseMoeBlock) of a mixture-of-experts model, whose routing each step reports
-        self.moe_blocks = self.model.moe_blocks() if hasattr(self.model, "moe_blocks") else []
+        moe_blocks = getattr(self.model, "moe_blocks", None)
+        self.moe_blocks = moe_blocks() if moe_blocks is not None else []
         # Each is called with every SchedulerOutput as execute_model starts, before any of the step runs, and must
         # leave it as it is: how a profiler or a tracer sees the steps without replacing execute_model (bench
         # profile captures a step's output with one, then times prepare_inputs on it).
@@ -133,7 +135,7 @@ class ModelRunner:
         if grammar_bitmask is not None:
             from engine.structured_output.backend_xgrammar import apply_bitmask
 
-            apply_bitmask(logits, grammar_bitmask, guided_rows)
+            apply_bitmask(logits, grammar_bitmask, guided_rows or [])
         t1 = time.perf_counter()
         sampled, logprobs = self._sample(logits, batch)
         drafts = self.spec.propose(batch.sampling_rows, sampled) if self.spec is not None else {}
@@ -161,7 +163,9 @@ class ModelRunner:
                 continue
             if starts is None:
                 starts = batch.attn.query_start_loc.tolist()
-            first = len(request.prompt_logprobs) - 1  # the first position not reported yet
+            reported = request.prompt_logprobs
+            assert reported is not None, "a request that asks for prompt logprobs keeps a list of them"
+            first = len(reported) - 1  # the first position not reported yet
             lo = max(s.num_computed_tokens, first)
             hi = min(s.num_computed_tokens + s.num_new_tokens, request.num_prompt_tokens - 1)
             entries = []
@@ -207,6 +211,7 @@ class ModelRunner:
             sampled = {s.request_id: [t] for s, t in zip(rows, out.sampled_token_ids.tolist())}
             logprobs = self._logprobs(rows, out.logprobs)
         if verify:
+            assert self.spec is not None, "drafts come only from a proposer"
             sampled.update(
                 self.spec.rejection_sampler(
                     logits, [s for s, _ in verify], [r for _, r in verify], self._sampling_metadata
@@ -253,7 +258,10 @@ class ModelRunner:
         """Per request, in batch order: its block table row (new block ids appended), its tokens this step,
         and [num_computed_tokens, num_new_tokens, logits rows, blocks] (as a [4, S] array); and the sampling
         requests."""
-        rows, ids, counts, sampling_rows = [], [], [], []
+        rows: list[int] = []
+        ids: list[int] = []
+        counts: list[int] = []
+        sampling_rows: list[ScheduledRequest] = []
         for s in output.scheduled:
             rows.append(self.block_table.append(s.request_id, s.block_ids))
             start, n = s.num_computed_tokens, s.num_new_tokens

@@ -80,7 +80,7 @@ class RejectionSampler:
         is_greedy = torch.tensor([s.request.sampling_params.greedy for s in rows], device=logits.device)
         dev, gens, default = logits.device, bonus_meta.generators, bonus_meta.default_generator
         uniform = kernels.generate_uniform_probs(counts, gens, dev, default)
-        out = kernels.rejection_sample(
+        emitted = kernels.rejection_sample(
             drafts,
             torch.tensor(counts, device=dev).cumsum(0),
             draft_probs,
@@ -91,7 +91,7 @@ class RejectionSampler:
             kernels.generate_recovery_noise(counts, logits.shape[-1], gens, dev, default),
             max(counts),
         )
-        return self._emit(rows, counts, out.tolist(), drafts, target_probs, draft_probs, uniform)
+        return self._emit(rows, counts, emitted.tolist(), drafts, target_probs, draft_probs, uniform)
 
     @staticmethod
     def _greedy(target_logits: torch.Tensor, rows: list, counts: list[int], bonus: list[int]) -> list[list[int]]:
@@ -119,7 +119,7 @@ class RejectionSampler:
         # what a learner needs to redo each decision: p and q of the draft, the target's argmax, the uniform draw
         p_target = target.gather(1, drafts[:, None])[:, 0].tolist()
         p_draft = None if draft_probs is None else draft_probs.gather(1, drafts[:, None])[:, 0].tolist()
-        argmax, uniform = target.argmax(dim=-1).tolist(), uniform.tolist()
+        argmax, drawn = target.argmax(dim=-1).tolist(), uniform.tolist()
         result, start = {}, 0
         for s, n, emitted in zip(rows, counts, out):
             tokens = [t for t in emitted if t != kernels.PLACEHOLDER_TOKEN_ID]
@@ -139,7 +139,7 @@ class RejectionSampler:
                 method=self.method,
                 rule="greedy" if greedy else "sampled",
                 target_argmax=tuple(argmax[here]),
-                uniform_probs=() if greedy else tuple(uniform[here]),
+                uniform_probs=() if greedy else tuple(drawn[here]),
             )
             result[s.request_id] = tokens
             start += n

@@ -79,7 +79,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """[N] int64 token ids: greedy rows by argmax, the others by `random_sample`."""
         greedy = None if metadata.all_random else greedy_sample(logits)
-        if metadata.all_greedy:
+        if greedy is not None and metadata.all_greedy:
             return greedy
         sampled = self.random_sample(logits, metadata)
         if greedy is None:

@@ -31,7 +31,7 @@ class SpecDecoder:
     """Owns the proposer of the configured method and the rejection sampler of one model runner."""
 
     def __init__(self, config: EngineConfig, target: TargetModel, sampler: Sampler, events: EventLog) -> None:
-        spec = config.speculative
+        spec = target.speculative
         self.k = spec.num_speculative_tokens
         self.config = config  # max_model_len is resolved after the runner (and this) is built
         cls = proposer_class(spec)
@@ -74,27 +74,35 @@ class SpecDecoder:
         """Show the proposer the step's batch with the drawn tokens, then drafts for every request that just
         sampled, capped so that drafts plus the bonus token stay within max_tokens and max_model_len."""
         t0 = time.perf_counter()
+        batch = self._kept_batch()
         # each drawn token follows the row that drew it: after a verification, the accepted drafts' rows
         drew = [(self._row_before(s, j), t) for s in rows for j, t in enumerate(sampled[s.request_id])]
-        next_ids = self._batch.next_token_ids
+        next_ids = batch.next_token_ids
         next_ids[[r for r, _ in drew]] = torch.tensor(
             [t for _, t in drew], dtype=next_ids.dtype, device=next_ids.device
         )
-        self.proposer.mirror(self._batch)
-        requests = [r for s in rows if (r := self._draft_request(s, sampled[s.request_id])) is not None]
+        self.proposer.mirror(batch)
+        requests = [r for s in rows if (r := self._draft_request(batch, s, sampled[s.request_id])) is not None]
         drafts = self.proposer.propose(requests) if requests else {}
         self.stats.proposer_seconds += time.perf_counter() - t0
         return drafts
+
+    def _kept_batch(self) -> TargetBatch:
+        if self._batch is None:
+            raise RuntimeError("propose before mirror: this step's batch was not kept")
+        return self._batch
 
     def _row_before(self, s: ScheduledRequest, j: int) -> int:
         """The batch row whose position precedes this step's j-th drawn token of `s` (the row that drew it)."""
         return self._first_rows[s.request_id] + len(s.request.all_token_ids) - 1 - s.num_computed_tokens + j
 
-    def _draft_request(self, s: ScheduledRequest, new: list[int]) -> DraftRequest | None:
+    def _draft_request(self, batch: TargetBatch, s: ScheduledRequest, new: list[int]) -> DraftRequest | None:
         request = s.request
         tokens = request.all_token_ids + new
         left = request.sampling_params.max_tokens - request.num_output_tokens - len(new)
-        k = min(self.k, left - 1, self.config.max_model_len - len(tokens) - 1)
+        max_len = self.config.max_model_len
+        assert max_len is not None, "resolved from the model when the runner is built"
+        k = min(self.k, left - 1, max_len - len(tokens) - 1)
         if k < 1:
             return None
         # the target's state at the position before the newest token: it sampled that token (after the accepted
@@ -107,6 +115,6 @@ class SpecDecoder:
             k,
             request.sampling_params.temperature,
             request.generator,
-            self._batch.hidden_states[row],
+            batch.hidden_states[row],
             row,
         )

@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 import kernels
+from engine.model.linear import Linear
 from engine.model.loader import cache_dir
 
 # Default heads made by `workbench train-draft` and committed: heads/<target>/<method>/
@@ -121,7 +123,10 @@ def narrowed(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def narrow_matrices(module: nn.Module) -> nn.Module:
+M = TypeVar("M", bound=nn.Module)
+
+
+def narrow_matrices(module: M) -> M:
     """Every matrix of a head `narrowed`."""
     for p in module.parameters():
         if p.dim() == 2:
@@ -136,7 +141,7 @@ class DraftVocab:
     handles exactly (they are never drafted, and the residual max(p - q, 0) keeps all of the target's mass on
     them)."""
 
-    def __init__(self, token_ids: torch.Tensor, lm_head: nn.Module, vocab_size: int) -> None:
+    def __init__(self, token_ids: torch.Tensor, lm_head: Linear, vocab_size: int) -> None:
         if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
             raise ValueError(
                 f"speculative_config.model: the head's draft vocabulary is not within the target's {vocab_size} tokens"

@@ -58,8 +58,9 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def from_config(cls, target: TargetModel) -> DraftModelProposer:
-        config = target.config
-        spec = config.speculative
+        config, spec = target.config, target.speculative
+        if spec.model is None:  # SpeculativeConfig.from_dict refuses draft_model without one
+            raise ValueError("speculative_config.model: a draft model name or path is required for draft_model")
         return cls(
             resolve_model(spec.model),
             spec.num_speculative_tokens,

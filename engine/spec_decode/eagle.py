@@ -15,6 +15,7 @@ Slots written past a rejection are overwritten later, as the draft model's.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -45,8 +46,10 @@ class EagleLayer(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
+        # LlamaConfig derives both from the heads and hidden size when a config omits them: never None here
+        assert config.num_key_value_heads is not None and config.head_dim is not None
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.head_dim: int = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.eps = config.rms_norm_eps
         hidden = config.hidden_size
@@ -129,14 +132,14 @@ class EagleProposer(Proposer):
     drafts_have_probs = True
 
     def __init__(self, head: EagleHead, draft_ids: torch.Tensor, target: TargetModel) -> None:
-        model, config = target.model, target.config
+        model, config = target.causal_lm, target.config
         self.head = head
         self.embed_tokens = model.model.embed_tokens
         self.vocab = DraftVocab(draft_ids, model.lm_head, target.vocab_size)
         self.block_size = config.block_size
         self.device = target.device
         self.default_generator = target.default_generator
-        self.scale = head.config.head_dim**-0.5
+        self.scale = cast(EagleLayer, head.layers[0]).head_dim ** -0.5  # ModuleList items are typed as Module
         self.dtype = config.torch_dtype  # of the states and the head's cache (its matrices may be narrower)
         self.kv_caches = allocate_kv_caches(
             head, target.num_blocks, config.block_size, config.torch_dtype, target.device
@@ -146,8 +149,8 @@ class EagleProposer(Proposer):
     @classmethod
     def from_config(cls, target: TargetModel) -> EagleProposer:
         config = target.config
-        folder = head_path(config.speculative.model, config.model, cls.method)
-        head_config, tensors = load_head(folder, cls.method, target.model.shape.hidden_size)
+        folder = head_path(target.speculative.model, config.model, cls.method)
+        head_config, tensors = load_head(folder, cls.method, target.causal_lm.shape.hidden_size)
         head = EagleHead(EagleHead.llama_config(head_config))
         draft_ids = tensors.pop(DRAFT_IDS)
         head.load_state_dict(tensors)
@@ -170,6 +173,8 @@ class EagleProposer(Proposer):
     def propose(self, inputs: list[DraftRequest]) -> Drafts:
         """Chain the head `num_drafts` times per request: the first from `mirror`'s pass (the target's state before
         the newest token, paired with it), each next one from the state before and the draft it made."""
+        if self.mirrored is None:
+            raise RuntimeError("propose before mirror: no predicted states")
         states = self.mirrored[[inp.batch_row for inp in inputs]]
 
         def draft(live: list[int], tokens: list[int], step: int) -> tuple[list[int], torch.Tensor]:

@@ -23,10 +23,11 @@ class ResidualBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_layers: int = 1) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=True) for _ in range(num_layers))
-        for layer in self.layers:
+        layers = [nn.Linear(hidden_size, hidden_size, bias=True) for _ in range(num_layers)]
+        for layer in layers:
             nn.init.zeros_(layer.weight)  # Medusa's init: each head starts as the identity (the LM head's guess)
             nn.init.zeros_(layer.bias)
+        self.layers = nn.ModuleList(layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = head_ops()
@@ -54,21 +55,21 @@ class MedusaProposer(Proposer):
     drafts_have_probs = True
 
     def __init__(self, heads: MedusaHeads, draft_ids: torch.Tensor, target: TargetModel) -> None:
-        k = target.config.speculative.num_speculative_tokens
+        k = target.speculative.num_speculative_tokens
         if k > len(heads.blocks):
             raise ValueError(
                 f"speculative_config.num_speculative_tokens: {k} drafts need {k} Medusa heads, the head "
                 f"folder has {len(heads.blocks)}"
             )
         self.heads = heads
-        self.vocab = DraftVocab(draft_ids, target.model.lm_head, target.vocab_size)
+        self.vocab = DraftVocab(draft_ids, target.causal_lm.lm_head, target.vocab_size)
         self.default_generator = target.default_generator
 
     @classmethod
     def from_config(cls, target: TargetModel) -> MedusaProposer:
         config = target.config
-        folder = head_path(config.speculative.model, config.model, cls.method)
-        head_config, tensors = load_head(folder, cls.method, target.model.shape.hidden_size)
+        folder = head_path(target.speculative.model, config.model, cls.method)
+        head_config, tensors = load_head(folder, cls.method, target.causal_lm.shape.hidden_size)
         heads = MedusaHeads(head_config["hidden_size"], head_config["num_heads"], head_config["num_hidden_layers"])
         draft_ids = tensors.pop(DRAFT_IDS)
         heads.load_state_dict(tensors)
@@ -79,7 +80,7 @@ class MedusaProposer(Proposer):
         """Every head at once over the requests' states, one LM-head readout for all; head i's draft for each
         request that may take more than i drafts."""
         k = max(inp.num_drafts for inp in inputs)
-        hidden = torch.stack([inp.hidden_state for inp in inputs])
+        hidden = torch.stack([inp.target_state for inp in inputs])
         logits = self.vocab.logits(self.heads(hidden, k).flatten(0, 1)).view(k, len(inputs), -1)
         drafts: Drafts = {}
         per_head = [sample_drafts(logits[i], inputs, self.default_generator) for i in range(k)]

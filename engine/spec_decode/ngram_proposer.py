@@ -21,7 +21,7 @@ class NgramProposer(Proposer):
 
     @classmethod
     def from_config(cls, target: TargetModel) -> NgramProposer:
-        spec = target.config.speculative
+        spec = target.speculative
         return cls(spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
 
     def propose(self, requests: list[DraftRequest]) -> Drafts:

@@ -7,15 +7,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
-from torch import nn
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.model.attention import AttentionMetadata
 from engine.sample.sampler import exponential_noise, greedy_sample
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
 
 # drafts by request id, with their draft distributions [len(drafts), V], or None where the method has none
 # (the rejection sampler then takes the drafts as certain)
@@ -33,7 +35,21 @@ class TargetModel:
     vocab_size: int
     device: torch.device
     default_generator: torch.Generator
-    model: nn.Module | None = None
+    model: LlamaForCausalLM | None = None
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        """The speculative config: a proposer is built only for an engine that has one."""
+        if self.config.speculative is None:
+            raise ValueError("speculative_config: a proposer needs one")
+        return self.config.speculative
+
+    @property
+    def causal_lm(self) -> LlamaForCausalLM:
+        """The target model, whose embedding and LM head EAGLE and Medusa read (a simulated target has none)."""
+        if self.model is None:
+            raise ValueError(f"speculative_config.method: {self.speculative.method} needs the target's weights")
+        return self.model
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,13 @@ class DraftRequest:
     generator: torch.Generator | None
     hidden_state: torch.Tensor | None = None
     batch_row: int | None = None
+
+    @property
+    def target_state(self) -> torch.Tensor:
+        """The target's hidden state before the newest token, which EAGLE and Medusa draft from."""
+        if self.hidden_state is None:
+            raise ValueError(f"request {self.request_id}: drafted without the target's hidden state")
+        return self.hidden_state
 
 
 class Proposer(ABC):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
     if params.json is not None:
         schema = params.json
         if isinstance(schema, type):  # a pydantic model class
-            schema = schema.model_json_schema()
+            schema = cast(Any, schema).model_json_schema()
         if isinstance(schema, dict):
             schema = json.dumps(schema)  # key order matters: the grammar emits properties in it
         return "json", schema
@@ -37,6 +38,8 @@ def grammar_key(params: StructuredOutputsParams) -> tuple[str, str]:
         return "regex", params.regex
     if params.choice is not None:
         return "choice", json.dumps(params.choice)
+    if params.grammar is None:  # StructuredOutputsParams requires exactly one kind
+        raise ValueError("structured_outputs: one of json, json_object, regex, choice or grammar is required")
     return "grammar", params.grammar
 
 

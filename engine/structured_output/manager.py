@@ -30,7 +30,7 @@ class StructuredOutputRequest:
     """A guided request's grammar: the compile in flight, then the matcher."""
 
     key: tuple[str, str]
-    future: Future | None = None
+    future: Future | None  # the compile in flight; dropped once grammar or error is set
     cache_hit: bool = False
     grammar: Grammar | None = None
     error: str | None = None
@@ -73,10 +73,12 @@ class StructuredOutputManager:
         so = self.requests[request.request_id]
         if so.grammar is not None or so.error is not None:
             return so.grammar is not None
-        if not so.future.done():
+        future = so.future
+        assert future is not None, "released only once grammar or error is set"
+        if not future.done():
             return False
         try:
-            so.grammar = xgrammar_backend().Grammar(so.future.result())
+            so.grammar = xgrammar_backend().Grammar(future.result())
         except Exception as exc:  # the compiler's message is the user's answer
             so.error = f"grammar: {type(exc).__name__}: {exc}"
             self._cache.pop(so.key, None)
@@ -121,7 +123,7 @@ class StructuredOutputManager:
         rows, row = [], 0
         for rid, drafts in sampling:
             if rid in self.requests:
-                grammar = self.requests[rid].grammar
+                grammar = self._matcher(rid)
                 for j in range(len(drafts) + 1):
                     allowed = grammar.fill_bitmask(bitmask, row + j)
                     self._allowed.setdefault(rid, allowed)
@@ -132,9 +134,15 @@ class StructuredOutputManager:
             row += 1 + len(drafts)
         return bitmask, rows
 
+    def _matcher(self, request_id: str) -> Grammar:
+        grammar = self.requests[request_id].grammar
+        if grammar is None:  # the scheduler runs a guided request only once check_ready said so
+            raise RuntimeError(f"grammar: request {request_id} ran before its grammar compiled")
+        return grammar
+
     def validate_tokens(self, request: Request, tokens: list[int]) -> int:
         """How many of these drafts, in order, the grammar accepts (its state is left unchanged)."""
-        grammar = self.requests[request.request_id].grammar
+        grammar = self._matcher(request.request_id)
         count = 0
         for token in tokens:
             if grammar.is_terminated() or not grammar.accept_token(token):
@@ -145,7 +153,7 @@ class StructuredOutputManager:
 
     def accept_tokens(self, request: Request, tokens: list[int]) -> bool:
         """Advance the matcher; returns True when the grammar has terminated (the request is complete)."""
-        grammar = self.requests[request.request_id].grammar
+        grammar = self._matcher(request.request_id)
         for token in tokens:
             if not grammar.accept_token(token):
                 raise RuntimeError(f"grammar: token {token} rejected for request {request.request_id}")

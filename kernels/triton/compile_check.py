@@ -112,7 +112,7 @@ class LaunchRecorder:
         self.compile_seconds += time.perf_counter() - start
 
 
-def _explain(exc: BaseException) -> str:
+def _explain(exc: BaseException | None) -> str:
     """The exception and its causes, last line of each: Triton's CompilationError shows the source line, its
     cause says what is wrong there."""
     lines = []

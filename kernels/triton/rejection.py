@@ -149,7 +149,7 @@ def rejection_sample(
     target_argmax = target_probs.argmax(dim=-1).to(torch.int32)
     recovered = torch.zeros(num_tokens, dtype=torch.int32, device=device)
     is_ngram = draft_probs is None
-    draft_arg = target_probs if is_ngram else draft_probs  # a valid pointer the n-gram kernels never read
+    draft_arg = target_probs if draft_probs is None else draft_probs  # a valid pointer the n-gram kernels never read
     if num_tokens > 0 and max_spec_len > 0:
         _recovered_tokens_kernel[(batch_size, max_spec_len)](
             recovered,

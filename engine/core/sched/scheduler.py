@@ -100,11 +100,27 @@ class Scheduler:
         self.async_scheduling = config.async_scheduling
         self.long_prefill_token_threshold = config.long_prefill_token_threshold  # this step's: 0 for a lone request
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence: EngineConfig resolves it from the model before an engine builds its scheduler."""
+        assert self.config.max_model_len is not None, "resolved before the scheduler runs"
+        return self.config.max_model_len
+
+    def _structured(self) -> StructuredOutputManager:
+        if self.structured is None:
+            raise ValueError("structured_outputs: this scheduler was built without a structured output manager")
+        return self.structured
+
+    def _kv_load_fails(self) -> bool:
+        """kv_transfer_config.kv_load_failure_policy is "fail" (only a connector's transfers end or fail)."""
+        transfer = self.config.kv_transfer
+        return transfer is not None and transfer.kv_load_failure_policy == "fail"
+
     # ---- queue management ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.sampling_params.structured_outputs is not None:
             # compiles off the loop; WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until ready
-            self.structured.add_request(request)
+            self._structured().add_request(request)
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
 
@@ -186,9 +202,7 @@ class Scheduler:
                 index += 1  # asynchronous: the tokens in flight already reach max_tokens; no step past them
                 continue
             # no input position past max_model_len - 1: the token sampled there is the last one the model holds
-            num_new = min(
-                self._num_new_tokens(request, num_computed), budget, self.config.max_model_len - num_computed - 1
-            )
+            num_new = min(self._num_new_tokens(request, num_computed), budget, self.max_model_len - num_computed - 1)
             if num_new <= 0:
                 index += 1
                 continue
@@ -291,9 +305,9 @@ class Scheduler:
 
     def _check_grammar(self, a: Admission) -> Verdict | None:
         """A grammar still compiling holds its request back (the others go on); one that failed finishes it."""
-        if a.request.status != _COMPILING or self.structured.check_ready(a.request):
+        if a.request.status != _COMPILING or self._structured().check_ready(a.request):
             return None
-        a.error = self.structured.error(a.request.request_id)
+        a.error = self._structured().error(a.request.request_id)
         return Verdict.SKIP if a.error is None else Verdict.FINISH
 
     @staticmethod
@@ -387,7 +401,7 @@ class Scheduler:
         for rid in finished_sending | finished_recving:
             if rid in self.held:
                 self.kv.free(self.held.pop(rid))
-        fail = self.config.kv_transfer.kv_load_failure_policy == "fail"
+        fail = self._kv_load_fails()
         for rid in finished_recving:
             request = self.requests.get(rid)
             if request is None or rid not in self.remote_loads:
@@ -421,7 +435,7 @@ class Scheduler:
     def handle_kv_load_errors(self, output: SchedulerOutput, failed_block_ids: set[int]) -> None:
         """Requests whose loaded KV is bad in some block leave this step: by the policy, they resume computing
         from their first bad block, or finish with an error."""
-        fail = self.config.kv_transfer.kv_load_failure_policy == "fail"
+        fail = self._kv_load_fails()
         for s in list(output.scheduled):
             block_ids = s.block_ids
             bad = [i for i, b in enumerate(block_ids) if b in failed_block_ids]
@@ -482,7 +496,7 @@ class Scheduler:
         for token in tokens:
             request.append_output_token_ids(token)
             taken.append(token)
-            status = check_stop(request, token, self.config.max_model_len)
+            status = check_stop(request, token, self.max_model_len)
             if status is not None:
                 break
         if not stale:

@@ -13,7 +13,7 @@ def check_stop(request: Request, token: int, max_model_len: int) -> RequestStatu
     params = request.sampling_params
     if not params.ignore_eos and token == request.eos_token_id:
         return RequestStatus.FINISHED_STOPPED
-    if token in params.stop_token_ids:
+    if token in (params.stop_token_ids or ()):
         request.stop_reason = token
         return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:

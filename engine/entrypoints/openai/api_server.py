@@ -156,5 +156,5 @@ def run_server(
             if server.started:
                 announce(f"http://{host}:{port}/")
 
-        server.startup = startup
+        server.startup = startup  # type: ignore[method-assign]  # uvicorn has no hook once the port is bound
     server.run()

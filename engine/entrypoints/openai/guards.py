@@ -117,6 +117,7 @@ class ApiKeyMiddleware:
         if scope.get("method") == "GET" and "key" in query and self._valid_key(query["key"][0]):
             rest = urlencode([(k, v) for k, vs in query.items() if k != "key" for v in vs], doseq=False)
             return await self._signed_in(path + (f"?{rest}" if rest else ""))(scope, receive, send)
+        response: Response
         if path.startswith(API_PREFIXES) or b"text/html" not in headers.get(b"accept", b""):
             response = error_response(401, "Unauthorized: a valid `Authorization: Bearer KEY` is needed")
         else:  # a browser on a page: the form, which signs it in once for the session

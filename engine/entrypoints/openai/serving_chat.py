@@ -105,7 +105,7 @@ class OpenAIServingChat(OpenAIServing):
         if output.logprobs is None:
             return None
 
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
             text = self.tokenizer.decode([token_id])
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 

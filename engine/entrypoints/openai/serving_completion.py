@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -43,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
             text = prompt
             ids = await self.tokenize(lambda: self.tokenizer.encode(text, add_special_tokens=False))
         else:
-            ids = list(prompt)
+            ids = list(cast(list[int], prompt))  # token ids: the request model checked the shape
         params = self.sampling_params(request, len(ids), request.max_tokens, DEFAULT_MAX_TOKENS, request.logprobs)
         request_id, stream = await self.open(ids, params, request, {"prompt": "prompt"})
         if request.stream:

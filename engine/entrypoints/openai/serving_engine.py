@@ -286,8 +286,8 @@ class OpenAIServing:
         done: set[int] = set()  # choice indices whose finish was streamed
         output = None
         try:
-            for choice in first or []:
-                yield sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+            for opening in first or []:
+                yield sse({**base, "choices": [opening], **({"usage": None} if include_usage else {})})
             async for output in stream:
                 if output.finish_reason == "error":
                     yield sse(

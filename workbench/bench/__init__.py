@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 @runtime_checkable
 class BenchmarkModule(Protocol):
-    """What `workbench bench NAME` asks of the module workbench/bench/NAME.py (tests/workbench/test_bench_interface.py
+    """What `workbench bench NAME` asks of the module workbench/bench/NAME.py (tests/workbench/bench/test_interface.py
     checks every benchmark the CLI finds). Two module constants are optional: `IN_ALL = (place, [flags])`, its place
     and extra flags in `workbench bench all` (none: `bench all` leaves it out), and `KEEPS_RESULT = False` where
     --write-docs keeps no result of it beside the docs (gains, made from the others' kept results)."""

@@ -1,0 +1,39 @@
+"""`workbench bench guided` on the tiny model: it runs from the command line, measures at each batch size only the
+steps in which the whole batch decodes under its grammar, and writes its own docs section. No timed assertions."""
+
+import json
+
+from workbench.cli import main
+
+
+def test_guided_cli_measures_each_batch_size_and_writes_its_section(tmp_path, capsys):
+    doc = tmp_path / "BENCHMARKS.md"
+    argv = [
+        "bench",
+        "guided",
+        "--model",
+        "tiny-llama",
+        "--batch-sizes",
+        "1",
+        "3",
+        "--steps",
+        "2",
+        "--output-len",
+        "16",
+        "--num-kv-blocks",
+        "256",
+        "--write-docs",
+        "--docs-path",
+        str(doc),
+    ]
+    assert main(argv) == 0
+    progress = capsys.readouterr().err  # the progress lines; the table goes to stdout
+    assert "batch 1: fill" in progress and "batch 3: fill" in progress
+    text = doc.read_text()
+    assert "<!-- bench:guided:start -->" in text and "workbench bench guided --model tiny-llama" in text
+    rows = json.loads((tmp_path / "bench" / "guided.json").read_text())["result"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for row in rows:
+        assert 1 <= row["steps"] <= 2
+        # the step contains the fill, the forward contains the apply: the parts are never more than the whole
+        assert 0 <= row["fill_ms"] <= row["step_ms"] and 0 <= row["apply_ms"] <= row["forward_ms"] <= row["step_ms"]

@@ -20,7 +20,7 @@ import itertools
 import json
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from engine import LLM, StepRecord
+from engine.events import PrefixLookup, RequestScheduled, RequestTokens
 from engine.executor.sim.cost_model import CostModel, ScheduledShape
 from engine.executor.sim.hardware import CALIBRATION_PATH, Efficiency, get_hardware, hardware_table
 from engine.executor.sim.model_spec import load_model_spec
@@ -47,10 +48,10 @@ FILL_GRID = (0.0, 4.0, 8.0, 16.0, 32.0, 64.0)  # GEMM tile rows left unfilled: n
 def step_shapes(record: StepRecord) -> list[ScheduledShape]:
     """What a real step ran, from its events: each scheduled request's context before the step, its tokens, and
     one row of logits if it received a token."""
-    sampled = {e.request_id for e in record.of_kind("request.tokens")}
+    sampled = {e.request_id for e in record.of_type(RequestTokens)}
     return [
         ScheduledShape(e.num_computed_tokens, e.num_tokens, int(e.request_id in sampled))
-        for e in record.of_kind("request.scheduled")
+        for e in record.of_type(RequestScheduled)
     ]
 
 
@@ -76,7 +77,7 @@ def fit_efficiency(
     best: tuple[float, Efficiency] = (math.inf, Efficiency())
 
     def search(
-        grid_c: Sequence[float], grid_m: Sequence[float], grid_a: Sequence[float], grid_f: Sequence[float]
+        grid_c: Iterable[float], grid_m: Iterable[float], grid_a: Iterable[float], grid_f: Iterable[float]
     ) -> None:
         nonlocal best
         for c, m, a, f in itertools.product(grid_c, grid_m, grid_a, grid_f):
@@ -154,8 +155,7 @@ def run_calibrate(
     """Measure, calibrate, predict the held-out workload; write the factors to `calibration_path` (None: don't)."""
     engine_kwargs = dict(engine_kwargs or {})
     bandwidth = measure_bandwidth(1 << 30, runs)["read"]
-    peak = measure_matmul(2048, runs)
-    peak = max(peak.values()) if isinstance(peak, dict) else peak  # by backend where roofline times several
+    peak = max(measure_matmul(2048, runs).values())  # by backend where roofline times several: the best
     log(f"machine: {bandwidth / 1e9:.2f} GB/s read, {peak / 1e9:.1f} GFLOP/s fp32")
     table = hardware_table()["cpu"]
     measured_hw = {
@@ -206,7 +206,7 @@ def run_calibrate(
         for stat in ("median", "p90")
     }
     phases = {p for r in real_records for p in r.phases.values()}
-    hits = sum(e.num_hit_tokens for r in real_records for e in r.of_kind("prefix.lookup"))
+    hits = sum(e.num_hit_tokens for r in real_records for e in r.of_type(PrefixLookup))
     result = {
         "model": model,
         "date": machine_info()["date"],
@@ -276,7 +276,7 @@ _HEADERS = ("metric", "real engine", "simulated", "error")
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
-    rows = [
+    rows: list[list[object]] = [
         [
             "median step-time error (each real step predicted from its batch)",
             "",

@@ -25,7 +25,7 @@ from workbench.bench.report import Line, Part, Table, described, formatters, run
 from workbench.bench.timing import LoadAverage, alternate, load_line
 
 HELP = "single-stream decode tok/s: the engine in each weight format vs transformers (and llama.cpp if installed)"
-IN_ALL = (10, [])  # `workbench bench all` runs it: (place, flags)
+IN_ALL: tuple[int, list[str]] = (10, [])  # `workbench bench all` runs it: (place, flags)
 PROMPT = "The history of the printing press begins"
 WEIGHT_FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
 TRANSFORMERS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # transformers has no int8 on CPU

@@ -320,7 +320,7 @@ def engine_vs_transformers(
     from workbench.bench.datasets import random_requests, token_id_range
     from workbench.bench.throughput import run_throughput
 
-    lens = dict(input_len_range=(32, 512), output_len_range=(16, 128))
+    input_len_range, output_len_range = (32, 512), (16, 128)
     ours = run_throughput(
         model=model,
         num_requests=num_requests,
@@ -330,18 +330,18 @@ def engine_vs_transformers(
         max_num_batched_tokens=max_num_batched_tokens,
         engine_kwargs=engine_kwargs,
         log=log,
-        **lens,
+        input_len_range=input_len_range,
+        output_len_range=output_len_range,
     )
     # The same requests run_throughput drew: same generator, same tokenizer as the engine's.
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
-    requests = random_requests(
-        num_requests, lens["input_len_range"], lens["output_len_range"], token_id_range(tokenizer), seed
-    )
+    requests = random_requests(num_requests, input_len_range, output_len_range, token_id_range(tokenizer), seed)
     theirs = _hf_on_gpu(model, requests, hf_batch_size, runs, log)
     return {
         "model": model,
         "num_requests": num_requests,
-        **lens,
+        "input_len_range": input_len_range,
+        "output_len_range": output_len_range,
         "hf_batch_size": hf_batch_size,
         "engine_tok_s": ours["engine"]["output_tok_s"],
         "hf_tok_s": theirs["output_tok_s"],

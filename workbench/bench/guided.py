@@ -24,7 +24,7 @@ from workbench.bench.report import Part, Table, described, formatters, run_setti
 from workbench.bench.serve import request_params
 
 HELP = "per-step cost of guided decoding (bitmask fill + apply) vs the forward"
-IN_ALL = (6, [])  # `workbench bench all` runs it: (place, flags)
+IN_ALL: tuple[int, list[str]] = (6, [])  # `workbench bench all` runs it: (place, flags)
 
 
 def _time_guidance(llm: LLM, request_ids: list[str]) -> tuple[float, float]:

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from workbench.bench.datasets import BenchRequest
+
+if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.requests import GenerationOutput
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ class HFContinuousBaseline:
         """Every request added at once, as `generate_batch` adds them; seconds until the last one finished."""
         t0 = time.perf_counter()
         ids = [self._add(r) for r in requests]
-        outputs = self._collect(set(ids), lambda: None)
+        outputs = self._collect(len(ids), lambda: None)
         elapsed = time.perf_counter() - t0
         short = [
             i
@@ -133,21 +137,20 @@ class HFContinuousBaseline:
                 ids[self._add(requests[i])] = i
             return None if not pending else max(0.0, start + arrivals[pending[0]] - time.perf_counter())
 
-        outputs = self._collect(None, admit_due, total=len(requests))
-        timelines: list[TokenTimeline | None] = [None] * len(requests)
+        outputs = self._collect(len(requests), admit_due)
+        timelines: dict[int, TokenTimeline] = {}  # by the request's index: every one of them is among `outputs`
         last = start
         for rid, out in outputs.items():
             i = ids[rid]
             stamps = out.timestamps or []
             last = max([last, *stamps])
             timelines[i] = TokenTimeline(len(requests[i].prompt_token_ids), [t - (start + arrivals[i]) for t in stamps])
-        return timelines, last - start
+        return [timelines[i] for i in range(len(requests))], last - start
 
-    def _collect(self, ids: set[str] | None, admit, total: int | None = None) -> dict:
-        """Wait for the finished outputs of `ids` (or of `total` requests), calling `admit()` between waits: it
+    def _collect(self, want: int, admit: Callable[[], float | None]) -> dict[str, GenerationOutput]:
+        """Wait for the finished outputs of `want` requests (by request id), calling `admit()` between waits: it
         adds requests that are due and says how long until the next (None: no more to add)."""
-        want = len(ids) if ids is not None else total
-        done: dict = {}
+        done: dict[str, GenerationOutput] = {}
         while len(done) < want:
             wait = admit()
             result = self.manager.get_result(timeout=0.05 if wait is None else min(wait, 0.05))

@@ -163,6 +163,7 @@ def run_parallel(
         log(f"{label}: {rows[-1]['seconds']:.2f} s, {rows[-1]['output_tok_s']:.1f} output tok/s")
     tp1 = {r["threads_per_rank"] for r in rows if r["tp"] == 1}
     if tp1:  # TP 1 again at each TP N's threads per rank: the fair comparison of one rank's work
+        assert reference is not None  # the first row's tokens, and there is a row
         for threads in sorted({r["threads_per_rank"] for r in rows if r["tp"] > 1} - tp1):
             rows.append(_tp1_at(threads, kwargs, requests, runs, reference))
             log(f"{rows[-1]['label']}: {rows[-1]['seconds']:.2f} s, {rows[-1]['output_tok_s']:.1f} output tok/s")

@@ -19,7 +19,7 @@ import json
 import statistics
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -28,7 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from engine.events import StepRecord
+from engine.events import (
+    Event,
+    KVTransferDone,
+    KVTransferLoad,
+    KVTransferSave,
+    RequestAdded,
+    RequestFinished,
+    StepRecord,
+)
 from engine.sampling_params import SamplingParams
 from workbench.bench.args import add_common_args, non_negative_int, positive_float, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest
@@ -46,7 +54,7 @@ from workbench.bench.report import (
 from workbench.bench.timing import alternate, medians
 
 HELP = "disaggregated prefill/decode: decode ITL while long prompts arrive, vs one engine"
-IN_ALL = (9, [])  # `workbench bench all` runs it: (place, flags)
+IN_ALL: tuple[int, list[str]] = (9, [])  # `workbench bench all` runs it: (place, flags)
 SAMPLE_PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:"]
 
 
@@ -55,7 +63,7 @@ def transfer_summary(records: dict[str, list[StepRecord]]) -> list[dict[str, Any
     rows = []
     for instance, recs in records.items():
         events = [e for r in recs for e in r.events if e.kind.startswith("kv_transfer.")]
-        moved = [e for e in events if e.kind != "kv_transfer.fail"]
+        moved = [e for e in events if isinstance(e, KVTransferDone)]  # the saves and loads, not the failures
         num_bytes, ms = sum(e.num_bytes for e in moved), sum(e.ms for e in moved)
         rows.append(
             {
@@ -138,20 +146,20 @@ def connector_throughput(model: str, connector: str, prompt_len: int = 512, runs
         tempfile.TemporaryDirectory() as tmp,
         RedisServer() if connector == "redis" else contextlib.nullcontext() as server,
     ):
-        extra = {"url": server.url} if connector == "redis" else {"shared_storage_path": tmp}
+        extra = {"url": server.url} if server is not None else {"shared_storage_path": tmp}  # a server for redis only
         engine = LLMEngine(
             model=model,
             enable_prefix_caching=False,
             kv_transfer_config={"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra},
         )
         rng = random.Random(0)
-        events = []
+        events: list[Event] = []
         for _ in range(runs):
             prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
             saved = _complete(engine, prompt, {"do_remote_decode": True}, events)
             _complete(engine, prompt, saved, events)
-    saves = [e for e in events if e.kind == "kv_transfer.save"]
-    loads = [e for e in events if e.kind == "kv_transfer.load"]
+    saves = [e for e in events if isinstance(e, KVTransferSave)]
+    loads = [e for e in events if isinstance(e, KVTransferLoad)]
     return {
         "model": model,
         "connector": connector,
@@ -264,6 +272,7 @@ def serve_cluster(cluster, workload: Sequence[Arrival]) -> list[Timeline]:
             arrived.append((cluster.submit(a.request.prompt_token_ids, _params(a.request)), a, t))
         due = start + pending[0].at if pending else None
         if not cluster.has_unfinished_requests():
+            assert due is not None  # nothing running: the loop goes on for a pending request
             time.sleep(max(0.0, due - time.time()))
             continue
         for delta in cluster.stream(timeout=None if due is None else max(0.0, due - time.time())):
@@ -291,11 +300,11 @@ def ttft_breakdown(records: dict[str, list[StepRecord]], timeline: Timeline) -> 
     rid = timeline.request_id
     prefill = [r for name, recs in records.items() if name.startswith("prefill") for r in recs]
     decode = [r for name, recs in records.items() if name.startswith("decode") for r in recs]
-    done_ns = next(r.end_ns for r in prefill if any(e.request_id == rid for e in r.of_kind("request.finished")))
-    save_ms = sum(e.ms for r in prefill for e in r.of_kind("kv_transfer.save") if e.request_id == rid)
-    added_ns = next(e.arrival_ns for r in decode for e in r.of_kind("request.added") if e.request_id == rid)
+    done_ns = next(r.end_ns for r in prefill if any(e.request_id == rid for e in r.of_type(RequestFinished)))
+    save_ms = sum(e.ms for r in prefill for e in r.of_type(KVTransferSave) if e.request_id == rid)
+    added_ns = next(e.arrival_ns for r in decode for e in r.of_type(RequestAdded) if e.request_id == rid)
     first = next(r for r in decode if rid in r.scheduled)
-    loads = [(r is first, e.ms) for r in decode for e in r.of_kind("kv_transfer.load") if e.request_id == rid]
+    loads = [(r is first, e.ms) for r in decode for e in r.of_type(KVTransferLoad) if e.request_id == rid]
     in_step = sum(ms for inside, ms in loads if inside)
     before = sum(ms for inside, ms in loads if not inside)
     # whole nanoseconds: a float of time.time_ns() near 1.8e18 is only good to 256 ns, and the parts must add up
@@ -315,7 +324,7 @@ def setup_metrics(timelines: Sequence[Timeline]) -> dict[str, float]:
     a request tokens) and the long prompts' TTFT (ms: mean, max)."""
     from workbench.bench.report import percentile
 
-    itl = [gap * 1e3 for t in timelines if not t.long for gap in np.diff(t.token_times)] or [0.0]
+    itl: list[float] = [gap * 1e3 for t in timelines if not t.long for gap in np.diff(t.token_times)] or [0.0]
     ttft = [(t.token_times[0] - t.arrival) * 1e3 for t in timelines if t.long] or [0.0]
     return {
         "itl_mean_ms": statistics.fmean(itl),
@@ -379,7 +388,7 @@ def _mean_breakdown(records: dict[str, list[StepRecord]], timelines: Sequence[Ti
 
 
 def _run_setups(
-    serve: dict[str, Callable[[list[Arrival]], list[Timeline]]],
+    serve: Mapping[str, Callable[[list[Arrival]], list[Timeline]]],
     cluster,
     workloads: list[list[Arrival]],
     log: Callable[[str], None],
@@ -624,7 +633,7 @@ _DOCS = _WORKLOAD + (
 def _parts(result: dict[str, Any]) -> list[Part]:
     """The setups first; in the docs the summary follows them, in the terminal it comes last."""
     summary = summary_line(result)
-    parts = [
+    parts: list[Part] = [
         described(result, _WORKLOAD, _DOCS, cores=machine_info()["cores"]),
         _setups_table(result),
         docs_only(f"**{summary}**"),

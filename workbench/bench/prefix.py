@@ -23,7 +23,7 @@ from workbench.bench.throughput import cold_start, greedy_params
 from workbench.bench.timing import alternate, medians
 
 HELP = "TTFT and throughput with prefix caching on vs off"
-IN_ALL = (2, [])  # `workbench bench all` runs it: (place, flags)
+IN_ALL: tuple[int, list[str]] = (2, [])  # `workbench bench all` runs it: (place, flags)
 
 MODES = {"on": True, "off": False}
 

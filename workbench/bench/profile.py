@@ -37,7 +37,7 @@ from workbench.bench.report import Line, Part, Table, described, docs_only, form
 from workbench.bench.timing import timed
 
 HELP = "where a decode step's time goes (cProfile, torch.profiler)"
-IN_ALL = (3, [])  # `workbench bench all` runs it: (place, flags)
+IN_ALL: tuple[int, list[str]] = (3, [])  # `workbench bench all` runs it: (place, flags)
 
 # The functions whose cumulative time makes up the split; the rows below are built from their differences.
 _FUNCS = {
@@ -142,7 +142,7 @@ def input_prep_ms(runner: ModelRunner, output: SchedulerOutput, repeats: int = P
 
 def _two_chunk_prompt_len(eng: LLMEngine, budget: int) -> int:
     """Two `budget`-token chunks, or less where max_model_len or the KV cache asks; more than one chunk."""
-    fits = min(eng.config.max_model_len, eng.kv_cache_manager.num_usable_blocks * eng.config.block_size) - 1
+    fits = min(eng.scheduler.max_model_len, eng.kv_cache_manager.num_usable_blocks * eng.config.block_size) - 1
     if fits <= budget:
         raise ValueError(
             f"max_num_batched_tokens: {budget} takes the longest prompt that fits ({fits} tokens: "
@@ -367,7 +367,7 @@ _DOCS = _WORKLOAD + (
 
 def _parts(result: dict[str, Any]) -> list[Part]:
     largest, prep, events = largest_line(result), input_prep_line(result), events_line(result)
-    parts = [
+    parts: list[Part] = [
         described(result, _WORKLOAD, _DOCS),
         Table(_STAGE_HEADERS, _stage_rows(result)),
         Line(largest, f"**{largest}.**"),

@@ -14,19 +14,20 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
 
 from engine import LLM, SamplingParams
+from engine.model.linear import Linear
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import random_requests, token_id_range
 from workbench.bench.report import Line, Part, Table, described, formatters, run_settings
 from workbench.bench.timing import LoadAverage, load_line, timed
 
 HELP = "a decode step against the machine's bandwidth and matmul floor"
-IN_ALL = (7, [])  # `workbench bench all` runs it: (place, flags)
+IN_ALL: tuple[int, list[str]] = (7, [])  # `workbench bench all` runs it: (place, flags)
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,9 @@ class ModelCost:
         return nbytes, flops
 
 
-def linear_layers(model: nn.Module) -> list[nn.Module]:
+def linear_layers(model: nn.Module) -> list[nn.Linear | Linear]:
     """The model's linear layers in forward order (torch's or the engine's `Linear`, whatever they store)."""
-    return [m for m in model.modules() if hasattr(m, "in_features") and getattr(m, "weight", None) is not None]
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, Linear))]
 
 
 def model_cost(
@@ -59,11 +60,10 @@ def model_cost(
     the dtype it is stored in, int8 weights with their per-row scales)."""
     params = {p.data_ptr(): p for p in model.parameters()}  # tied parameters once
     linears = linear_layers(model)
-    tensors = {
-        **params,
-        **{m.weight_scale.data_ptr(): m.weight_scale for m in linears if getattr(m, "weight_scale", None) is not None},
-    }
+    scales = [s for m in linears if (s := getattr(m, "weight_scale", None)) is not None]  # the engine's int8 only
+    tensors = {**params, **{s.data_ptr(): s for s in scales}}
     embed = model.get_submodule("model.embed_tokens").weight
+    assert isinstance(embed, torch.Tensor)  # a Module's attribute types as Tensor | Module
     tied = any(m.weight.data_ptr() == embed.data_ptr() for m in linears)
     stored = sum(t.numel() * t.element_size() for t in tensors.values())
     return ModelCost(
@@ -72,7 +72,7 @@ def model_cost(
         linear_flops_per_token=2 * sum(m.weight.numel() for m in linears),
         kv_bytes_per_context_token=2 * num_layers * num_kv_heads * head_dim * kv_element_size,
         attn_flops_per_context_token=2 * 2 * num_layers * num_heads * head_dim,
-        linear_shapes=dict(Counter(tuple(m.weight.shape) for m in linears)),
+        linear_shapes=dict(Counter((m.weight.shape[0], m.weight.shape[1]) for m in linears)),
     )
 
 
@@ -110,9 +110,13 @@ def time_linears(model: nn.Module, batch: int, runs: int = 5) -> float:
     return timed(lambda: [m(inputs[m.in_features]) for m in layers], runs).median_s
 
 
-def decode_step_ms(
-    llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int = 2, seed: int = 0
-) -> dict[str, float]:
+class DecodeStep(TypedDict):
+    forward_ms: float
+    total_ms: float
+    context: int  # the tokens each sequence attends to at the middle step
+
+
+def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: int = 2, seed: int = 0) -> DecodeStep:
     """Steady decode of `batch` requests with `prompt_len`-token prompts: after their prefills and `warmup`
     decode steps, the median forward and total ms of `steps` steps in which all of them decode."""
     eng = llm.engine
@@ -121,7 +125,9 @@ def decode_step_ms(
     prefill_steps = -(-batch * prompt_len // eng.config.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + warmup + steps + 2, ignore_eos=True)
     ids = [eng.add_request(r.prompt_token_ids, params) for r in reqs]
-    forward, total, seen = [], [], 0
+    forward: list[float] = []
+    total: list[float] = []
+    seen = 0
     while len(forward) < steps and eng.has_unfinished_requests():
         record = eng.step()
         if len(record.scheduled) != batch or any(p != "decode" for p in record.phases.values()):

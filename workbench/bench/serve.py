@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from engine import LLM, RequestOutput, SamplingParams, StepRecord, StructuredOutputsParams
+from engine.events import RequestTokens
 from engine.model import resolve_model
 from workbench.bench.args import (
     add_common_args,
@@ -68,7 +69,10 @@ if TYPE_CHECKING:
 
 HELP = "online serving: requests at a rate; TTFT, TPOT, ITL, E2E, goodput (vLLM keys)"
 # `workbench bench all` runs it: (place, flags)
-IN_ALL = (4, ["--request-rate", "1", "--baseline", "--cb-baseline", "--goodput", "ttft:1000", "tpot:100"])
+IN_ALL: tuple[int, list[str]] = (
+    4,
+    ["--request-rate", "1", "--baseline", "--cb-baseline", "--goodput", "ttft:1000", "tpot:100"],
+)
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (90, 99)  # the median is reported as median_*_ms, as vLLM does
@@ -128,7 +132,7 @@ class TokenTimes:
         self.times: dict[str, list[float]] = defaultdict(list)
 
     def __call__(self, record: StepRecord) -> None:
-        for event in record.of_kind("request.tokens"):
+        for event in record.of_type(RequestTokens):
             self.times[event.request_id].append(record.end_ns / 1e9)
 
 
@@ -214,14 +218,15 @@ def http_results(streamed: Sequence[Streamed]) -> list[RequestResult]:
 
 def _engine_result(out: RequestOutput, token_times: list[float]) -> RequestResult:
     m = out.metrics
-    ok = out.finish_reason in ("length", "stop") and m.first_token_time is not None
-    if not ok:
+    assert m is not None  # the engine gives every output its request's metrics
+    first, last = m.first_token_time, m.last_token_time  # both set with the first token
+    if out.finish_reason not in ("length", "stop") or first is None or last is None:
         return RequestResult(len(out.prompt_token_ids), len(out.token_ids), 0.0, 0.0, [], success=False)
     return RequestResult(
         len(out.prompt_token_ids),
         len(out.token_ids),
-        m.first_token_time - m.arrival_time,
-        m.last_token_time - m.arrival_time,
+        first - m.arrival_time,
+        last - m.arrival_time,
         np.diff(token_times).tolist(),
     )
 
@@ -310,7 +315,10 @@ def _hf_generate(hf: HFBaseline, batch: Sequence[BenchRequest], grammars: HFGram
     n = max(r.output_len for r in batch)
     fixed = all(r.ignore_eos for r in batch)
     streamer = _StepTimes()
-    processors = [grammars.logits_processor(batch)] if batch[0].json_schema is not None else None
+    processors = None
+    if batch[0].json_schema is not None:
+        assert grammars is not None  # run_hf_serve_once refuses a guided workload without them
+        processors = [grammars.logits_processor(batch)]
     hf.model.generate(
         input_ids=input_ids,
         attention_mask=mask,
@@ -437,6 +445,7 @@ def run_serve(
     if llm is None or chaos.active:
         name = served_model_name or model
         with served_in_process(llm, name) if llm is not None else nullcontext(base_url) as url:
+            assert url is not None  # base_url, where there is no engine here
             run_http_serve_once(url, name, requests[:2], [0.0, 0.0])  # warm-up, as in-process
             streamed, duration, http = run_http_serve_once(url, name, requests, arrivals, max_concurrency, chaos)
         results = http_results(streamed)
@@ -445,7 +454,7 @@ def run_serve(
         run_serve_once(llm, requests[:2], [0.0, 0.0], progress=False)  # warm-up: first calls pay for allocation
         results, duration = run_serve_once(llm, requests, arrivals, max_concurrency, progress)
         log(f"engine: {duration:.2f} s")
-    result = {
+    result: dict[str, Any] = {
         "model": model,
         "date": machine_info()["date"],
         "settings": run_settings(
@@ -462,6 +471,7 @@ def run_serve(
     }
     files = {"engine": per_request(results)}
     if baseline:
+        assert llm is not None  # --baseline runs in-process: refused above with --base-url
         hf = HFBaseline(resolve_model(model), hf_batch_size)
         grammars = None
         if any(r.json_schema is not None for r in requests):
@@ -756,7 +766,7 @@ def chaos_rows(http: dict[str, Any]) -> list[list[object]]:
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
-    parts = [
+    parts: list[Part] = [
         described(result, _WORKLOAD, _DOCS, **_workload_values(result)),
         Table(_headers(result), _rows(result)),
         bold(ratio_line(result)),

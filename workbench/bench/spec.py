@@ -24,7 +24,7 @@ from workbench.bench.report import Line, Part, Table, describe, docs_only, forma
 from workbench.bench.timing import LoadAverage, alternate, load_line
 
 HELP = "speculative decoding: tokens/s with and without drafts, batch 1 and 8"
-IN_ALL = (8, ["--runs", "2"])  # `workbench bench all` runs it: (place, flags)
+IN_ALL: tuple[int, list[str]] = (8, ["--runs", "2"])  # `workbench bench all` runs it: (place, flags)
 
 _CHAT = (
     "Tell me about the history of tea.",
@@ -209,7 +209,7 @@ def _heads(llms: dict[str, LLM]) -> dict[str, str]:
     from engine.spec_decode.draft_heads import head_path
 
     root = Path(__file__).resolve().parents[2]
-    heads = {}
+    heads: dict[str, str] = {}
     for name in ("eagle", "medusa"):
         if name in llms:
             folder = head_path(None, llms[name].engine.config.model, name).resolve()

@@ -25,7 +25,7 @@ from workbench.bench.serve import RequestResult, request_arrivals, run_serve_onc
 from workbench.bench.timing import alternate, medians
 
 HELP = "TTFT, ITL, throughput as max_num_batched_tokens varies, with a long prompt"
-IN_ALL = (5, [])  # `workbench bench all` runs it: (place, flags)
+IN_ALL: tuple[int, list[str]] = (5, [])  # `workbench bench all` runs it: (place, flags)
 
 DEFAULT_BUDGETS = (32, 64, 128, 256, 512, 1024, 2048)
 SCENARIOS = {"short only": False, "with long prompt": True}

@@ -30,7 +30,7 @@ from workbench.bench.report import Line, Part, Table, bold, described, formatter
 from workbench.bench.timing import LoadAverage, alternate, load_line
 
 HELP = "engine vs transformers generate on a mixed workload"
-IN_ALL = (1, [])  # `workbench bench all` runs it: (place, flags)
+IN_ALL: tuple[int, list[str]] = (1, [])  # `workbench bench all` runs it: (place, flags)
 
 
 @dataclass(frozen=True)
@@ -192,12 +192,12 @@ def run_throughput(
     finally:
         if cb is not None:
             cb.close()
-    bandwidth, peak = measure_bandwidth(1 << 28, runs=3)["read"], measure_matmul(1024, runs=3)
-    # the roofline benchmark gives the peak of each matmul path it times (or one number): the machine's is the best
-    peak = max(peak.values()) if isinstance(peak, dict) else peak
+    bandwidth = measure_bandwidth(1 << 28, runs=3)["read"]
+    # the roofline benchmark gives the peak of each matmul path it times: the machine's is the best
+    peak = max(measure_matmul(1024, runs=3).values())
     floor_s = workload_floor_s(llm, requests, bandwidth, peak)
     num_prompt, num_output = _token_counts(requests)
-    result = {
+    result: dict[str, Any] = {
         "model": model,
         "settings": run_settings(
             run_throughput, locals(), omit=("baseline", "cb_baseline", "batch_size"), hf_batch_size=batch_size

@@ -258,14 +258,14 @@ def search_order(space: dict[str, Sequence[Any]], incumbent: dict[str, Any]) -> 
 
 def tune(
     space: dict[str, Sequence[Any]],
-    measure: Callable[[dict[str, Any]], dict[str, Any] | None],
+    measure: Callable[[dict[str, Any]], dict[str, Any]],
     slos: dict[str, float],
     max_runs: int,
     primary: str,
     progress: Callable[[dict[str, Any]], None] = lambda _: None,
 ) -> dict[str, Any]:
-    """The search itself, on any `measure(config) -> {"goodput", "values": {slo key: ms}, ...}` (None: the engine
-    refused the configuration; no run spent). Returns the measured points in order, the pruned and refused
+    """The search itself, on any `measure(config) -> {"goodput", "values": {slo key: ms}, ...}` (a ValueError: the
+    engine refused the configuration; no run spent). Returns the measured points in order, the pruned and refused
     configurations, and the best point."""
     incumbent = start_config(space)
     points: list[dict[str, Any]] = []
@@ -336,15 +336,17 @@ def trace_workload(path: str, tokenizer: Any, seed: int = 0) -> tuple[list[Any],
     tokens; generated to exactly that length."""
     import random
 
+    from engine.events import RequestAdded, RequestFinished
     from workbench.bench.datasets import BenchRequest, token_id_range
     from workbench.trace import read_trace
 
-    added, finished = {}, {}
+    added: dict[str, RequestAdded] = {}
+    finished: dict[str, int] = {}  # request id -> the tokens it generated
     for record in read_trace(path).records:
         for event in record.events:
-            if event.kind == "request.added":
+            if isinstance(event, RequestAdded):
                 added[event.request_id] = event
-            elif event.kind == "request.finished":
+            elif isinstance(event, RequestFinished):
                 finished[event.request_id] = event.num_output_tokens
     if not added:
         raise ValueError(f"--trace: {path} has no request.added event to take arrivals from")

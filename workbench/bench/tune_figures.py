@@ -60,7 +60,9 @@ def _unit(result: dict[str, Any]) -> str:
 def pareto_figure(result: dict[str, Any]) -> Any:
     """Goodput against the first SLO's statistic: every measured run (blue: meets every SLO, red: fails one), the
     Pareto front joined, the winner (or the closest, when none meets the SLOs) starred, the SLO bound dotted."""
-    from bokeh.models import Span
+    from bokeh.models import DataRange1d
+    from bokeh.models.annotations import Span  # bokeh.models re-exports it too, in a way mypy cannot follow
+    from bokeh.models.renderers import DataRenderer  # as Span
     from bokeh.plotting import figure
 
     primary, slos = result["settings"]["primary"], result["settings"]["slos"]
@@ -82,7 +84,7 @@ def pareto_figure(result: dict[str, Any]) -> Any:
         legend_label="Pareto front",
         name="front",
     )
-    runs = []
+    runs: list[DataRenderer] = []
     for feasible, label in ((True, "meets every SLO"), (False, "fails an SLO")):
         points = [p for p in result["points"] if p["feasible"] == feasible]
         if points:
@@ -112,6 +114,7 @@ def pareto_figure(result: dict[str, Any]) -> Any:
         )
     if primary in slos:
         fig.add_layout(Span(location=slos[primary], dimension="height", line_color=FAILED, line_dash="dotted"))
+    assert isinstance(fig.x_range, DataRange1d) and isinstance(fig.y_range, DataRange1d)  # figure()'s own ranges
     fig.x_range.range_padding = fig.y_range.range_padding = 0.15
     return _finish(fig)
 
@@ -119,7 +122,8 @@ def pareto_figure(result: dict[str, Any]) -> Any:
 def sweep_figure(result: dict[str, Any]) -> Any:
     """The search run by run: each run's first SLO statistic as a bar (blue: meets every SLO, red: fails one), the
     SLO bound dotted; the bars are labelled by run number, the hover gives the configuration and goodput."""
-    from bokeh.models import Span
+    from bokeh.models import DataRange1d
+    from bokeh.models.annotations import Span  # as in pareto_figure
     from bokeh.plotting import figure
 
     primary, slos = result["settings"]["primary"], result["settings"]["slos"]
@@ -136,6 +140,7 @@ def sweep_figure(result: dict[str, Any]) -> Any:
     fig.vbar(x="label", top="latency", width=0.7, source=source, color="color", legend_field="status", name="runs")
     if primary in slos:
         fig.add_layout(Span(location=slos[primary], dimension="width", line_color=FAILED, line_dash="dotted"))
+    assert isinstance(fig.y_range, DataRange1d)  # figure()'s own
     fig.y_range.start = 0
     return _finish(fig)
 

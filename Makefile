@@ -31,12 +31,14 @@ lab: $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
 test: lint docs $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
 	$(BIN)/python -m pytest -q --durations=15 tests/ $(PYTEST_ARGS)
 
-# Style and types (pyproject.toml says which rules), in seconds: the formatter holds 120 columns, ruff lints.
-# `make format` rewrites what the check would refuse.
+# Style and types (pyproject.toml says which rules): the formatter holds 120 columns, ruff lints, mypy checks the
+# types of the three packages (seconds with its cache in .mypy_cache; about a minute on a clean clone).
+# `make format` rewrites what the format and lint checks would refuse.
 LINTED := engine kernels workbench tests
 lint: $(STAMP)
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/ruff check $(LINTED)
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format $(LINTED)

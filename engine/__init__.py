@@ -5,8 +5,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from engine.clock import SimulatedClock
 from engine.config import EngineConfig
 from engine.events import EngineSnapshot, Event, KVUsage, StepRecord
+from engine.executor.sim.cost_model import CostModel, ScheduledShape
+from engine.executor.sim.hardware import get_hardware, hardware_table
+from engine.executor.sim.model_spec import builtin_models
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -20,6 +24,10 @@ _LAZY = {
     "PDCluster": "engine.entrypoints.pd_cluster",
     "DPLBClient": "engine.entrypoints.dp_client",
     "resolve_model": "engine.model.loader",
+    "smollm2_gguf_path": "engine.model.loader",
+    "SUPPORTED_MODEL_TYPES": "engine.model.registry",
+    "default_head_path": "engine.spec_decode.draft_heads",
+    "build_app": "engine.entrypoints.openai.api_server",
 }
 
 
@@ -46,4 +54,14 @@ __all__ = [
     "PDCluster",
     "DPLBClient",
     "resolve_model",
+    "smollm2_gguf_path",
+    "SUPPORTED_MODEL_TYPES",
+    "default_head_path",
+    "build_app",
+    "get_hardware",
+    "hardware_table",
+    "builtin_models",
+    "CostModel",
+    "ScheduledShape",
+    "SimulatedClock",
 ]

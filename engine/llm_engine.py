@@ -38,6 +38,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output.manager import StructuredOutputManager, xgrammar_backend
 
 if TYPE_CHECKING:
+    from engine.executor.sim.cost_model import CostModel
     from engine.kv_transfer.base import KVCache, KVConnectorBase
 
 
@@ -55,6 +56,8 @@ class LLMEngine:
         self.events.begin(1)  # adds and aborts between steps belong to the step that follows them
         # every stamp below (records, arrivals, request metrics) reads this clock: simulated time when simulated
         self.clock = SimulatedClock() if config.simulated else Clock()
+        """The clock every stamp reads: wall time, or with the simulated executor a `SimulatedClock` that moves
+        only by each step's priced time (and by `sleep_until`, to jump idle time to the next arrival)."""
         self.executor = get_executor_class(config)(config, self.events, self.clock)
         self.model_path = self.executor.model_path  # None for a simulated model without a folder
         self.runner = self.executor.runner  # the in-process ModelRunner (None when simulated)
@@ -348,6 +351,26 @@ class LLMEngine:
                 f"request_id: {request_id!r} not held by this engine (never added, or taken by pop_output)"
             )
         return self.kv_cache_manager.get_block_ids(request_id)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The ids of the processes that run the model, rank order: one per tensor-parallel rank with
+        `executor="multiproc"`; empty where the model runs in this process (or, simulated, nowhere)."""
+        return self.executor.pids
+
+    @property
+    def threads_per_rank(self) -> int | None:
+        """Torch threads each worker process runs with (this machine's cores shared between its ranks); None
+        without worker processes."""
+        return self.executor.threads_per_rank
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The simulated executor's cost model: `step_cost(shapes)` prices a batch (the time the clock advances by
+        for that step), `kv_capacity(...)` splits a device's memory as vLLM does. None when a real model runs."""
+        from engine.executor.simulated import SimulatedExecutor
+
+        return self.executor.cost_model if isinstance(self.executor, SimulatedExecutor) else None
 
     @property
     def spec_stats(self):

@@ -7,7 +7,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"Workbench": "workbench.app", "Replay": "workbench.app"}
+_LAZY = {
+    "Workbench": "workbench.app",
+    "Replay": "workbench.app",
+    "ensure_extension": "workbench.views.base",
+    "transfer_timeline": "workbench.views.kv_transfer",
+    "transfer_timeline_figure": "workbench.views.kv_transfer",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -16,4 +22,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")
 
 
-__all__ = ["Workbench", "Replay"]
+__all__ = ["Workbench", "Replay", "ensure_extension", "transfer_timeline", "transfer_timeline_figure"]

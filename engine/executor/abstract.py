@@ -36,6 +36,8 @@ class Executor(ABC):
     num_blocks: int
     # the in-process ModelRunner where there is one (uniproc); None where the model runs elsewhere or nowhere
     runner: ModelRunner | None = None
+    # torch threads of each worker process (multiproc); None where there are no worker processes
+    threads_per_rank: int | None = None
 
     def __init__(self, config: EngineConfig, events: EventLog, clock: Clock) -> None:
         self.config = config
@@ -63,6 +65,11 @@ class Executor(ABC):
 
     def validate_request(self, params: SamplingParams) -> None:
         """Refuse (ValueError naming the field) what this executor cannot run; every option by default."""
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, rank order; none where the model runs in the engine's process (or nowhere)."""
+        return []
 
     @property
     def spec_stats(self) -> Any:

@@ -23,6 +23,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASSES)
+"""The architectures the engine runs: the `model_type` of a config.json (of a GGUF file: its architecture)."""
 
 
 def model_class(config: PretrainedConfig) -> type[LlamaForCausalLM]:

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
+from engine.reasons import Eviction, Preemption, Reason, TokenLimit, is_reason_field, json_fields
+
 EVENT_TYPES: dict[str, type[Event]] = {}
 
 
@@ -22,18 +24,18 @@ class Event:
             EVENT_TYPES[cls.kind] = cls
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": self.kind}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            d[f.name] = list(value) if isinstance(value, tuple) else value
-        return d
+        return {"kind": self.kind, **json_fields(self)}
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Event:
         d = dict(d)
         cls = EVENT_TYPES[d.pop("kind")]
         tuple_fields = {f.name for f in fields(cls) if f.type.startswith("tuple[")}
+        reason_fields = {f.name for f in fields(cls) if is_reason_field(f.type)}
         kwargs: dict[str, Any] = {k: tuple(v) if k in tuple_fields and v is not None else v for k, v in d.items()}
+        for k in reason_fields & kwargs.keys():
+            if kwargs[k] is not None:
+                kwargs[k] = Reason.from_dict(kwargs[k])
         return cls(**kwargs)
 
 
@@ -77,6 +79,18 @@ class RequestScheduled(Event):
     chunk_index: int = 0
     num_chunks: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit counted when it left the waiting queue
+    limit: TokenLimit | None = None  # why it got fewer tokens than it wanted (None: it got them all)
+
+
+@dataclass(frozen=True)
+class RequestDeferred(Event):
+    """Requests that got no tokens this step, all for one `reason` (engine/reasons.py): waiting ones not admitted,
+    running ones the budget did not reach. Together with request.scheduled, request.preempted and request.finished
+    it accounts for every live request in every step the scheduler ran."""
+
+    kind: ClassVar[str] = "request.deferred"
+    request_ids: tuple[str, ...]
+    reason: Reason
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,7 @@ class RequestPreempted(Event):
     request_id: str
     num_computed_tokens: int  # thrown away: recomputed when it resumes
     num_freed_blocks: int
+    reason: Preemption | None = None  # why this victim, for whom, and what stays cached
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,7 @@ class KVAllocated(Event):
     request_id: str
     new_block_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
+    hit_block_ids: tuple[int, ...] = ()  # prefix-cache hits it took now (touched: shared, or back from the free queue)
 
 
 @dataclass(frozen=True)
@@ -124,6 +140,7 @@ class KVEvicted(Event):
     kind: ClassVar[str] = "kv.evicted"
     block_id: int
     block_hash: str
+    reason: Eviction | None = None  # why, for whom, and when it was last used
 
 
 @dataclass(frozen=True)
@@ -133,6 +150,18 @@ class PrefixLookup(Event):
     num_queried_blocks: int
     num_hit_blocks: int
     num_hit_tokens: int
+    hit_block_ids: tuple[int, ...] = ()
+    miss: Reason | None = None  # where and why the hit stopped (None: every full block it could take hit)
+
+
+@dataclass(frozen=True)
+class PrefixSkipped(Event):
+    """A request that does not read the prefix cache (`reason`: prompt_logprobs): no lookup, no hit, and, as in
+    vLLM, no query counted."""
+
+    kind: ClassVar[str] = "prefix.skipped"
+    request_id: str
+    reason: Reason
 
 
 @dataclass(frozen=True)

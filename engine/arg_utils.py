@@ -87,6 +87,8 @@ def _kind(name: str, hint: Any) -> dict[str, Any]:
         return {"action": _BooleanFlag}
     if len(kinds) == 1 and get_origin(kinds[0]) is Literal:
         return {"choices": get_args(kinds[0])}
+    if len(kinds) == 1 and get_origin(kinds[0]) is list and get_origin(get_args(kinds[0])[0]) is Literal:
+        return {"nargs": "+", "choices": get_args(get_args(kinds[0])[0])}  # vLLM's: --x a b, each one of the set
     if kinds in ([int], [float], [str]):
         return {"type": kinds[0]}
     if kinds == [dict]:

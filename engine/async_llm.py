@@ -10,6 +10,8 @@ child's completion in `outputs` (the engine's children "{i}_{id}" step and finis
 
 The loop can be held between steps: `pause()` (requests still queue), `step(n)` (run exactly n steps while paused),
 `resume()`. The dashboard's Pause / Step / Play buttons and the server's `/pause`, `/step`, `/resume` call these.
+`start_profile()` / `stop_profile()` (the server's `/start_profile`, `/stop_profile`) run the engine's torch profiler
+on this thread, between two steps: the profiler records the thread that starts it.
 
 With data_parallel_size > 1 the thread drives a DPLBClient (engine/entrypoints/dp_client.py) in place of the
 engine, as vLLM's AsyncLLM drives its DP client: each "step" takes what the replicas sent (their processes step on
@@ -21,14 +23,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.events import StepRecord
 from engine.limits import check_engine_limits
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tracing import log_tracing_disabled_warning
+
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -113,9 +119,10 @@ def build_engine(config: EngineConfig) -> Any:
 class AsyncLLM:
     """Owns the thread that steps its engine (`engine-loop`; an LLMEngine given or built, or the DPLBClient of a
     data-parallel config), the lock held around every engine call (`lock`, which a dashboard shares), the
-    collectors of requests awaited through `generate`, the aborts not yet applied, and the hold (paused, steps
-    granted while paused). An engine it built from `config` or keyword arguments it closes at `shutdown()`
-    (worker and replica processes with it). Every public method is safe from any thread."""
+    collectors of requests awaited through `generate`, the aborts not yet applied, the calls waiting to run on the
+    loop's thread (the profiler's), and the hold (paused, steps granted while paused). An engine it built from
+    `config` or keyword arguments it closes at `shutdown()` (worker and replica processes with it). Every public
+    method is safe from any thread."""
 
     def __init__(
         self,
@@ -148,6 +155,7 @@ class AsyncLLM:
         self._paused = start_paused
         self._granted = 0  # steps Step asked for while paused, not yet run
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[], Any], Future]] = []  # to run on the loop's thread (_on_loop)
         self._stopped = False
         self._collectors: dict[str, _Collector] = {}  # under self.lock
         # n > 1: the engine's events name the children; their outputs go to the parent's collector (under self.lock)
@@ -178,15 +186,23 @@ class AsyncLLM:
         priority: int,
         cache_salt: str | None,
         collector: _Collector | None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> str:
         if isinstance(params, SamplingParams):  # before the lock: a refusal never waits for a step to end
             check_engine_limits(params, self.engine.config)
+        # the caller's trace context goes to the engine only where a span will carry it (never with data
+        # parallelism, which the config refuses tracing with); otherwise dropped with vLLM's warning
+        traced = {}
+        if trace_headers and self.engine.config.otlp_traces_endpoint is not None:
+            traced = {"trace_headers": trace_headers}
+        elif trace_headers:
+            log_tracing_disabled_warning()
         with self.lock:
             self._check_queue(params.n if isinstance(params, SamplingParams) else 1)
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
             rid = self.engine.add_request(
-                prompt, params, request_id=request_id, priority=priority, cache_salt=cache_salt
+                prompt, params, request_id=request_id, priority=priority, cache_salt=cache_salt, **traced
             )
             if collector is not None:  # registered before the loop can step it: no output is missed
                 self._collectors[rid] = collector
@@ -215,12 +231,16 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestStream:
         """Queue a request and return the stream of its outputs. Bad input raises ValueError/TypeError here,
-        before anything is streamed (a server answers 400 then)."""
+        before anything is streamed (a server answers 400 then). `trace_headers`: the caller's W3C trace context
+        (traceparent, tracestate; vLLM's name), the parent of the request's span when tracing is on."""
         collector = _Collector(asyncio.get_running_loop())
         # add_request waits for the engine lock (a step may hold it): off the event loop, which keeps serving
-        rid = await asyncio.to_thread(self._add, prompt, params, request_id, priority, cache_salt, collector)
+        rid = await asyncio.to_thread(
+            self._add, prompt, params, request_id, priority, cache_salt, collector, trace_headers
+        )
         return RequestStream(self, rid, collector)
 
     async def generate(
@@ -230,10 +250,11 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its output each time it grows, the last one finished. Bad input raises
         ValueError/TypeError before anything is yielded. Closing or cancelling the iterator early aborts it."""
-        stream = await self.open(prompt, params, request_id, priority, cache_salt)
+        stream = await self.open(prompt, params, request_id, priority, cache_salt, trace_headers)
         try:
             async for output in stream:
                 yield output
@@ -303,6 +324,30 @@ class AsyncLLM:
         with self._cond:
             return self._cond.wait_for(lambda: not self._aborts and not self.engine.has_unfinished_requests(), timeout)
 
+    # ---- the profiler: /start_profile, /stop_profile (vLLM's names) ------------------------------------------
+    def start_profile(self, profile_prefix: str | None = None, timeout: float = 60.0) -> None:
+        """Start the engine's torch profiler session on the loop's thread, between two steps (Kineto records the
+        thread that starts it). Refused (RuntimeError) without profiler_config, ProfilerAlreadyActiveError while a
+        session runs, ValueError for a bad `profile_prefix`."""
+        self._on_loop(lambda: self.engine.start_profile(profile_prefix), timeout)
+
+    def stop_profile(self, timeout: float = 60.0) -> str | None:
+        """Stop the session on the loop's thread and write its trace; returns the trace's path (None when no
+        session ran)."""
+        return self._on_loop(self.engine.stop_profile, timeout)
+
+    def _on_loop(self, call: Callable[[], T], timeout: float) -> T:
+        """Run `call` on the loop's thread between two steps, under the engine lock, also while paused; returns
+        its result or raises its exception. TimeoutError when the loop does not get to it within `timeout`
+        seconds (a step that long: the call still runs after it)."""
+        future: Future[T] = Future()
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the engine loop has stopped")
+            self._calls.append((call, future))
+            self._cond.notify_all()
+        return future.result(timeout)
+
     # ---- what /metrics and a dashboard read -----------------------------------------------------------------
     def subscribe(self, callback: Callable[[StepRecord], None]) -> Callable[[StepRecord], None]:
         """Call `callback(StepRecord)` on the engine thread after every step."""
@@ -339,23 +384,40 @@ class AsyncLLM:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopped or self._aborts or self._runnable()):
+                while not (self._stopped or self._aborts or self._calls or self._runnable()):
                     if self._paused and self._granted and not self.engine.has_unfinished_requests():
                         self._granted = 0  # steps granted for work that finished or was aborted: none to run
                         self._cond.notify_all()
                     self._cond.wait()
                 if self._stopped:
-                    return
+                    pending, self._calls = self._calls, []
+                    break
                 aborts, self._aborts = self._aborts, []
+                calls, self._calls = self._calls, []
                 run = self._runnable()
                 if run and self._paused:
                     self._granted -= 1
             if aborts:
                 self._apply_aborts(aborts)
+            if calls:
+                self._run_calls(calls)
             if run:
                 self._step()
             with self._cond:
                 self._cond.notify_all()  # step() and wait_until_idle() wait on what this iteration changed
+        for _, future in pending:
+            future.set_exception(RuntimeError("the engine loop has stopped"))
+        if self.engine.config.profiler is not None:  # a session still recording is written, as vLLM's shutdown
+            with self.lock:
+                self.engine.stop_profile()
+
+    def _run_calls(self, calls: list[tuple[Callable[[], Any], Future]]) -> None:
+        with self.lock:
+            for call, future in calls:
+                try:
+                    future.set_result(call())
+                except Exception as exc:  # the caller's to raise, in its own thread
+                    future.set_exception(exc)
 
     def _apply_aborts(self, request_ids: list[str]) -> None:
         with self.lock:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, cast, get_args
+from urllib.parse import urlsplit
 
 import torch
 
@@ -19,6 +21,9 @@ Executor = Literal["uniproc", "multiproc", "simulated", "scripted"]
 DataParallelRouting = Literal["load", "prefix"]
 # speculative_config.method: engine/spec_decode/'s PROPOSERS maps each to its proposer class (a test checks they agree)
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
+# vLLM's ObservabilityConfig.collect_detailed_traces and ProfilerConfig.profiler (only its torch profiler here)
+DetailedTraceModules = Literal["model", "worker", "all"]
+ProfilerKind = Literal["torch"]
 
 _DTYPES = {name: getattr(torch, name) for name in get_args(DType)}
 
@@ -138,6 +143,39 @@ class KVTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
 
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """The torch profiler behind /start_profile and /stop_profile, vLLM 0.33's ProfilerConfig keys (those of its
+    torch profiler): where traces go and what they record (engine/profiler.py runs it)."""
+
+    profiler: ProfilerKind
+    torch_profiler_dir: str
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ProfilerConfig | None:
+        """The settings of `d`; None when `d` names no profiler (profiling off, as vLLM's default)."""
+        _check_keys(cls, d, "profiler_config")
+        if d.get("profiler") is None:
+            if d.get("torch_profiler_dir"):  # vLLM's refusal
+                raise ValueError("profiler_config.torch_profiler_dir: only applicable when profiler is set to 'torch'")
+            return None
+        _check_choice("profiler_config.profiler", d["profiler"], ProfilerKind)
+        folder = d.get("torch_profiler_dir")
+        if not isinstance(folder, str) or not folder:
+            raise ValueError("profiler_config.torch_profiler_dir: must be set when profiler is 'torch'")
+        if "://" in folder:  # vLLM also writes to gs:// or s3://; here traces go to a local folder only
+            raise ValueError(f"profiler_config.torch_profiler_dir: must be a local folder, got {folder!r}")
+        for name in [f.name for f in fields(cls)][2:]:
+            if not isinstance(d.get(name, False), bool):
+                raise TypeError(f"profiler_config.{name}: expected bool, got {type(d[name]).__name__}")
+        return cls(**{**d, "torch_profiler_dir": os.path.abspath(os.path.expanduser(folder))})
+
+
 @dataclass
 class EngineConfig:
     """All engine settings, vLLM's names. Invalid values raise ValueError/TypeError naming the field.
@@ -243,6 +281,22 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.92
     """The simulated executor's share of device memory for weights, activations and KV (vLLM 0.33's default)."""
 
+    # ---- observability (vLLM's ObservabilityConfig and ProfilerConfig; engine/tracing.py, engine/profiler.py)
+    otlp_traces_endpoint: str | None = None
+    """vLLM's: the URL OpenTelemetry traces are sent to, over OTLP/HTTP (a collector's http://HOST:4318/v1/traces):
+    one llm_request span per request with vLLM's gen_ai.* attributes, its parent the caller's W3C traceparent. Needs
+    opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http."""
+    collect_detailed_traces: list[DetailedTraceModules] | None = None
+    """vLLM's, with otlp_traces_endpoint: "model" adds a request's time in the model's forward
+    (gen_ai.latency.time_in_model_forward), "worker" its time in the runner's forward and sampling
+    (gen_ai.latency.time_in_model_execute), "all" both; any of them also gives the span an event for every step the
+    request ran in, not only where its phase changed."""
+    profiler_config: dict | None = None
+    """vLLM 0.33's: the torch profiler behind POST /start_profile and /stop_profile (the routes are absent without
+    it), its keys: profiler ("torch"), torch_profiler_dir (where traces go), torch_profiler_with_stack and
+    torch_profiler_use_gzip (on by default), torch_profiler_record_shapes, torch_profiler_with_memory,
+    torch_profiler_with_flops; a JSON object on the command line."""
+
     def __post_init__(self) -> None:
         ints = (
             "block_size",
@@ -290,6 +344,7 @@ class EngineConfig:
         self.kv_transfer = (
             None if self.kv_transfer_config is None else KVTransferConfig.from_dict(self.kv_transfer_config)
         )
+        self._check_observability()
         if self.async_scheduling:
             for name, used in (
                 ("speculative_config", self.speculative is not None),
@@ -346,6 +401,39 @@ class EngineConfig:
                 raise ValueError(f"{name}: not supported by the simulated executor yet")
         self.device = self.device or "cpu"  # no tensor is made: the hardware is simulated
         self.dtype = self.dtype or cast(DType, hardware.default_dtype)  # checked with the others in __post_init__
+
+    def _check_observability(self) -> None:
+        """vLLM's tracing settings, and its profiler's (read into `profiler`: None when profiling is off).
+        OpenTelemetry is imported here only when tracing is asked for; without it the setting is refused naming what
+        to install, as vLLM refuses it."""
+        endpoint, modules = self.otlp_traces_endpoint, self.collect_detailed_traces
+        if endpoint is not None:
+            if not isinstance(endpoint, str):
+                raise TypeError(f"otlp_traces_endpoint: expected str, got {type(endpoint).__name__}")
+            url = urlsplit(endpoint)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError(
+                    "otlp_traces_endpoint: expected the http:// or https:// URL of an OTLP/HTTP receiver (a "
+                    f"collector's http://HOST:4318/v1/traces), got {endpoint!r}"
+                )
+            from engine.tracing import check_tracing_available
+
+            check_tracing_available()
+        if modules is not None:
+            if not isinstance(modules, list):
+                raise TypeError(f"collect_detailed_traces: expected a list, got {type(modules).__name__}")
+            for module in modules:
+                _check_choice("collect_detailed_traces", module, DetailedTraceModules)
+            if modules and endpoint is None:  # vLLM's refusal
+                raise ValueError("collect_detailed_traces: requires otlp_traces_endpoint to be set")
+        self.profiler = None if self.profiler_config is None else ProfilerConfig.from_dict(self.profiler_config)
+        if self.data_parallel_size > 1:
+            for name, used in (("otlp_traces_endpoint", endpoint is not None), ("profiler_config", self.profiler)):
+                if used:
+                    raise ValueError(
+                        f"{name}: not supported with data_parallel_size {self.data_parallel_size} yet (each replica "
+                        "steps in its own process)"
+                    )
 
     def _check_data_parallel(self) -> None:
         """data_parallel_size and routing, and the combinations the data-parallel front end cannot run yet."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,8 @@ from engine.structured_output.manager import StructuredOutputManager, xgrammar_b
 if TYPE_CHECKING:
     from engine.executor.sim.cost_model import CostModel
     from engine.kv_transfer.base import KVCache, KVConnectorBase
+    from engine.profiler import EngineProfiler
+    from engine.tracing import RequestTracer
 
 
 class LLMEngine:
@@ -92,6 +94,19 @@ class LLMEngine:
         # async_scheduling: the batch run last step, whose outputs the scheduler takes in this one (vLLM's batch
         # queue of two: schedule the next batch, then update from the one in flight)
         self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        # vLLM's --otlp-traces-endpoint: a span per request, made from the StepRecords (engine/tracing.py)
+        self.tracer: RequestTracer | None = None
+        if config.otlp_traces_endpoint is not None:
+            from engine.tracing import RequestTracer
+
+            self.tracer = RequestTracer(config.otlp_traces_endpoint, config.collect_detailed_traces)
+            self.subscribe(self.tracer)
+        # vLLM's --profiler-config: the torch profiler of /start_profile, /stop_profile (engine/profiler.py)
+        self.profiler: EngineProfiler | None = None
+        if config.profiler is not None:
+            from engine.profiler import EngineProfiler
+
+            self.profiler = EngineProfiler(config.profiler, config.device or "cpu")
 
     def _eos_token_id(self) -> int | None:
         eos = self.executor.eos_token_id
@@ -109,10 +124,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         kv_transfer_params: dict | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Bad input raises ValueError/TypeError naming the field.
         `kv_transfer_params` (vLLM's names): do_remote_decode on a prefill instance, or what a prefill
-        instance returned (do_remote_prefill, remote_request_id, ...) on a decode instance."""
+        instance returned (do_remote_prefill, remote_request_id, ...) on a decode instance. `trace_headers`: the
+        caller's W3C trace context (traceparent, tracestate), the parent of the request's span when
+        otlp_traces_endpoint is set (ignored otherwise)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
@@ -145,6 +163,8 @@ class LLMEngine:
         if params.n > 1:
             self._parents[rid] = parent
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids[:200])
+        if self.tracer is not None:
+            self.tracer.add_request(rid, ids, params, trace_headers)
         for child_id, child_params in zip(ids, children):
             request = Request(
                 child_id,
@@ -308,6 +328,27 @@ class LLMEngine:
     def close(self) -> None:
         """Release what the executor holds (the tensor-parallel worker processes); idempotent."""
         self.executor.shutdown()
+        if self.tracer is not None:  # sends the spans still queued
+            self.tracer.shutdown()
+
+    # ---- the profiler (vLLM's LLMEngine.start_profile / stop_profile) ----------------------------------------
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start a torch profiler session on this thread (the one that steps the engine). Refused (RuntimeError)
+        without profiler_config, or while a session runs (ProfilerAlreadyActiveError)."""
+        self._profiler().start(profile_prefix)
+
+    def stop_profile(self) -> str | None:
+        """Stop the session, on the thread that started it, and write its trace; returns the trace's path (None
+        when no session ran)."""
+        return self._profiler().stop()
+
+    def _profiler(self) -> EngineProfiler:
+        if self.profiler is None:  # vLLM's refusal
+            raise RuntimeError(
+                "Profiling is not enabled: set profiler_config (--profiler-config "
+                '\'{"profiler": "torch", "torch_profiler_dir": "DIR"}\')'
+            )
+        return self.profiler
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -413,7 +454,14 @@ class LLMEngine:
     def step(self) -> StepRecord:
         """Schedule, run the model, sample, update; return what happened as a StepRecord. With async_scheduling
         (vLLM's AsyncScheduler and batch queue of two): schedule the next batch, update from the batch in flight
-        (its tokens fill the new batch's placeholders), then run the new batch, whose outputs the next step takes."""
+        (its tokens fill the new batch's placeholders), then run the new batch, whose outputs the next step takes.
+        While a profiling session records, the whole step sits inside its marker (`step_N`)."""
+        if self.profiler is None:
+            return self._step()
+        with self.profiler.step_marker(self.step_count + 1):
+            return self._step()
+
+    def _step(self) -> StepRecord:
         self.step_count += 1
         start_ns = self.clock.time_ns()
         t0 = self.clock.perf_counter()

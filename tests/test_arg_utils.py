@@ -95,6 +95,10 @@ ROUND_TRIPS = [  # settings that go together; between them, every flag with a va
     ],
     ["--data-parallel-size 2 --enable-prefix-caching"],
     ["--executor simulated --hardware h100-sxm --async-scheduling"],
+    [
+        "--otlp-traces-endpoint http://127.0.0.1:4318/v1/traces --collect-detailed-traces model worker",
+        '--profiler-config {"profiler":"torch","torch_profiler_dir":"/tmp/profiles"}',
+    ],
 ]
 
 
@@ -168,6 +172,7 @@ def test_two_calls_on_one_parser_add_up():
         (["--speculative-config", "{method: ngram}"], "--speculative-config"),
         (["--kv-transfer-config", "[1, 2]"], "--kv-transfer-config"),
         (["--enable-prefix-caching=yes"], "--enable-prefix-caching"),
+        (["--collect-detailed-traces", "gpu"], "--collect-detailed-traces"),
     ],
 )
 def test_a_wrong_value_is_refused_naming_the_flag(argv, flag):

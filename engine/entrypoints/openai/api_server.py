@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /metrics`
 (Prometheus, vLLM's names), and the hold of the engine loop: `POST /pause`, `POST /resume`, `GET /is_paused`
-(vLLM's names) and `POST /step` (ours: one step while paused). With an API key, every route but /health and
+(vLLM's names) and `POST /step` (ours: one step while paused); with a profiler_config, vLLM's `POST /start_profile`
+and `POST /stop_profile` (profile_router.py). With an API key, every route but /health and
 /metrics needs the key (engine/entrypoints/openai/guards.py: `Authorization: Bearer KEY`, or a browser's session
 cookie from /login). Every error, the framework's own (404, 405, a body that is not JSON, 413) included, is a 4xx in
 OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
@@ -20,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_llm import AsyncLLM
-from engine.entrypoints.openai import guards
+from engine.entrypoints.openai import guards, profile_router
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -125,6 +126,7 @@ def build_app(
         granted = await asyncio.to_thread(_hold, llm.step, num_steps, 60.0)
         return JSONResponse({**_hold_state(llm), "granted": granted})
 
+    profile_router.attach_router(app, llm)  # /start_profile, /stop_profile: only with a profiler_config
     return app
 
 

@@ -31,7 +31,18 @@ OPEN_PATHS = ("/health", "/metrics")
 LOGIN_PATH = "/login"
 COOKIE = "workbench_session"
 # the routes API clients call: refused with OpenAI's JSON error; anything else (the dashboard's page) with the form
-API_PREFIXES = ("/v1/", "/pause", "/resume", "/step", "/is_paused", "/openapi.json", "/docs", "/redoc")
+API_PREFIXES = (
+    "/v1/",
+    "/pause",
+    "/resume",
+    "/step",
+    "/is_paused",
+    "/start_profile",
+    "/stop_profile",
+    "/openapi.json",
+    "/docs",
+    "/redoc",
+)
 
 
 class BodyLimitMiddleware:

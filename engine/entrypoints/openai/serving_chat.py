@@ -36,7 +36,9 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, len(ids), max_tokens, None, logprobs, {"max_tokens": max_field})
-        request_id, stream = await self.open(ids, params, request, {"prompt": "messages", "max_tokens": max_field})
+        request_id, stream = await self.open(
+            ids, params, request, {"prompt": "messages", "max_tokens": max_field}, raw_request
+        )
         if request.stream:
             first = [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

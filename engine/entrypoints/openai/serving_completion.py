@@ -45,7 +45,7 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             ids = list(cast(list[int], prompt))  # token ids: the request model checked the shape
         params = self.sampling_params(request, len(ids), request.max_tokens, DEFAULT_MAX_TOKENS, request.logprobs)
-        request_id, stream = await self.open(ids, params, request, {"prompt": "prompt"})
+        request_id, stream = await self.open(ids, params, request, {"prompt": "prompt"}, raw_request)
         if request.stream:
             return StreamingResponse(
                 self.stream_events(stream, request_id, request, self._chunk), media_type="text/event-stream"

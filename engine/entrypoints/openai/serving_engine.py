@@ -20,6 +20,7 @@ from engine.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, Samplin
 from engine.limits import check_logprobs, check_max_tokens, check_n
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.tracing import extract_trace_headers
 
 T = TypeVar("T")
 ERROR_TYPES = {
@@ -236,15 +237,26 @@ class OpenAIServing:
         return await asyncio.to_thread(locked)
 
     async def open(
-        self, prompt_ids: list[int], params: SamplingParams, request: SamplingRequest, field_map: dict[str, str]
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request: SamplingRequest,
+        field_map: dict[str, str],
+        raw_request: Request,
     ) -> tuple[str, RequestStream]:
-        """Queue the request in the engine; its refusals (prompt too long, a bad schema) as 400s."""
+        """Queue the request in the engine, with the caller's W3C trace context (its request's span's parent when
+        tracing is on); its refusals (prompt too long, a bad schema) as 400s."""
         request_id = f"{self.id_prefix}-{request.request_id or uuid.uuid4().hex}"
         if request.response_format is not None and request.response_format.type != "text":
             field_map = {**field_map, "structured_outputs": "response_format"}  # the engine's name for it
         try:
             stream = await self.llm.open(
-                prompt_ids, params, request_id=request_id, priority=request.priority, cache_salt=request.cache_salt
+                prompt_ids,
+                params,
+                request_id=request_id,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                trace_headers=extract_trace_headers(raw_request.headers),
             )
         except (ValueError, TypeError) as exc:
             raise engine_refusal(exc, field_map) from None

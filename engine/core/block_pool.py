@@ -13,12 +13,27 @@ from collections.abc import Iterable
 
 from engine.core.block_hash import BlockHash, hash_hex
 from engine.events import EventLog, KVCached, KVEvicted, KVUsage
+from engine.reasons import Eviction
+from engine.request import Request
 
 
 class KVCacheBlock:
-    """One block of KV: its id, how many requests hold it, its hash once full and cached, and its free-list links."""
+    """One block of KV: its id, how many requests hold it, its hash once full and cached, and its free-list links;
+    for the reasons (engine/reasons.py): the tokens and salt it was cached with, and who released it last, when."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "prev_free_block", "next_free_block", "is_null")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "parent_hash",
+        "prev_free_block",
+        "next_free_block",
+        "is_null",
+        "token_ids",
+        "cache_salt",
+        "last_used_step",
+        "last_used_by",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -28,6 +43,10 @@ class KVCacheBlock:
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
+        self.token_ids: tuple[int, ...] = ()  # while cached: a miss names the first token that differs from these
+        self.cache_salt: str | None = None
+        self.last_used_step: int | None = None
+        self.last_used_by: str | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={hash_hex(self.block_hash)})"
@@ -112,6 +131,11 @@ class BlockPool:
         # hash -> {block id: block}, in the order they were cached (vLLM's BlockHashToBlockMap)
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.num_cached_free = 0  # blocks in the free queue that still hold a hash
+        # for the reasons of a prefix miss: cached blocks by their parent's hash (None: a first block), and the
+        # last eviction of each hash (block id, step, cause, for whom), the oldest forgotten past 4 per pool block
+        self.children: dict[BlockHash | None, dict[int, KVCacheBlock]] = {}
+        self.evictions: dict[BlockHash, tuple[int, int, str, str | None]] = {}
+        self._max_evictions = 4 * num_blocks
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
@@ -121,9 +145,16 @@ class BlockPool:
         return next(iter(blocks.values())) if blocks else None
 
     def cache_full_blocks(
-        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], num_cached_blocks: int, num_full_blocks: int
+        self,
+        blocks: list[KVCacheBlock],
+        block_hashes: list[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        request: Request | None = None,
+        block_size: int = 0,
     ) -> None:
-        """Give blocks[num_cached_blocks:num_full_blocks] their hashes and enter them in the map."""
+        """Give blocks[num_cached_blocks:num_full_blocks] their hashes and enter them in the map; each keeps the
+        `request`'s tokens it holds (`block_size` per block) and salt, which a later miss compares with."""
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
@@ -134,6 +165,10 @@ class BlockPool:
             # another request may have computed the same block first: both copies are cached (vLLM does not
             # de-duplicate, so that block tables stay append-only)
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+            self.children.setdefault(block.parent_hash, {})[block.block_id] = block
+            if request is not None:
+                block.token_ids = tuple(request.all_token_ids[i * block_size : (i + 1) * block_size])
+                block.cache_salt = request.cache_salt if i == 0 else None
             self.events.emit(
                 KVCached,
                 block_id=block.block_id,
@@ -141,20 +176,35 @@ class BlockPool:
                 parent_hash=hash_hex(block.parent_hash),
             )
 
-    def uncache(self, block: KVCacheBlock) -> None:
-        """Forget a block's hash: it leaves the map and can no longer be hit."""
-        if block.block_hash is None:
+    def uncache(self, block: KVCacheBlock, cause: str = "reused", for_request: str | None = None) -> None:
+        """Forget a block's hash: it leaves the map and can no longer be hit. `cause` and `for_request` say why
+        (engine/reasons.py's Eviction); the eviction is remembered."""
+        block_hash = block.block_hash
+        if block_hash is None:
             return
-        blocks = self.cached_block_hash_to_block.get(block.block_hash, {})
+        blocks = self.cached_block_hash_to_block.get(block_hash, {})
         blocks.pop(block.block_id, None)
         if not blocks:
-            self.cached_block_hash_to_block.pop(block.block_hash, None)
-        self.events.emit(KVEvicted, block_id=block.block_id, block_hash=hash_hex(block.block_hash))
+            self.cached_block_hash_to_block.pop(block_hash, None)
+        siblings = self.children.get(block.parent_hash, {})
+        siblings.pop(block.block_id, None)
+        if not siblings:
+            self.children.pop(block.parent_hash, None)
+        step = self.events.step
+        self.evictions.pop(block_hash, None)  # re-inserted: the dict stays oldest first
+        self.evictions[block_hash] = (block.block_id, step, cause, for_request)
+        if len(self.evictions) > self._max_evictions:
+            del self.evictions[next(iter(self.evictions))]
+        reason = Eviction(
+            cause=cause, for_request=for_request, last_used_step=block.last_used_step, last_used_by=block.last_used_by
+        )
+        self.events.emit(KVEvicted, block_id=block.block_id, block_hash=hash_hex(block_hash), reason=reason)
         block.block_hash = block.parent_hash = None
+        block.token_ids, block.cache_salt = (), None
 
-    def _maybe_evict(self, block: KVCacheBlock) -> None:
+    def _maybe_evict(self, block: KVCacheBlock, cause: str, for_request: str | None = None) -> None:
         if block.block_hash is not None:
-            self.uncache(block)
+            self.uncache(block, cause, for_request)
             self.num_cached_free -= 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -170,27 +220,31 @@ class BlockPool:
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
         for block in [b for blocks in self.cached_block_hash_to_block.values() for b in blocks.values()]:
-            self.uncache(block)
+            self.uncache(block, "reset")
         self.num_cached_free = 0
         return True
 
     # ---- allocation -----------------------------------------------------------------------------
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: int, for_request: str | None = None) -> list[KVCacheBlock]:
+        """Pop `num_blocks` from the free queue's head for request `for_request`, evicting the cached ones."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
-            self._maybe_evict(block)
+            self._maybe_evict(block, "reused", for_request)
             block.ref_cnt = 1
         return blocks
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], request_id: str | None = None) -> None:
         """Drop one reference from each; those that reach 0 join the free queue in the given order (callers pass a
         request's blocks tail first): cached ones at the tail (LRU: its tail is evicted before its prefix),
-        the others at the head (LIFO: reused first, as they can never be hit)."""
+        the others at the head (LIFO: reused first, as they can never be hit). Each remembers `request_id` as the
+        last to use it, now."""
         reuse_first: list[KVCacheBlock] = []
         reuse_last: list[KVCacheBlock] = []
+        step = self.events.step
         for block in ordered_blocks:
             if block.is_null:
                 continue
+            block.last_used_step, block.last_used_by = step, request_id
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 (reuse_last if block.block_hash is not None and self.enable_caching else reuse_first).append(block)
@@ -202,7 +256,7 @@ class BlockPool:
         """Uncache free blocks whose KV was never computed, where they stand in the free queue."""
         for block in blocks:
             if block.ref_cnt == 0 and block.block_hash is not None:
-                self._maybe_evict(block)
+                self._maybe_evict(block, "uncomputed")
 
     # ---- figures --------------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:

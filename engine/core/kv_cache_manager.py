@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from engine.core.block_hash import HASH_FUNCTIONS, update_block_hashes
 from engine.core.block_pool import BlockPool, KVCacheBlock
-from engine.events import EventLog, KVAllocated, KVFreed, KVUsage, PrefixLookup
+from engine.core.prefix_miss import why_missed
+from engine.events import EventLog, KVAllocated, KVFreed, KVUsage, PrefixLookup, PrefixSkipped
+from engine.reasons import NotEnoughBlocks, PromptLogprobs
 from engine.request import Request
 
 
@@ -29,7 +31,8 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     """Owns each request's block list (`req_to_blocks`) and how many of those blocks are cached; turns
-    "schedule n more tokens of this request" into blocks taken from the pool."""
+    "schedule n more tokens of this request" into blocks taken from the pool; says why the last allocate_slots
+    refused (`refusal`)."""
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        self.refusal: NotEnoughBlocks | None = None  # why the last allocate_slots that returned None did
 
     @property
     def num_usable_blocks(self) -> int:
@@ -57,8 +61,11 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached blocks that starts the request, and how many tokens it covers.
         The hit is capped one token short of the whole sequence: the last token must be computed to sample."""
+        if not self.enable_caching:
+            return [], 0
         # As vLLM: a request that wants prompt logprobs computes its whole prompt (a hit has no logits to give).
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if request.sampling_params.prompt_logprobs is not None:
+            self.events.emit(PrefixSkipped, request_id=request.request_id, reason=PromptLogprobs())
             return [], 0
         hashes = update_block_hashes(request, self.block_size, self.hash_fn)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -69,20 +76,19 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
-        self._record_lookup(request, max_hit_blocks, hits, num_hit_tokens)
-        return hits, num_hit_tokens
-
-    def _record_lookup(self, request: Request, queried: int, hits: list[KVCacheBlock], hit_tokens: int) -> None:
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
-        self.stats.hits += hit_tokens
+        self.stats.hits += num_hit_tokens
         self.events.emit(
             PrefixLookup,
             request_id=request.request_id,
-            num_queried_blocks=queried,
+            num_queried_blocks=max_hit_blocks,
             num_hit_blocks=len(hits),
-            num_hit_tokens=hit_tokens,
+            num_hit_tokens=num_hit_tokens,
+            hit_block_ids=tuple(b.block_id for b in hits),
+            miss=why_missed(self.block_pool, request, hashes, len(hits), self.block_size),
         )
+        return hits, num_hit_tokens
 
     def allocate_slots(
         self,
@@ -107,22 +113,19 @@ class KVCacheManager:
             num_tokens = (
                 request.num_tokens if self.max_model_len is None else min(request.num_tokens, self.max_model_len)
             )
-            if (
-                self._num_blocks_to_allocate(blocks, new_computed_blocks, num_tokens)
-                > self.block_pool.get_num_free_blocks()
-            ):
+            if self._refuse(self._num_blocks_to_allocate(blocks, new_computed_blocks, num_tokens), whole=True):
                 return None
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
         if self.max_model_len is not None:  # as vLLM: lookahead slots for drafts never reach past the last position
             num_slots = min(num_slots, self.max_model_len)
-        if self._num_blocks_to_allocate(blocks, new_computed_blocks, num_slots) > self.block_pool.get_num_free_blocks():
+        if self._refuse(self._num_blocks_to_allocate(blocks, new_computed_blocks, num_slots)):
             return None
         num_new_blocks = max(0, cdiv(num_slots, self.block_size) - len(blocks) - len(new_computed_blocks))
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             self.num_cached_block[request.request_id] = len(blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks, request.request_id)
         blocks.extend(new_blocks)
         if new_blocks or new_computed_blocks:
             self.events.emit(
@@ -130,11 +133,25 @@ class KVCacheManager:
                 request_id=request.request_id,
                 new_block_ids=tuple(b.block_id for b in new_blocks),
                 block_ids=tuple(b.block_id for b in blocks),
+                hit_block_ids=tuple(b.block_id for b in new_computed_blocks),
             )
         if not delay_cache_blocks:
             # draft tokens are not in request.num_tokens, so blocks holding them are never cached
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def _refuse(self, num_needed: int, whole: bool = False) -> bool:
+        """Whether the free queue is short of `num_needed` blocks; if so, `refusal` says by how much."""
+        num_free = self.block_pool.get_num_free_blocks()
+        if num_needed <= num_free:
+            return False
+        self.refusal = NotEnoughBlocks(
+            num_blocks_needed=num_needed,
+            num_free_blocks=num_free,
+            num_cached_free_blocks=self.block_pool.num_cached_free,
+            whole_sequence=whole,
+        )
+        return True
 
     def _num_blocks_to_allocate(
         self, blocks: list[KVCacheBlock], new_computed_blocks: list[KVCacheBlock], num_slots: int
@@ -154,7 +171,9 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         hashes = update_block_hashes(request, self.block_size, self.hash_fn)
-        self.block_pool.cache_full_blocks(self.req_to_blocks[rid], hashes, num_cached, num_full)
+        self.block_pool.cache_full_blocks(
+            self.req_to_blocks[rid], hashes, num_cached, num_full, request, self.block_size
+        )
         self.num_cached_block[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -162,7 +181,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         num_cached = self.num_cached_block.pop(request.request_id, 0)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks), request.request_id)
             # Blocks are cached when allocated, before the forward computes them. A request preempted in the step
             # that allocated them leaves them uncomputed: their hashes must not outlive it. vLLM keeps them (a
             # later hit would read KV never written; docs/FIDELITY.md): they stay where vLLM's free queue puts

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.reasons import TokenLimit
 from engine.request import Request
 
 
@@ -19,6 +20,7 @@ class ScheduledRequest:
     block_ids: list[int]
     samples: bool  # this step reaches the request's last known token, so a new token is sampled
     spec_token_ids: list[int] = field(default_factory=list)
+    limit: TokenLimit | None = None  # why it got fewer tokens than it wanted (None: all it wanted)
 
     @property
     def request_id(self) -> str:

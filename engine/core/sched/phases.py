@@ -51,6 +51,7 @@ class PhaseTracker:
                 chunk_index=index,
                 num_chunks=count,
                 num_cached_tokens=max(s.request.num_cached_tokens, 0),
+                limit=s.limit,
             )
             phases[s.request_id] = phase
         return phases

@@ -19,6 +19,7 @@ class RequestQueue(Protocol):
     def peek_request(self) -> Request: ...
     def pop_request(self) -> Request: ...
     def remove_request(self, request: Request) -> None: ...
+    def request_ids(self) -> tuple[str, ...]: ...
     def __len__(self) -> int: ...
     def __iter__(self) -> Iterator[Request]: ...
 
@@ -43,6 +44,10 @@ class FCFSRequestQueue:
 
     def remove_request(self, request: Request) -> None:
         self._queue.remove(request)
+
+    def request_ids(self) -> tuple[str, ...]:
+        """The queued requests' ids, in queue order."""
+        return tuple(r.request_id for r in self._queue)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -71,6 +76,11 @@ class PriorityRequestQueue:
     def remove_request(self, request: Request) -> None:
         self._heap.remove(request)
         heapq.heapify(self._heap)
+
+    def request_ids(self) -> tuple[str, ...]:
+        """The queued requests' ids in heap order (the first is the next to pop; the rest unsorted: a sort per
+        step would cost O(n log n) for ids whose order nothing reads)."""
+        return tuple(r.request_id for r in self._heap)
 
     def __len__(self) -> int:
         return len(self._heap)

@@ -4,6 +4,9 @@ Chunked prefill falls out of the budget: a request gets min(its remaining tokens
 what is left of the budget), and the runner samples only when a request's computed tokens reach its end.
 When the KV cache is short, a running request is preempted (its blocks freed, recomputed later).
 A waiting request is admitted through named checks, in the order the seed gives them (`_admission`).
+Every decision that leaves a request with less than it wants says why (engine/reasons.py): a request that gets no
+tokens in a step is in a `request.deferred` event, one given fewer than it wants carries a `limit`, a preemption
+names its victim rule, its beneficiary and what stays cached.
 The scheduler decides only: naming what each request does in a step is phases.py's, for display.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import TYPE_CHECKING
 
 from engine.clock import Clock
@@ -19,8 +23,25 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.output import ScheduledRequest, SchedulerOutput
 from engine.core.sched.request_queue import create_request_queue
 from engine.core.sched.utils import check_stop
-from engine.events import EventLog, RequestFinished, RequestPreempted, SpecProposed
+from engine.events import EventLog, RequestDeferred, RequestFinished, RequestPreempted, SpecProposed
 from engine.kv_transfer.base import KVLoadError
+from engine.reasons import (
+    BudgetLeft,
+    HeadOfLine,
+    LongPrefillThreshold,
+    LowerPriority,
+    MaxModelLen,
+    MaxNumSeqs,
+    MemoryPressure,
+    OutputsInFlight,
+    Preemption,
+    PromptExceedsBudget,
+    Reason,
+    TokenBudgetSpent,
+    TokenLimit,
+    WaitingForGrammar,
+    WaitingForRemoteKV,
+)
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -45,11 +66,14 @@ class Verdict(enum.Enum):
 @dataclass
 class Admission:
     """One waiting request on its way through the admission checks: what they found, and the verdict of the
-    first check that decided (None while every check so far let it through)."""
+    first check that decided (None while every check so far let it through), with its reason when it holds the
+    request back; `limit`: why it gets fewer tokens than it wants once admitted."""
 
     request: Request
     budget: int
     verdict: Verdict | None = None
+    reason: Reason | None = None
+    limit: TokenLimit | None = None
     error: str | None = None
     hit_blocks: list = field(default_factory=list)  # local prefix-cache hits
     num_hit: int = 0
@@ -162,8 +186,13 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         budget = self._schedule_running(scheduled, preempted, budget)
-        if not preempted:  # under memory pressure, admit nobody new this step
+        if not preempted:
             self._schedule_waiting(scheduled, budget)
+        else:  # under memory pressure, admit nobody new this step
+            victims = tuple(r.request_id for r in preempted)
+            held = tuple(rid for rid in self.waiting.request_ids() if rid not in victims)
+            if held:
+                self.events.emit(RequestDeferred, request_ids=held, reason=MemoryPressure(preempted=victims))
         for s in scheduled:
             self._update_after_schedule(s)
         out = SchedulerOutput(scheduled, [r.request_id for r in preempted], self.finished_req_ids)
@@ -182,12 +211,29 @@ class Scheduler:
         if self.async_scheduling and not request.is_prefill_chunk:
             request.num_output_placeholders += 1 + len(s.spec_token_ids)
 
-    def _num_new_tokens(self, request: Request, num_computed: int) -> int:
-        """Tokens the request has left to compute (drafts and in-flight outputs included), cut by the long-prefill
-        threshold (which, as in vLLM, cuts with chunked prefill off too)."""
-        num_new = request.num_tokens_with_spec + request.num_output_placeholders - num_computed
+    @staticmethod
+    def _num_wanted(request: Request, num_computed: int) -> int:
+        """Tokens the request has left to compute (drafts and in-flight outputs included)."""
+        return request.num_tokens_with_spec + request.num_output_placeholders - num_computed
+
+    def _num_new_tokens(self, num_wanted: int) -> int:
+        """`num_wanted` cut by the long-prefill threshold (which, as in vLLM, cuts with chunked prefill off too)."""
         threshold = self.long_prefill_token_threshold
-        return threshold if 0 < threshold < num_new else num_new
+        return threshold if 0 < threshold < num_wanted else num_wanted
+
+    def _limit(self, request: Request, num_wanted: int, num_new: int, budget: int, room: int | None) -> TokenLimit:
+        """Why a request gets `num_new` < `num_wanted` tokens: the binding cap among `room` (max_model_len, for a
+        running request), the long-prefill threshold and the `budget` left (ties named in that order). Drafts are
+        the last tokens it wants, so they are cut first."""
+        num_drafts_cut = min(len(request.spec_token_ids), num_wanted - num_new)
+        if num_new == room:
+            return MaxModelLen(num_wanted=num_wanted, num_drafts_cut=num_drafts_cut, max_model_len=self.max_model_len)
+        if num_new == self.long_prefill_token_threshold:
+            return LongPrefillThreshold(num_wanted=num_wanted, num_drafts_cut=num_drafts_cut, threshold=num_new)
+        return BudgetLeft(num_wanted=num_wanted, num_drafts_cut=num_drafts_cut, budget_left=budget)
+
+    def _defer(self, request_ids: tuple[str, ...], reason: Reason) -> None:
+        self.events.emit(RequestDeferred, request_ids=request_ids, reason=reason)
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[Request], budget: int) -> int:
         index = 0
@@ -199,26 +245,31 @@ class Scheduler:
                 and num_computed + 2 - request.num_output_placeholders
                 >= request.num_prompt_tokens + request.sampling_params.max_tokens
             ):
-                index += 1  # asynchronous: the tokens in flight already reach max_tokens; no step past them
+                # asynchronous: the tokens in flight already reach max_tokens; no step past them
+                self._defer((request.request_id,), OutputsInFlight(num_tokens=request.num_output_placeholders))
+                index += 1
                 continue
             # no input position past max_model_len - 1: the token sampled there is the last one the model holds
-            num_new = min(self._num_new_tokens(request, num_computed), budget, self.max_model_len - num_computed - 1)
+            room = self.max_model_len - num_computed - 1
+            num_wanted = self._num_wanted(request, num_computed)
+            num_new = min(self._num_new_tokens(num_wanted), budget, room)
             if num_new <= 0:
                 index += 1
                 continue
+            limit = None if num_new == num_wanted else self._limit(request, num_wanted, num_new, budget, room)
             while self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens) is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
                 budget += self._unschedule(scheduled, victim)
-                self._preempt(victim)
+                self._preempt(victim, request)
                 preempted.append(victim)
                 if victim_index < index:
                     index -= 1
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new, num_computed))
+                scheduled.append(self._scheduled(request, num_new, num_computed, limit))
                 budget -= num_new
                 index += 1
                 continue
@@ -226,6 +277,11 @@ class Scheduler:
                 break  # FCFS preempted the request itself: it was the last one
             # priority: the request was the lowest-priority one and preempted itself; those after it rank higher and
             # may fit in the blocks it freed (vLLM 0.33 goes on with them)
+        if index < len(self.running):  # the budget ran out before their turn
+            self._defer(
+                tuple(r.request_id for r in self.running[index:]),
+                TokenBudgetSpent(budget=self.config.max_num_batched_tokens),
+            )
         return budget
 
     def _pick_victim(self) -> Request:
@@ -241,13 +297,28 @@ class Scheduler:
                 return s.num_new_tokens
         return 0
 
-    def _preempt(self, request: Request) -> None:
-        num_blocks = len(self.kv.req_to_blocks.get(request.request_id, ()))
+    def _preempt(self, request: Request, needed_by: Request) -> None:
+        """Preempt `request` for `needed_by`, whose allocation was just refused."""
+        blocks = self.kv.req_to_blocks.get(request.request_id, [])
+        # its leading blocks that keep their hash once freed (computed ones: kv.free forgets the others), up to
+        # where its resume's lookup stops (num_tokens - 1): the tokens it will not recompute, unless evicted first
+        num_hittable = min(request.num_computed_tokens, request.num_tokens - 1) // self.kv.block_size
+        kept = tuple(b.block_id for b in takewhile(lambda b: b.block_hash is not None, blocks[:num_hittable]))
+        refusal = self.kv.refusal
+        assert refusal is not None, "a preemption follows a refused allocate_slots"
         self.events.emit(
             RequestPreempted,
             request_id=request.request_id,
             num_computed_tokens=request.num_computed_tokens,
-            num_freed_blocks=num_blocks,
+            num_freed_blocks=len(blocks),
+            reason=Preemption(
+                rule="lowest_priority" if self.policy == "priority" else "last_running",
+                needed_by=needed_by.request_id,
+                num_blocks_needed=refusal.num_blocks_needed,
+                num_free_blocks=refusal.num_free_blocks,
+                kept_block_ids=kept,
+                num_kept_tokens=len(kept) * self.kv.block_size,
+            ),
         )
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -262,10 +333,13 @@ class Scheduler:
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         skipped: list[Request] = []  # passed over, not blocking the others: back at the head of the queue after
+        deferred: dict[Reason, list[str]] = {}  # the skipped ones by reason
+        stop: Admission | None = None
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek_request()
             admission = self._admission(request, budget)
             if admission.verdict is Verdict.STOP:
+                stop = admission
                 break
             if admission.verdict is Verdict.FINISH:
                 self.finish_request(request, RequestStatus.FINISHED_ERROR, admission.error)
@@ -275,8 +349,36 @@ class Scheduler:
                 if admission.verdict is Verdict.PARK:
                     self._wait_for_remote_kvs(admission)
                 skipped.append(self.waiting.pop_request())
+                assert admission.reason is not None, "a check that skips says why"
+                deferred.setdefault(admission.reason, []).append(request.request_id)
+        for reason, ids in deferred.items():
+            self._defer(tuple(ids), reason)
+        if len(self.waiting):
+            self._defer_not_reached(stop, budget)
         for request in reversed(skipped):
             self.waiting.prepend_request(request)
+
+    def _defer_not_reached(self, stop: Admission | None, budget: int) -> None:
+        """Say why the requests still queued were not admitted: the one a check stopped at (`stop`) says its own
+        reason, and those after it wait behind it; else the budget or max_num_seqs ended the loop."""
+        rest = self.waiting.request_ids()
+        behind: Reason
+        if stop is not None:
+            head = stop.request
+            assert stop.reason is not None, "a check that stops says why"
+            self._defer((head.request_id,), stop.reason)
+            rest = tuple(rid for rid in rest if rid != head.request_id)
+            behind = (
+                LowerPriority(blocked_by=head.request_id, blocker_priority=head.priority)
+                if self.policy == "priority"
+                else HeadOfLine(blocked_by=head.request_id)
+            )
+        elif budget <= 0:
+            behind = TokenBudgetSpent(budget=self.config.max_num_batched_tokens)
+        else:
+            behind = MaxNumSeqs(max_num_seqs=self.config.max_num_seqs)
+        if rest:
+            self._defer(rest, behind)
 
     def _admission(self, request: Request, budget: int) -> Admission:
         """The seed's steps for a waiting request, in its order, until one decides: is its KV still loading, is
@@ -301,20 +403,27 @@ class Scheduler:
     @staticmethod
     def _check_remote_kvs(a: Admission) -> Verdict | None:
         # update_kv_xfer_finished makes it WAITING again once its load lands
-        return Verdict.SKIP if a.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS else None
+        if a.request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return None
+        a.reason = WaitingForRemoteKV(stored=True)
+        return Verdict.SKIP
 
     def _check_grammar(self, a: Admission) -> Verdict | None:
         """A grammar still compiling holds its request back (the others go on); one that failed finishes it."""
         if a.request.status != _COMPILING or self._structured().check_ready(a.request):
             return None
         a.error = self._structured().error(a.request.request_id)
+        a.reason = WaitingForGrammar()
         return Verdict.SKIP if a.error is None else Verdict.FINISH
 
     @staticmethod
     def _check_stale_output(a: Admission) -> Verdict | None:
         # asynchronous: a preempted request resumes only once the outputs it had in flight are back, or a resumed
         # step could sample a position those outputs fill
-        return Verdict.SKIP if a.request.num_stale_output_tokens else None
+        if not a.request.num_stale_output_tokens:
+            return None
+        a.reason = OutputsInFlight(num_tokens=a.request.num_stale_output_tokens)
+        return Verdict.SKIP
 
     def _lookup_prefix_cache(self, a: Admission) -> Verdict | None:
         if a.request.num_computed_tokens == 0:  # else its KV came from a finished asynchronous load
@@ -332,6 +441,7 @@ class Scheduler:
             return Verdict.FINISH
         if num_external is None:  # its producer's KV is not stored yet: look again next step
             self.awaiting_kv.add(a.request.request_id)
+            a.reason = WaitingForRemoteKV(stored=False)
             return Verdict.SKIP
         self.awaiting_kv.discard(a.request.request_id)
         a.num_external = num_external
@@ -340,10 +450,14 @@ class Scheduler:
     def _count_new_tokens(self, a: Admission) -> Verdict | None:
         if a.load_async:  # nothing is computed until the load lands
             return None
-        a.num_new = self._num_new_tokens(a.request, a.num_computed)
+        num_wanted = self._num_wanted(a.request, a.num_computed)
+        a.num_new = self._num_new_tokens(num_wanted)
         if not self.config.enable_chunked_prefill and a.num_new > a.budget:
+            a.reason = PromptExceedsBudget(num_new_tokens=a.num_new, budget_left=a.budget)
             return Verdict.STOP  # without chunking, a prompt waits until it fits whole
         a.num_new = min(a.num_new, a.budget)
+        if a.num_new < num_wanted:
+            a.limit = self._limit(a.request, num_wanted, a.num_new, a.budget, None)
         return None
 
     def _allocate_slots(self, a: Admission) -> Verdict:
@@ -363,12 +477,16 @@ class Scheduler:
             )
             is None
         ):
+            a.reason = self.kv.refusal
             return Verdict.STOP
         if self.connector is not None:
             self.connector.update_state_after_alloc(
                 a.request, self.kv.get_block_ids(a.request.request_id), a.num_external
             )
-        return Verdict.PARK if a.load_async else Verdict.SCHEDULE
+        if a.load_async:
+            a.reason = WaitingForRemoteKV(stored=True)
+            return Verdict.PARK
+        return Verdict.SCHEDULE
 
     def _admit(self, a: Admission, scheduled: list[ScheduledRequest]) -> int:
         """Move the request from waiting to running; returns the budget its new tokens take."""
@@ -381,7 +499,7 @@ class Scheduler:
             request.num_cached_tokens = a.num_hit + a.num_external
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = self.clock.monotonic()
-        scheduled.append(self._scheduled(request, a.num_new, num_computed))
+        scheduled.append(self._scheduled(request, a.num_new, num_computed, a.limit))
         return a.num_new
 
     def _wait_for_remote_kvs(self, a: Admission) -> None:
@@ -419,7 +537,9 @@ class Scheduler:
             self.kv.cache_blocks(request, num_computed)
             request.status = RequestStatus.WAITING
 
-    def _scheduled(self, request: Request, num_new: int, num_computed: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, num_computed: int, limit: TokenLimit | None = None
+    ) -> ScheduledRequest:
         num_known = request.num_tokens + request.num_output_placeholders  # tokens in flight are known by then
         num_spec = max(0, num_computed + num_new - num_known)
         samples = num_computed + num_new - num_spec >= num_known
@@ -430,6 +550,7 @@ class Scheduler:
             self.kv.get_block_ids(request.request_id),
             samples,
             request.spec_token_ids[:num_spec],
+            limit,
         )
 
     def handle_kv_load_errors(self, output: SchedulerOutput, failed_block_ids: set[int]) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from engine.block_life import BlockLife
 from engine.clock import Clock, SimulatedClock
 from engine.config import EngineConfig
 from engine.core.block_hash import hash_hex
@@ -28,6 +29,7 @@ from engine.events import (
     Subscriber,
 )
 from engine.executor import get_executor_class
+from engine.journey import Explainer, Journey
 from engine.limits import check_engine_limits
 from engine.output_processor import IncrementalDetokenizer, make_output
 from engine.outputs import RequestOutput
@@ -85,6 +87,8 @@ class LLMEngine:
             config, self.kv_cache_manager, self.events, self.structured, self.connector, clock=self.clock
         )
         self.phase_tracker = PhaseTracker(self.events)  # names what each scheduled request does, for the StepRecord
+        # every request's journey and every block's life, folded from the records as they are made (explain)
+        self.explainer = Explainer(config.block_size)
         self.step_count = 0
         self._subscribers: list[Subscriber] = []
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -421,6 +425,22 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def explain(self, request_id: str) -> Journey:
+        """A request's journey (engine/journey.py): each step it lived through with its state, the tokens it got and
+        why not more, its prefix lookups and preemptions with their reasons, and its TTFT and latency split into
+        parts that add up to them. Kept after pop_output (the last 10,000 finished requests); an id never added
+        raises KeyError, one with n > 1 ValueError (ask for one of its children)."""
+        ids = self.child_ids(request_id)
+        if len(ids) > 1:
+            raise ValueError(f"request_id: {request_id!r} samples n={len(ids)} sequences: explain one of {ids}")
+        return self.explainer.explain(request_id)
+
+    def block_life(self, block_id: int) -> list[BlockLife]:
+        """A KV block's lives (engine/block_life.py), oldest first: allocated to, filled, cached, hit by whom, freed,
+        evicted (why, for whom), with vLLM's lifetime, idle-before-evict and reuse-gap metrics of each ended life
+        (all blocks' samples: `explainer.kv_block_metrics`)."""
+        return self.explainer.block_life(block_id)
+
     def snapshot(self) -> EngineSnapshot:
         """The state a view attached now starts from (the next StepRecord follows on from it)."""
         wall_minus_mono = self.clock.time_ns() - round(self.clock.monotonic() * 1e9)
@@ -529,6 +549,7 @@ class LLMEngine:
             outputs_of_step=outputs_of_step,
         )
         self.events.begin(self.step_count + 1)
+        self.explainer.observe(record)
         for callback in list(self._subscribers):
             callback(record)
         return record

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from engine.events import EngineSnapshot, StepRecord
+from engine.journey import Explainer
 
 if TYPE_CHECKING:  # the engine module pulls in torch and transformers; the trace reader must not
     from engine.llm_engine import LLMEngine
@@ -89,6 +90,11 @@ class Trace:
         """The engine's state when the trace began (None in traces written before snapshots existed)."""
         snapshot = self.header.get("snapshot")
         return EngineSnapshot.from_dict(snapshot) if snapshot else None
+
+    def explainer(self) -> Explainer:
+        """The journeys of the trace's requests and the lives of its blocks, as the live engine explains them:
+        `explainer().explain(request_id)`, `.block_life(block_id)`."""
+        return Explainer.from_records(self.records, self.header["config"]["block_size"])
 
 
 def write_trace(path: str | os.PathLike, header: dict[str, Any], records: list[StepRecord]) -> None:

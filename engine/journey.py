@@ -151,11 +151,14 @@ class Journey:
     ) -> None:
         """Count one step of the journey: it extends the last span when the step repeats it."""
         last = self.spans[-1] if self.spans else None
-        if (
+        if (  # field by field, cheapest first: a long queue's waiting requests come through here every step
             last is not None
             and last.last_step == step - 1
-            and (last.state, last.phase, last.num_tokens, last.reason, last.part)
-            == (state, phase, num_tokens, reason, part)
+            and last.part == part
+            and last.state == state
+            and last.num_tokens == num_tokens
+            and last.phase == phase
+            and (last.reason is reason or last.reason == reason)
         ):
             last.last_step, last.ns = step, last.ns + ns
         else:
@@ -163,10 +166,11 @@ class Journey:
         self.latency.add(part, ns)
 
 
-@dataclass
+@dataclass(slots=True)
 class _StepOfRequest:
     """What one step did with one request, gathered from the step's events before its time is given out."""
 
+    track: _Track
     state: str = ""
     phase: str | None = None
     num_tokens: int = 0
@@ -176,7 +180,7 @@ class _StepOfRequest:
     finish_reason: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Track:
     """A live request's journey and what the fold needs to go on with it."""
 
@@ -207,8 +211,8 @@ class JourneyRecorder:
         steps: dict[str, _StepOfRequest] = {}
         for e in record.events:
             self._event(e, record, steps)
-        for rid, s in steps.items():
-            self._close(rid, s, record)
+        for s in steps.values():
+            self._close(s, record)
 
     def _track(self, request_id: str, record: StepRecord) -> _Track:
         track = self._live.get(request_id)
@@ -216,33 +220,39 @@ class JourneyRecorder:
             track = self._live[request_id] = _Track(Journey(request_id, None), record.start_ns)
         return track
 
+    def _step_of(self, request_id: str, record: StepRecord, steps: dict[str, _StepOfRequest]) -> _StepOfRequest:
+        s = steps.get(request_id)
+        if s is None:
+            s = steps[request_id] = _StepOfRequest(self._track(request_id, record))
+        return s
+
     def _event(self, e: Event, record: StepRecord, steps: dict[str, _StepOfRequest]) -> None:
         if isinstance(e, RequestAdded):
             self._finished.pop(e.request_id, None)  # an id used again starts a new journey
             self._live[e.request_id] = _Track(Journey(e.request_id, e.arrival_ns), e.arrival_ns)
         elif isinstance(e, RequestScheduled):
-            self._scheduled(e, self._track(e.request_id, record), steps.setdefault(e.request_id, _StepOfRequest()))
+            self._scheduled(e, self._step_of(e.request_id, record, steps))
         elif isinstance(e, RequestDeferred):
+            part = f"wait:{e.reason.code}"
             for rid in e.request_ids:
-                track = self._track(rid, record)
-                s = steps.setdefault(rid, _StepOfRequest())
-                s.state, s.reason, s.part = "running" if track.running else "waiting", e.reason, f"wait:{e.reason.code}"
+                s = self._step_of(rid, record, steps)
+                s.state, s.reason, s.part = "running" if s.track.running else "waiting", e.reason, part
         elif isinstance(e, RequestPreempted):
-            track = self._track(e.request_id, record)
-            track.running, track.recomputing = False, True
-            track.journey.preemptions.append(e)
-            s = steps.setdefault(e.request_id, _StepOfRequest())
+            s = self._step_of(e.request_id, record, steps)
+            s.track.running, s.track.recomputing = False, True
+            s.track.journey.preemptions.append(e)
             s.state, s.reason, s.part = "preempted", e.reason, "preempted"
         elif isinstance(e, PrefixLookup | PrefixSkipped):
             self._track(e.request_id, record).journey.lookups.append(e)
         elif isinstance(e, RequestTokens):
             if e.token_ids and self._track(e.request_id, record).journey.ttft is None:
-                steps.setdefault(e.request_id, _StepOfRequest()).first_token = True
+                self._step_of(e.request_id, record, steps).first_token = True
         elif isinstance(e, RequestFinished):
-            steps.setdefault(e.request_id, _StepOfRequest()).finish_reason = e.reason
+            self._step_of(e.request_id, record, steps).finish_reason = e.reason
 
     @staticmethod
-    def _scheduled(e: RequestScheduled, track: _Track, s: _StepOfRequest) -> None:
+    def _scheduled(e: RequestScheduled, s: _StepOfRequest) -> None:
+        track = s.track
         journey = track.journey
         track.running = True
         s.state, s.phase, s.num_tokens, s.reason = "running", e.phase, e.num_tokens, e.limit
@@ -257,9 +267,9 @@ class JourneyRecorder:
             journey.num_prefill_chunks += 1
             s.part = "prefill"
 
-    def _close(self, request_id: str, s: _StepOfRequest, record: StepRecord) -> None:
+    def _close(self, s: _StepOfRequest, record: StepRecord) -> None:
         """Give the request its time up to this step's end, in this step's part."""
-        track = self._track(request_id, record)
+        track = s.track
         journey, end = track.journey, record.end_ns
         if s.finish_reason is not None and not s.state:
             s.state, s.part = "finished", "finish"
@@ -270,8 +280,8 @@ class JourneyRecorder:
             journey.first_token_ns, journey.ttft = end, journey.latency.copy()
         if s.finish_reason is not None:
             journey.finished_ns, journey.finish_reason = end, s.finish_reason
-            del self._live[request_id]
-            self._finished[request_id] = journey
+            del self._live[journey.request_id]
+            self._finished[journey.request_id] = journey
             if len(self._finished) > self.max_finished:
                 self._finished.popitem(last=False)
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal, cast, get_args
 from urllib.parse import urlsplit
 
@@ -21,6 +22,7 @@ Executor = Literal["uniproc", "multiproc", "simulated", "scripted"]
 DataParallelRouting = Literal["load", "prefix"]
 # speculative_config.method: engine/spec_decode/'s PROPOSERS maps each to its proposer class (a test checks they agree)
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
+KVEventsPublisher = Literal["null", "zmq"]
 # vLLM's ObservabilityConfig.collect_detailed_traces and ProfilerConfig.profiler (only its torch profiler here)
 DetailedTraceModules = Literal["model", "worker", "all"]
 ProfilerKind = Literal["torch"]
@@ -143,6 +145,69 @@ class KVTransferConfig:
         return self.kv_role in ("kv_consumer", "kv_both")
 
 
+# ZeroMQ endpoints, vLLM's transports: tcp://HOST:PORT (an IPv6 host in brackets), ipc://PATH, inproc://NAME
+_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(?P<port>\d{1,5})|ipc://.+|inproc://.+")
+
+
+def _check_endpoint(name: str, value: object, num_ranks: int) -> None:
+    """A ZeroMQ endpoint that `num_ranks` data-parallel ranks can each offset (vLLM's rule: tcp port + rank,
+    inproc name + _dp{rank}; ipc cannot be offset)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected str, got {type(value).__name__}")
+    match = _ENDPOINT.fullmatch(value)
+    if match is None:
+        raise ValueError(f"{name}: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {value!r}")
+    port = match["port"]
+    if port is not None and int(port) and int(port) + num_ranks - 1 > 65535:
+        raise ValueError(
+            f"{name}: port {port} + {num_ranks - 1} (one port per data-parallel rank) is past 65535, in {value!r}"
+        )
+    if value.startswith("ipc://") and num_ranks > 1:
+        raise ValueError(f"{name}: an ipc:// endpoint has no port to offset per data-parallel rank, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events, vLLM's keys (vllm/config/kv_events.py): whether the block pool records them, the publisher,
+    where it publishes and answers replays, the batches it keeps for replay, its high-water mark and queue, the
+    topic. Endpoints default to loopback (vLLM's is tcp://*:5557, every interface): a wildcard or loopback host
+    binds, another host is connected to."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # none: "zmq" when enabled, else "null" (vLLM's __post_init__)
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict, num_ranks: int = 1) -> KVEventsConfig:
+        """Check vLLM's keys; `num_ranks` ranks each take endpoint and replay_endpoint offset by their rank."""
+        _check_keys(cls, d, "kv_events_config")
+        cfg = cls(**d)
+        enabled = cfg.enable_kv_cache_events
+        if not isinstance(enabled, bool):
+            raise TypeError(f"kv_events_config.enable_kv_cache_events: expected bool, got {type(enabled).__name__}")
+        publisher = cfg.publisher or ("zmq" if enabled else "null")
+        _check_choice("kv_events_config.publisher", publisher, KVEventsPublisher)
+        _check_endpoint("kv_events_config.endpoint", cfg.endpoint, num_ranks)
+        if cfg.replay_endpoint is not None:
+            _check_endpoint("kv_events_config.replay_endpoint", cfg.replay_endpoint, num_ranks)
+            if cfg.replay_endpoint == cfg.endpoint and not cfg.endpoint.endswith(":0"):
+                raise ValueError(f"kv_events_config.replay_endpoint: must differ from endpoint ({cfg.endpoint!r})")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(cfg, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"kv_events_config.{name}: expected int, got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"kv_events_config.{name}: must be >= 0, got {value}")
+        if not isinstance(cfg.topic, str):
+            raise TypeError(f"kv_events_config.topic: expected str, got {type(cfg.topic).__name__}")
+        return replace(cfg, publisher=publisher)
+
+
 @dataclass(frozen=True)
 class ProfilerConfig:
     """The torch profiler behind /start_profile and /stop_profile, vLLM 0.33's ProfilerConfig keys (those of its
@@ -244,6 +309,10 @@ class EngineConfig:
     """KV transfer between instances, vLLM's keys: kv_connector, kv_role (kv_producer, kv_consumer, kv_both),
     kv_connector_extra_config, kv_load_failure_policy (recompute, fail), engine_id; a JSON object on the command
     line."""
+    kv_events_config: dict | None = None
+    """KV cache events in vLLM's wire format (engine/distributed/kv_events.py), vLLM's keys: enable_kv_cache_events,
+    publisher (zmq, null), endpoint (default tcp://127.0.0.1:5557), replay_endpoint, buffer_steps, hwm,
+    max_queue_size, topic; a JSON object on the command line."""
 
     # ---- execution (vLLM's names)
     executor: Executor = "uniproc"  # engine/executor/: uniproc.py, multiproc.py, simulated.py, scripted.py
@@ -278,6 +347,9 @@ class EngineConfig:
     """How long the front end waits for a replica that owes it an answer (the acknowledgement of an add, a step's
     report while it holds requests, a records() reply) before it declares the replica dead: killed and reaped, its
     requests failed naming it, the others serving on (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)."""
+    data_parallel_rank: int = 0
+    """This engine's rank among the data-parallel replicas (the front end sets each replica's): its KV events go to
+    the endpoints' port + rank and carry it as data_parallel_rank, as vLLM's."""
     gpu_memory_utilization: float = 0.92
     """The simulated executor's share of device memory for weights, activations and KV (vLLM 0.33's default)."""
 
@@ -343,6 +415,10 @@ class EngineConfig:
         )
         self.kv_transfer = (
             None if self.kv_transfer_config is None else KVTransferConfig.from_dict(self.kv_transfer_config)
+        )
+        num_ranks = max(self.data_parallel_size, self.data_parallel_rank + 1)  # the ports the ranks' events take
+        self.kv_events = (
+            None if self.kv_events_config is None else KVEventsConfig.from_dict(self.kv_events_config, num_ranks)
         )
         self._check_observability()
         if self.async_scheduling:
@@ -448,6 +524,14 @@ class EngineConfig:
         if not timeout > 0:
             raise ValueError(f"data_parallel_replica_timeout_s: must be > 0 seconds, got {timeout}")
         _check_choice("data_parallel_routing", self.data_parallel_routing, DataParallelRouting)
+        rank = self.data_parallel_rank
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"data_parallel_rank: expected int, got {type(rank).__name__}")
+        if rank < 0 or (dp > 1 and rank != 0):
+            raise ValueError(
+                f"data_parallel_rank: must be >= 0, and 0 for the front end of data_parallel_size > 1 (each replica "
+                f"it starts gets its own), got {rank}"
+            )
         if dp == 1:
             return
         if self.tensor_parallel_size != 1:  # a replica's process is a daemon: it cannot start TP workers

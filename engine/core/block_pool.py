@@ -10,11 +10,15 @@ requests computed the same prefix at once): both are cached, and a lookup takes 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine.core.block_hash import BlockHash, hash_hex
 from engine.events import EventLog, KVCached, KVEvicted, KVUsage
 from engine.reasons import Eviction
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.distributed.kv_events import KVEvent, KVEventRecorder
 
 
 class KVCacheBlock:
@@ -119,10 +123,13 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns all KV blocks: allocation, ref counts, the free queue, and the hash -> cached blocks map.
 
-    Block 0 is the null block: never allocated, it pads block tables.
+    Block 0 is the null block: never allocated, it pads block tables. With `enable_kv_cache_events`, it reports
+    what enters and leaves the cache to a KVEventRecorder (vLLM's events, engine/distributed/kv_events.py).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool, events: EventLog) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, events: EventLog, enable_kv_cache_events: bool = False
+    ) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.events = events
@@ -138,6 +145,11 @@ class BlockPool:
         self._max_evictions = 4 * num_blocks
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        self.kv_events: KVEventRecorder | None = None
+        if enable_kv_cache_events:  # imported only then: pyzmq and msgspec are needed only by KV events
+            from engine.distributed.kv_events import KVEventRecorder
+
+            self.kv_events = KVEventRecorder()
 
     # ---- prefix cache -------------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -153,8 +165,9 @@ class BlockPool:
         request: Request | None = None,
         block_size: int = 0,
     ) -> None:
-        """Give blocks[num_cached_blocks:num_full_blocks] their hashes and enter them in the map; each keeps the
-        `request`'s tokens it holds (`block_size` per block) and salt, which a later miss compares with."""
+        """Give blocks[num_cached_blocks:num_full_blocks] their hashes and enter them in the map. With KV cache events
+        on, they are one BlockStored, which tells the `request`'s tokens they hold, `block_size` per block."""
+        cached: list[int] = []  # indices of the blocks cached now
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
@@ -169,19 +182,30 @@ class BlockPool:
             if request is not None:
                 block.token_ids = tuple(request.all_token_ids[i * block_size : (i + 1) * block_size])
                 block.cache_salt = request.cache_salt if i == 0 else None
+            cached.append(i)
             self.events.emit(
                 KVCached,
                 block_id=block.block_id,
                 block_hash=hash_hex(block_hash),
                 parent_hash=hash_hex(block.parent_hash),
             )
+        if self.kv_events is not None:
+            assert request is not None and block_size > 0, "a BlockStored tells the request's tokens"
+            self.kv_events.stored(request, block_size, block_hashes, cached, num_cached_blocks, num_full_blocks)
 
     def uncache(self, block: KVCacheBlock, cause: str = "reused", for_request: str | None = None) -> None:
-        """Forget a block's hash: it leaves the map and can no longer be hit. `cause` and `for_request` say why
-        (engine/reasons.py's Eviction); the eviction is remembered."""
+        """Forget a block's hash: it leaves the map and can no longer be hit (a BlockRemoved with events on).
+        `cause` and `for_request` say why (engine/reasons.py's Eviction)."""
+        block_hash = self._forget(block, cause, for_request)
+        if block_hash is not None and self.kv_events is not None:
+            self.kv_events.removed(block_hash)
+
+    def _forget(self, block: KVCacheBlock, cause: str, for_request: str | None = None) -> BlockHash | None:
+        """Take a block's hash out of the map and the block, and remember the eviction; returns the hash (None: it
+        had none)."""
         block_hash = block.block_hash
         if block_hash is None:
-            return
+            return None
         blocks = self.cached_block_hash_to_block.get(block_hash, {})
         blocks.pop(block.block_id, None)
         if not blocks:
@@ -201,6 +225,7 @@ class BlockPool:
         self.events.emit(KVEvicted, block_id=block.block_id, block_hash=hash_hex(block_hash), reason=reason)
         block.block_hash = block.parent_hash = None
         block.token_ids, block.cache_salt = (), None
+        return block_hash
 
     def _maybe_evict(self, block: KVCacheBlock, cause: str, for_request: str | None = None) -> None:
         if block.block_hash is not None:
@@ -220,9 +245,15 @@ class BlockPool:
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
         for block in [b for blocks in self.cached_block_hash_to_block.values() for b in blocks.values()]:
-            self.uncache(block, "reset")
+            self._forget(block, "reset")
         self.num_cached_free = 0
+        if self.kv_events is not None:
+            self.kv_events.cleared()  # one event for the lot, as vLLM's
         return True
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV cache events (vLLM's) recorded since the last call, oldest first; none with events off."""
+        return [] if self.kv_events is None else self.kv_events.take()
 
     # ---- allocation -----------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int, for_request: str | None = None) -> list[KVCacheBlock]:

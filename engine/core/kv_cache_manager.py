@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.core.block_hash import HASH_FUNCTIONS, update_block_hashes
 from engine.core.block_pool import BlockPool, KVCacheBlock
@@ -10,6 +11,9 @@ from engine.core.prefix_miss import why_missed
 from engine.events import EventLog, KVAllocated, KVFreed, KVUsage, PrefixLookup, PrefixSkipped
 from engine.reasons import NotEnoughBlocks, PromptLogprobs
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.distributed.kv_events import KVEvent
 
 
 def cdiv(a: int, b: int) -> int:
@@ -42,13 +46,14 @@ class KVCacheManager:
         hash_algo: str,
         events: EventLog,
         max_model_len: int | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.hash_fn = HASH_FUNCTIONS[hash_algo]
         self.events = events
-        self.block_pool = BlockPool(num_blocks, enable_caching, events)
+        self.block_pool = BlockPool(num_blocks, enable_caching, events, enable_kv_cache_events)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.stats = PrefixCacheStats()
@@ -194,6 +199,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV cache events (vLLM's format) recorded since the last call; empty unless they are on."""
+        return self.block_pool.take_events()
 
     def usage(self) -> KVUsage:
         return self.block_pool.usage()

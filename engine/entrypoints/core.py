@@ -68,6 +68,8 @@ def run_engine_core(conn: Connection, engine_kwargs: dict, max_records: int, tor
         _run_busy_loop(conn, engine, _WorkerState(max_records))
     except (BrokenPipeError, ConnectionResetError):  # the router's process died while this one was stepping
         pass
+    finally:
+        engine.close()  # its KV events publisher's sockets (and ports) go with the instance
 
 
 def _run_busy_loop(conn: Connection, engine: LLMEngine, state: _WorkerState) -> None:

@@ -122,7 +122,11 @@ class DPLBClient(EngineProcs):
         return self
 
     def _instance_specs(self) -> list[tuple[str, str, dict]]:
-        return [("dp", f"dp-{k}", {"config": self.replica_config}) for k in range(self.config.data_parallel_size)]
+        # each replica its rank: its KV events go to the endpoints' ports + rank, as vLLM's DP engines' do
+        return [
+            ("dp", f"dp-{k}", {"config": replace(self.replica_config, data_parallel_rank=k)})
+            for k in range(self.config.data_parallel_size)
+        ]
 
     @property
     def tokenizer(self):

@@ -55,9 +55,9 @@ def _write_model_config(eos_token_id: int) -> None:
 _model_configs: dict = {}
 
 
-def make_scheduler(workload: dict):
+def make_scheduler(workload: dict, kv_events_config: dict | None = None):
     import torch
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -91,6 +91,7 @@ def make_scheduler(workload: dict):
         cache_config=cache_config,
         scheduler_config=scheduler_config,
         device_config=DeviceConfig(device="cpu"),
+        kv_events_config=None if kv_events_config is None else KVEventsConfig(**kv_events_config),
     )
     spec = FullAttentionSpec(block_size=c["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(
@@ -168,10 +169,11 @@ def _runner_output(out, samples: set, requests: dict, workload: dict):
     )
 
 
-def run_workload(workload: dict) -> dict:
+def run_workload(workload: dict, kv_events_config: dict | None = None) -> dict:
     """Each step as vLLM's EngineCore takes it: `step()` (schedule, run, update) or, with async scheduling,
     `step_with_batch_queue()` (a queue of two batches: schedule the next batch; update from the oldest when the
-    queue is full or nothing more can be scheduled)."""
+    queue is full or nothing more can be scheduled). `kv_events_config` (vLLM's KVEventsConfig's keys): the
+    scheduler publishes its KV cache events (tests/fidelity/vllm_kv_events.py)."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import RequestStatus
@@ -181,7 +183,7 @@ def run_workload(workload: dict) -> dict:
     hash_fn = get_hash_fn_by_name(c["prefix_caching_hash_algo"])
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(c["block_size"], hash_fn)
-    scheduler = make_scheduler(workload)
+    scheduler = make_scheduler(workload, kv_events_config)
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
     requests: dict = {}

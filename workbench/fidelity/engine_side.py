@@ -18,7 +18,8 @@ from engine import LLMEngine, SamplingParams
 from engine.core.block_hash import hash_hex
 
 
-def make_engine(workload: dict[str, Any]) -> LLMEngine:
+def make_engine(workload: dict[str, Any], kv_events_config: dict[str, Any] | None = None) -> LLMEngine:
+    """The engine of a workload's config; `kv_events_config` (vLLM's keys) turns its KV cache events on."""
     c = workload["config"]
     scripts = {r["request_id"]: r["output_token_ids"] for r in workload["requests"]}
     return LLMEngine(
@@ -35,6 +36,7 @@ def make_engine(workload: dict[str, Any]) -> LLMEngine:
         scheduling_policy=c["scheduling_policy"],
         prefix_caching_hash_algo=c["prefix_caching_hash_algo"],
         async_scheduling=c.get("async_scheduling", False),
+        kv_events_config=kv_events_config,
     )
 
 

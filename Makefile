@@ -132,11 +132,15 @@ $(VLLM_STAMP): tests/fidelity/requirements-vllm.txt
 
 # Re-record the golden traces from live vLLM (tests/fidelity/golden: `git diff` shows whether vLLM's decisions
 # moved), check the engine against them, then compare it with live vLLM on FIDELITY_WORKLOADS fresh seeded
-# workloads per coverage group, from seed FIDELITY_START. Exits non-zero on any divergence.
+# workloads per coverage group, from seed FIDELITY_START. Exits non-zero on any divergence. The KV events too: vLLM's
+# scheduler and publisher re-record their bytes (tests/fidelity/golden/kv_events.json), the engine is checked against
+# them, then each side's stream is read by the other's classes, live (tests/fidelity/test_kv_events_vllm.py).
 FIDELITY_WORKLOADS ?= 1000
 FIDELITY_START ?= 1000
 fidelity: $(EDITABLE) $(VLLM_STAMP)
 	$(BIN)/workbench fidelity record --vllm-python $(VLLM_VENV)/bin/python
+	$(VLLM_VENV)/bin/python tests/fidelity/vllm_kv_events.py record tests/fidelity/golden/kv_events.json
 	$(BIN)/workbench fidelity check
+	$(BIN)/python -m pytest -q tests/distributed/test_kv_events.py tests/fidelity/test_kv_events_vllm.py
 	$(BIN)/workbench fidelity run --vllm-python $(VLLM_VENV)/bin/python --workloads $(FIDELITY_WORKLOADS) \
 		--start $(FIDELITY_START)

@@ -55,6 +55,11 @@ class Reason:
         raise NotImplementedError
 
 
+def _count(n: int, noun: str) -> str:
+    """ "1 block", "2 blocks": the sentences' numbers."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def is_reason_field(annotation: object) -> bool:
     """Whether a dataclass field's annotation (a string, under `from __future__ import annotations`) holds a
     reason: events read theirs back with `Reason.from_dict`."""
@@ -85,7 +90,7 @@ class PromptExceedsBudget(Reason):
 
     def describe(self) -> str:
         return (
-            f"needs {self.num_new_tokens} tokens at once (chunked prefill off), only {self.budget_left} "
+            f"needs {_count(self.num_new_tokens, 'token')} at once (chunked prefill off), only {self.budget_left} "
             "left in the budget"
         )
 
@@ -117,7 +122,7 @@ class NotEnoughBlocks(Reason):
     def describe(self) -> str:
         whole = " for its whole sequence" if self.whole_sequence else ""
         return (
-            f"needs {self.num_blocks_needed} KV blocks{whole}, {self.num_free_blocks} free "
+            f"needs {_count(self.num_blocks_needed, 'KV block')}{whole}, {self.num_free_blocks} free "
             f"({self.num_cached_free_blocks} of them cached-free)"
         )
 
@@ -153,7 +158,7 @@ class OutputsInFlight(Reason):
     num_tokens: int
 
     def describe(self) -> str:
-        return f"waits for {self.num_tokens} outputs still in flight"
+        return f"waits for {_count(self.num_tokens, 'output')} still in flight"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,7 +208,7 @@ class TokenLimit(Reason):
     num_drafts_cut: int = 0
 
     def _drafts(self) -> str:
-        return f"; {self.num_drafts_cut} draft tokens cut" if self.num_drafts_cut else ""
+        return f"; {_count(self.num_drafts_cut, 'draft token')} cut" if self.num_drafts_cut else ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,7 +219,7 @@ class BudgetLeft(TokenLimit):
     budget_left: int
 
     def describe(self) -> str:
-        return f"wanted {self.num_wanted} tokens, {self.budget_left} left in the budget{self._drafts()}"
+        return f"wanted {_count(self.num_wanted, 'token')}, {self.budget_left} left in the budget{self._drafts()}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,7 +230,8 @@ class LongPrefillThreshold(TokenLimit):
     threshold: int
 
     def describe(self) -> str:
-        return f"wanted {self.num_wanted} tokens, long_prefill_token_threshold is {self.threshold}{self._drafts()}"
+        wanted = _count(self.num_wanted, "token")
+        return f"wanted {wanted}, long_prefill_token_threshold is {self.threshold}{self._drafts()}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,7 +242,7 @@ class MaxModelLen(TokenLimit):
     max_model_len: int
 
     def describe(self) -> str:
-        return f"wanted {self.num_wanted} tokens, max_model_len is {self.max_model_len}{self._drafts()}"
+        return f"wanted {_count(self.num_wanted, 'token')}, max_model_len is {self.max_model_len}{self._drafts()}"
 
 
 # ---- a preemption (request.preempted's reason) -------------------------------------------------------------------
@@ -260,9 +266,12 @@ class Preemption(Reason):
 
     def describe(self) -> str:
         rule = "the last running request" if self.rule == "last_running" else "the lowest priority, latest arrival"
-        kept = f"; {len(self.kept_block_ids)} blocks ({self.num_kept_tokens} tokens) stay cached for its resume"
+        kept = (
+            f"; cached for its resume: {_count(len(self.kept_block_ids), 'block')} "
+            f"({_count(self.num_kept_tokens, 'token')})"
+        )
         return (
-            f"{rule}: request {self.needed_by} needed {self.num_blocks_needed} blocks, "
+            f"{rule}: request {self.needed_by} needed {_count(self.num_blocks_needed, 'block')}, "
             f"{self.num_free_blocks} free{kept if self.kept_block_ids else ''}"
         )
 
@@ -279,7 +288,7 @@ class PartialBlock(Reason):
     block_size: int
 
     def describe(self) -> str:
-        return f"the {self.num_tokens} tokens past the hit are shorter than one block ({self.block_size})"
+        return f"{_count(self.num_tokens, 'token')} past the hit, less than one block ({self.block_size})"
 
 
 @dataclass(frozen=True, kw_only=True)

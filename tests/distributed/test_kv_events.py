@@ -260,7 +260,7 @@ def test_a_subscriber_receives_every_block_cached_and_evicted_in_order_and_the_r
 
 
 def test_a_rank_publishes_on_its_own_port_and_says_its_rank():
-    port = free_port()
+    port = _free_port_pair()
     engine = _scripted_engine(
         {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"}, data_parallel_rank=1
     )
@@ -271,6 +271,48 @@ def test_a_rank_publishes_on_its_own_port_and_says_its_rank():
             assert message.batch.data_parallel_rank == 1
     finally:
         engine.close()
+
+
+def _free_port_pair(avoid: frozenset[int] = frozenset()) -> int:
+    """A free loopback port whose successor is free too (a rank-1 replica takes port + 1), both outside `avoid`."""
+    for _ in range(100):
+        base = free_port()
+        if not {base, base + 1} & avoid and base < 65535:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+            return base
+    raise RuntimeError("no two consecutive free ports in 100 tries")
+
+
+def test_each_data_parallel_replica_publishes_on_its_own_ports_with_its_rank(tiny_model_path):
+    from engine import LLM
+
+    port = _free_port_pair()
+    replay_port = _free_port_pair(frozenset({port, port + 1}))
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"}
+    config["replay_endpoint"] = f"tcp://127.0.0.1:{replay_port}"
+    prompts = [[1000 + 7 * i + j for j in range(40)] for i in range(4)]  # a burst spreads over both replicas
+    with LLM(
+        model="tiny-llama",
+        data_parallel_size=2,
+        block_size=16,
+        num_kv_blocks=64,
+        max_model_len=256,
+        kv_events_config=config,
+    ) as llm:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+        for rank in (0, 1):
+            with KVEventSubscriber(f"tcp://127.0.0.1:{port + rank}", f"tcp://127.0.0.1:{replay_port + rank}") as sub:
+                messages = sub.replay(0, timeout_s=30.0)
+            assert messages and {m.batch.data_parallel_rank for m in messages} == {rank}
+            stored = [e for m in messages for e in m.batch.events if isinstance(e, BlockStored)]
+            assert {tuple(e.token_ids[:16]) for e in stored} <= {tuple(p[:16]) for p in prompts}
+    for p in (port, port + 1, replay_port, replay_port + 1):  # closed with the replicas: the ports are free again
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
 
 
 def test_every_message_carries_the_topic_a_subscriber_filters_on():

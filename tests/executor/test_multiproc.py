@@ -73,7 +73,8 @@ def test_a_size_that_does_not_split_the_heads_is_refused_before_any_process_star
 @pytest.fixture(scope="module")
 def tp2_engine():
     engine = LLMEngine(**ENGINE_KWARGS, tensor_parallel_size=2)
-    pids = engine.executor.pids
+    pids = engine.worker_pids  # the public name of the executor's worker processes, rank order
+    assert len(pids) == 2 and os.getpid() not in pids and engine.threads_per_rank >= 1
     yield engine
     engine.close()
     assert not _wait_gone(pids, 10), "workers outlived LLMEngine.close()"

@@ -180,3 +180,15 @@ def test_replayed_step_times_give_the_real_schedulers_decisions() -> None:
     assert len(sim_records) == len(real_records)
     for real_record, sim_record in zip(real_records, sim_records):
         assert _decisions(sim_record) == _decisions(real_record), real_record.step
+
+
+def test_the_engine_names_its_cost_model_and_process_facts() -> None:
+    """LLMEngine.cost_model is the simulated executor's own (its price of a step is what the clock moved by);
+    worker_pids / threads_per_rank are empty where no worker process runs the model."""
+    eng = _sim(num_kv_blocks=64).engine
+    assert eng.cost_model is eng.executor.cost_model and eng.worker_pids == [] and eng.threads_per_rank is None
+    eng.add_request([5] * 100, SamplingParams(max_tokens=1))
+    record = eng.step()
+    assert record.end_ns - record.start_ns == round(eng.cost_model.step_cost([ScheduledShape(0, 100, 1)]).total_s * 1e9)
+    real = LLM(model="tiny-llama", num_kv_blocks=32).engine
+    assert real.cost_model is None and real.worker_pids == [] and real.threads_per_rank is None

@@ -382,6 +382,7 @@ class AsyncLLM:
         return self.engine.has_unfinished_requests() and (not self._paused or self._granted > 0)
 
     def _loop(self) -> None:
+        pending: list[tuple[Callable[[], Any], Future]] = []  # the calls left when the loop stops
         while True:
             with self._cond:
                 while not (self._stopped or self._aborts or self._calls or self._runnable()):

@@ -167,6 +167,7 @@ class LLMEngine:
             xgrammar_backend().validate_structured_outputs(params.structured_outputs)
         bad_words = self._check_logits_options(params)
         rid = str(next(self._ids)) if request_id is None else str(request_id)
+        parent = None
         if params.n == 1:
             ids, children = [rid], [params]
         else:
@@ -177,7 +178,7 @@ class LLMEngine:
         taken = [i for i in [rid, *ids] if i in self._requests or i in self._parents]
         if taken:
             raise ValueError(f"request_id: {taken[0]!r} is already in use")
-        if params.n > 1:
+        if parent is not None:
             self._parents[rid] = parent
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids[:200])
         if self.tracer is not None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Listener
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -433,7 +433,7 @@ class MultiProcExecutor(Executor):
                     conn = self._conns[dead]
                     if conn.poll(0):
                         continue  # its message is read on the next pass
-                    self._fail(f"rank {rank} died (exit code {self._exitcode(rank)})")
+                    self._fail(f"rank {dead} died (exit code {self._exitcode(dead)})")
         return [replies[rank] for rank in range(self.size)]
 
     def _exitcode(self, rank: int) -> int | None:
@@ -442,7 +442,7 @@ class MultiProcExecutor(Executor):
         self._procs[rank].join(timeout=1.0)
         return self._procs[rank].exitcode
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str) -> NoReturn:
         # a rank that died first makes its peers' collectives fail: name the dead ones, whoever reported
         time.sleep(0.2)
         dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self._procs) if p.exitcode not in (None, 0)]

@@ -157,7 +157,7 @@ def run_parallel(
         with engine:
             measured = timed(partial(_generate, engine, requests), runs)
             reference = reference or measured.last[0]
-            threads = getattr(engine.executor, "threads_per_rank", torch.get_num_threads())
+            threads = engine.threads_per_rank or torch.get_num_threads()  # None: the model runs in this process
             label = f"TP {size}" if size > 1 else f"TP 1, all {threads} thread(s) in one process"
             rows.append(_row(label, size, 1, threads, measured, reference))
         log(f"{label}: {rows[-1]['seconds']:.2f} s, {rows[-1]['output_tok_s']:.1f} output tok/s")

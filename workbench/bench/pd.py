@@ -258,7 +258,7 @@ def serve_engine(llm, workload: Sequence[Arrival]) -> list[Timeline]:
                 time.sleep(max(0.0, start + pending[0].at - time.time()))
     finally:
         eng.unsubscribe(recorder)
-    return [_timeline(rid, a, t, recorder.times[rid], eng.pop_output(rid)) for rid, a, t in arrived]
+    return [_timeline(rid, a, t, recorder.times(rid), eng.pop_output(rid)) for rid, a, t in arrived]
 
 
 def serve_cluster(cluster, workload: Sequence[Arrival]) -> list[Timeline]:

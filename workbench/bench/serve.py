@@ -126,14 +126,25 @@ class RequestResult:
 
 
 class TokenTimes:
-    """A step subscriber that owns, per request id, the end time (s) of every step that gave the request tokens."""
+    """A step subscriber that owns, per request id, the end time (epoch ns) of every step that gave the request
+    tokens."""
 
     def __init__(self) -> None:
-        self.times: dict[str, list[float]] = defaultdict(list)
+        self.end_ns: dict[str, list[int]] = defaultdict(list)
 
     def __call__(self, record: StepRecord) -> None:
         for event in record.of_type(RequestTokens):
-            self.times[event.request_id].append(record.end_ns / 1e9)
+            self.end_ns[event.request_id].append(record.end_ns)
+
+    def times(self, request_id: str) -> list[float]:
+        """The request's token times in epoch seconds."""
+        return [ns / 1e9 for ns in self.end_ns[request_id]]
+
+    def gaps(self, request_id: str) -> list[float]:
+        """The request's inter-token gaps (s), subtracted in integer ns: epoch seconds as floats are only good to a
+        quarter of a microsecond, which would make the same simulated run's ITL differ in the sixth digit."""
+        stamps = self.end_ns[request_id]
+        return [(b - a) / 1e9 for a, b in zip(stamps, stamps[1:])]
 
 
 def request_params(request: BenchRequest, temperature: float = 0.0) -> SamplingParams:
@@ -202,7 +213,7 @@ def run_serve_once(
     finally:
         eng.unsubscribe(recorder)
     duration = clock.monotonic() - start
-    return [_engine_result(eng.pop_output(ids[i]), recorder.times[ids[i]]) for i in range(len(requests))], duration
+    return [_engine_result(eng.pop_output(ids[i]), recorder.gaps(ids[i])) for i in range(len(requests))], duration
 
 
 def http_results(streamed: Sequence[Streamed]) -> list[RequestResult]:
@@ -216,7 +227,7 @@ def http_results(streamed: Sequence[Streamed]) -> list[RequestResult]:
     ]
 
 
-def _engine_result(out: RequestOutput, token_times: list[float]) -> RequestResult:
+def _engine_result(out: RequestOutput, itl: list[float]) -> RequestResult:
     m = out.metrics
     assert m is not None  # the engine gives every output its request's metrics
     first, last = m.first_token_time, m.last_token_time  # both set with the first token
@@ -227,7 +238,7 @@ def _engine_result(out: RequestOutput, token_times: list[float]) -> RequestResul
         len(out.token_ids),
         first - m.arrival_time,
         last - m.arrival_time,
-        np.diff(token_times).tolist(),
+        itl,
     )
 
 

@@ -16,6 +16,7 @@ soon as its slots are allocated (before the forward computes them), so it may be
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.events import KVAllocated, KVCached, KVEvicted, KVFreed, RequestScheduled, StepRecord
@@ -77,12 +78,21 @@ class KVBlockMetrics:
 
 class BlockLifeRecorder:
     """Owns the recent lives of every block seen in the StepRecords given to `observe` (the current one last),
-    each request's block table as the events tell it (to see which blocks a step fills), and the metrics."""
+    each request's block table as the events tell it (to see which blocks a step fills), and the metrics.
+    `on_end` is called with each life as it ends (the Prometheus logger observes its histograms there);
+    `max_lives_per_block` bounds what `life` keeps (1 where only the metrics matter)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        on_end: Callable[[BlockLife], None] | None = None,
+        max_lives_per_block: int = MAX_LIVES_PER_BLOCK,
+    ) -> None:
         self.block_size = block_size
         self.lives: dict[int, deque[BlockLife]] = {}
         self.metrics = KVBlockMetrics()
+        self.on_end = on_end
+        self.max_lives_per_block = max_lives_per_block
         self._tables: dict[str, tuple[int, ...]] = {}
 
     def life(self, block_id: int) -> list[BlockLife]:
@@ -118,7 +128,9 @@ class BlockLifeRecorder:
     def _allocated(self, e: KVAllocated, step: int, now: int) -> None:
         self._tables[e.request_id] = e.block_ids
         for block_id in e.new_block_ids:
-            lives = self.lives.setdefault(block_id, deque(maxlen=MAX_LIVES_PER_BLOCK))
+            lives = self.lives.get(block_id)
+            if lives is None:
+                lives = self.lives[block_id] = deque(maxlen=self.max_lives_per_block)
             if lives:
                 self._end(lives[-1], step, now, e.request_id)
             lives.append(BlockLife(block_id, step, e.request_id, now))
@@ -133,6 +145,8 @@ class BlockLifeRecorder:
         self.metrics.lifetime_s.append(life.lifetime_s)
         self.metrics.idle_before_evict_s.append(life.idle_s)
         self.metrics.reuse_gap_s.extend(life.reuse_gaps_s)
+        if self.on_end is not None:
+            self.on_end(life)
 
     def _filled(self, e: RequestScheduled, step: int) -> None:
         """The blocks whose last slot this step computes."""

@@ -15,7 +15,7 @@ into journeys and block lives (engine/block_life.py).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from engine.block_life import BlockLife, BlockLifeRecorder, KVBlockMetrics
@@ -192,10 +192,12 @@ class _Track:
 
 class JourneyRecorder:
     """Owns the journeys of the requests seen in the StepRecords given to `observe`: every live one, and the last
-    MAX_FINISHED finished ones."""
+    MAX_FINISHED finished ones; with `only`, that one request's alone (a dashboard folds a trace for the request
+    it opens, and pays nothing for the rest of a long queue)."""
 
-    def __init__(self, max_finished: int = MAX_FINISHED) -> None:
+    def __init__(self, max_finished: int = MAX_FINISHED, only: str | None = None) -> None:
         self.max_finished = max_finished
+        self.only = only
         self._live: dict[str, _Track] = {}
         self._finished: OrderedDict[str, Journey] = OrderedDict()
 
@@ -209,8 +211,11 @@ class JourneyRecorder:
 
     def observe(self, record: StepRecord) -> None:
         steps: dict[str, _StepOfRequest] = {}
+        only = self.only
         for e in record.events:
-            self._event(e, record, steps)
+            # every event the fold reads names its request, but request.deferred, which names several
+            if only is None or getattr(e, "request_id", only) == only:
+                self._event(e, record, steps)
         for s in steps.values():
             self._close(s, record)
 
@@ -234,7 +239,8 @@ class JourneyRecorder:
             self._scheduled(e, self._step_of(e.request_id, record, steps))
         elif isinstance(e, RequestDeferred):
             part = f"wait:{e.reason.code}"
-            for rid in e.request_ids:
+            ids = e.request_ids if self.only is None else (self.only,) if self.only in e.request_ids else ()
+            for rid in ids:
                 s = self._step_of(rid, record, steps)
                 s.state, s.reason, s.part = "running" if s.track.running else "waiting", e.reason, part
         elif isinstance(e, RequestPreempted):
@@ -284,6 +290,25 @@ class JourneyRecorder:
             self._finished[journey.request_id] = journey
             if len(self._finished) > self.max_finished:
                 self._finished.popitem(last=False)
+
+
+PREEMPTED = "preempted"  # waiting_by_reason's label for the requests preempted in the step
+
+
+def waiting_by_reason(record: StepRecord, is_running: Callable[[str], bool]) -> dict[str, int]:
+    """How many requests waited at the end of this step, by why: the code of the request.deferred reason that held
+    each (engine/reasons.py), PREEMPTED for those preempted in it. `is_running(request_id)` tells a running request
+    the budget did not reach (deferred too, but not waiting) from a waiting one, as of the step's start. Every
+    waiting request has one of the two in every step the scheduler ran: the counts add up to `num_waiting`."""
+    counts: dict[str, int] = {}
+    for e in record.events:
+        if isinstance(e, RequestDeferred):
+            n = sum(1 for rid in e.request_ids if not is_running(rid))
+            if n:
+                counts[e.reason.code] = counts.get(e.reason.code, 0) + n
+        elif isinstance(e, RequestPreempted):
+            counts[PREEMPTED] = counts.get(PREEMPTED, 0) + 1
+    return counts
 
 
 class Explainer:

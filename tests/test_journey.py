@@ -6,7 +6,7 @@ import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.events import RequestPreempted
-from engine.journey import Explainer, Journey
+from engine.journey import Explainer, Journey, JourneyRecorder, waiting_by_reason
 from engine.reasons import BudgetLeft, NotEnoughBlocks, PartialBlock, Preemption, TokenBudgetSpent
 from workbench.fidelity.command import GOLDEN_DIR, RECORDED_GROUPS, load_golden
 from workbench.fidelity.engine_side import make_engine, trace_steps
@@ -149,3 +149,29 @@ def test_a_trace_that_begins_mid_run_explains_from_its_first_step():
     journey = Explainer.from_records(records[3:], block_size=4).explain("b")
     assert journey.arrival_ns is None and journey.spans[0].first_step == 4
     assert journey.latency.total_ns == records[-1].end_ns - records[3].start_ns
+
+
+def test_one_request_alone_is_folded_as_the_whole_fold_folds_it():
+    # a dashboard folds a trace for the request it opens (JourneyRecorder(only=...)): the same journey, nobody else's
+    engine, records = run_a_and_b()
+    for rid in ("a", "b"):
+        alone = JourneyRecorder(only=rid)
+        for record in records:
+            alone.observe(record)
+        assert alone.journey(rid) == engine.explain(rid)
+        with pytest.raises(KeyError):
+            alone.journey("b" if rid == "a" else "a")
+
+
+def test_waiting_by_reason_adds_up_to_the_queue_every_step():
+    engine, records = run_a_and_b()
+    running: set[str] = set()
+    counts = []
+    for record in records:
+        by_reason = waiting_by_reason(record, running.__contains__)
+        assert sum(by_reason.values()) == record.num_waiting
+        counts.append(by_reason)
+        running |= set(record.scheduled)
+        running -= {e.request_id for e in record.of_type(RequestPreempted)}
+    assert counts[0] == {"budget_spent": 1}  # b, behind a's first chunk
+    assert {"preempted": 1} in counts and {"kv_blocks": 1} in counts

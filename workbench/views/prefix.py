@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import panel as pn
-from bokeh.models import HoverTool, Range1d
+from bokeh.models import ColumnDataSource, HoverTool, Range1d
 
 from engine.events import StepRecord
 from workbench.state import ChainNode, EngineState, Lookup, StepDelta
 from workbench.views.base import View, counts_on, label_ticks, legend_above, new_figure
 
 CACHED_NODE, EVICTED_NODE = "#31a354", "#bdbdbd"
+
+
+def chains_figure(title: str, nodes: ColumnDataSource, links: ColumnDataSource, tooltips: list[tuple[str, str]]):
+    """A forest of block hashes: each node (columns x, y, color) a dot, linked to its parent by a segment (columns
+    x0, y0, x1, y1); hovering a dot gives `tooltips`. Also the attached server's view (workbench/views/attached.py)."""
+    fig = new_figure(title, height=300, x_axis_label="block position in the chain", y_axis_label="chain")
+    counts_on(fig.xaxis)
+    fig.segment(x0="x0", y0="y0", x1="x1", y1="y1", source=links, color="#969696")
+    dots = fig.scatter(x="x", y="y", source=nodes, size=10, fill_color="color", line_color=None)
+    fig.add_tools(HoverTool(renderers=[dots], tooltips=tooltips))
+    fig.yaxis.visible = False
+    return fig
 
 
 def _status(node: ChainNode) -> dict:
@@ -99,23 +111,12 @@ class PrefixCacheView(View):
         return fig
 
     def _chains_figure(self):
-        fig = new_figure(
+        return chains_figure(
             "Cached chains (block hash -> child hash; grey: evicted)",
-            height=300,
-            x_axis_label="block position in the chain",
-            y_axis_label="chain",
+            self.nodes.source,
+            self.edges.source,
+            [("hash", "@hash"), ("parent", "@parent"), ("block", "@block_id"), ("status", "@status")],
         )
-        counts_on(fig.xaxis)
-        fig.segment(x0="x0", y0="y0", x1="x1", y1="y1", source=self.edges.source, color="#969696")
-        nodes = fig.scatter(x="x", y="y", source=self.nodes.source, size=10, fill_color="color", line_color=None)
-        fig.add_tools(
-            HoverTool(
-                renderers=[nodes],
-                tooltips=[("hash", "@hash"), ("parent", "@parent"), ("block", "@block_id"), ("status", "@status")],
-            )
-        )
-        fig.yaxis.visible = False
-        return fig
 
     @property
     def panel(self) -> pn.Column:

@@ -24,6 +24,16 @@ _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 @dataclass(frozen=True)
+class SequenceGap:
+    """Batches start..end-1 that did not come live (dropped at the high-water mark, lost to a reconnection):
+    `replayed` of them were read from the replay socket instead, the others are lost for good."""
+
+    start: int
+    end: int
+    replayed: int
+
+
+@dataclass(frozen=True)
 class KVEventMessage:
     """One published batch: its sequence number, its topic and the batch."""
 
@@ -50,8 +60,8 @@ def decode_message(frames: Sequence[bytes]) -> KVEventMessage:
 class KVEventSubscriber:
     """Owns a SUB socket connected to a publisher's endpoint and, where `replay_endpoint` is given, a DEALER socket
     on its replay endpoint; hands out the batches in sequence order (`recv`), filling a gap in the sequence from
-    the replay socket and counting in `missed` what the replay no longer holds. Use from one thread; `close()`
-    (or `with`) closes both sockets."""
+    the replay socket and counting in `missed` what the replay no longer holds (each gap kept in `gaps`). Use from
+    one thread; `close()` (or `with`) closes both sockets."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "") -> None:
         for name, value in (("endpoint", endpoint), ("replay_endpoint", replay_endpoint), ("topic", topic)):
@@ -70,6 +80,7 @@ class KVEventSubscriber:
         self._replay: zmq.Socket | None = None
         self.last_seq = -1  # the last sequence number handed out
         self.missed = 0  # batches lost for good: neither received nor replayed
+        self.gaps: list[SequenceGap] = []  # every gap in the live sequence, in order
         self._pending: deque[KVEventMessage] = deque()
 
     def recv(self, timeout_s: float) -> KVEventMessage | None:
@@ -91,6 +102,7 @@ class KVEventSubscriber:
     def _fill_gap(self, start: int, end: int) -> None:
         found = [m for m in self.replay(start) if m.seq < end] if self.replay_endpoint is not None else []
         self.missed += end - start - len(found)
+        self.gaps.append(SequenceGap(start, end, len(found)))
         self._pending.extend(found)
 
     def replay(self, start_seq: int, timeout_s: float = 5.0) -> list[KVEventMessage]:

@@ -341,6 +341,14 @@ class Workbench:
             with self._inbox_lock:
                 self._inbox = []
             engine.subscribe(self._on_record)
+        # journeys and block lives from the engine itself (a data-parallel front end has no steps of its own to
+        # explain: the records it gives are folded instead)
+        explanations = self.dashboard.explanations
+        explanations.block_size = engine.config.block_size
+        if self.data_parallel_size > 1 or not hasattr(engine, "explain"):
+            explanations.attach(None, None)
+        else:
+            explanations.attach(engine.explain, engine.block_life, self.lock)
 
         def start() -> None:
             self.dashboard.reset(
@@ -380,6 +388,8 @@ class Replay:
         self.data_parallel_size = (trace.header.get("config") or {}).get("data_parallel_size", 1)
         self.dashboard = Dashboard(self.budget, self.num_blocks)
         self.dashboard.show_data_parallel(self.data_parallel_size)
+        # journeys and block lives are folded from the records shown, when a request or a block is opened
+        self.dashboard.explanations.block_size = (trace.header.get("config") or {}).get("block_size", 16)
         self._shown = 0
         n = len(self.records)
         self.slider = pn.widgets.IntSlider(

@@ -10,6 +10,7 @@ from engine.events import EngineSnapshot, StepRecord
 from workbench.state import EngineState
 from workbench.views.base import View
 from workbench.views.grammar import GrammarView
+from workbench.views.journey import BlockLifeView, Explanations, JourneyView
 from workbench.views.kv_blocks import KVBlockMap
 from workbench.views.kv_transfer import KVTransferView
 from workbench.views.metrics import MetricsView
@@ -33,7 +34,9 @@ class Dashboard:
     """Owns one EngineState and every view drawn from it; feeds them records and lays them out as tabs (the
     Experts tab joins them at the first routed step of a mixture-of-experts model, and leaves at a reset). Drawing
     a data-parallel front end's records (`data_parallel_size` > 1 at `reset`), the views that need one engine's
-    steps or blocks (`per_replica`) say so in place of their content."""
+    steps or blocks (`per_replica`) say so in place of their content. A request clicked (in the requests table or
+    on the timeline) opens its journey, a block clicked on the block map its life, both from `explanations`
+    (a live engine's, once attached; else the records fed here, folded only for what is opened)."""
 
     def __init__(self, budget: int | None = None, num_blocks: int | None = None) -> None:
         self.state = EngineState()
@@ -47,6 +50,11 @@ class Dashboard:
         self.kv_transfer = KVTransferView(self.state)
         self.moe = MoEView(self.state)
         self.parallel = ParallelView(self.state)
+        self.explanations = Explanations()
+        self.journey = JourneyView(self.state, self.explanations)
+        self.block_life = BlockLifeView(self.state, self.explanations)
+        self.timeline.on_request = self.journey.open
+        self.kv_blocks.on_block = self.block_life.open
         self.views: list[View] = [
             self.timeline,
             self.kv_blocks,
@@ -58,6 +66,8 @@ class Dashboard:
             self.kv_transfer,
             self.moe,
             self.parallel,
+            self.journey,
+            self.block_life,
         ]
         self._tab_sets: list[pn.Tabs] = []  # every layout tabs() built: each gains the Experts tab
         # what a data-parallel front end's records cannot fill: each replica's scheduler steps, blocks, prefix
@@ -69,6 +79,8 @@ class Dashboard:
             self.grammar,
             self.spec,
             self.kv_transfer,
+            self.journey,
+            self.block_life,
         ]
         self.notices = {
             view: pn.pane.Alert("", alert_type="warning", visible=False, sizing_mode="stretch_width")
@@ -78,14 +90,18 @@ class Dashboard:
         self.requests.table.param.watch(self._select_request, "selection")
 
     def _select_request(self, event) -> None:
-        """A row picked in the requests table draws that request's block table on the block map."""
+        """A row picked in the requests table opens that request's journey and draws its block table on the block
+        map."""
         if event.new:
             rid = self.requests.table.value.iloc[event.new[0]]["request_id"]
+            self.journey.open(rid)
             if rid in self.kv_blocks.select.options:
                 self.kv_blocks.select.value = rid
 
     def extend(self, records: Iterable[StepRecord]) -> None:
         """Fold records into the state and queue each view's changes; then send them, one message per source."""
+        records = list(records)
+        self.explanations.observe(records)
         for record in records:
             delta = self.state.apply(record)
             for view in self.views:
@@ -116,6 +132,8 @@ class Dashboard:
         describe the engine drawn from now on (a snapshot knows its number of blocks); `data_parallel_size` > 1:
         it is a data-parallel front end (the per-replica views say they are not available)."""
         self.show_data_parallel(data_parallel_size)
+        if not self.explanations.live:
+            self.explanations.clear()
         if snapshot is None:
             self.state.clear()
         else:
@@ -146,6 +164,7 @@ class Dashboard:
         overview = pn.Column(
             pn.Row(self._held(self.timeline), self._held(self.kv_blocks), sizing_mode="stretch_width"),
             self.requests,
+            pn.Row(self._held(self.journey), self._held(self.block_life), sizing_mode="stretch_width"),
             sizing_mode="stretch_width",
         )
         tabs = pn.Tabs(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import panel as pn
-from bokeh.models import HoverTool, Range1d
+from bokeh.models import HoverTool, Range1d, TapTool
 
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
@@ -20,8 +21,9 @@ _CELL_COLUMNS = ("x", "y", "block_id", "kind", "holders", "ref_cnt", "hash", "co
 class KVBlockMap(View):
     """Owns the KV block map: one cell per block (ids 1..total; block 0 is the null block), coloured free,
     cached-free, or by the request holding it; hover gives block id, ref count, holders and hash prefix.
-    Selecting a request draws its block table over the map, in order. Caches beyond `max_blocks` show their
-    first `max_blocks` blocks (allocation takes the free queue's head, so those are the first used)."""
+    Selecting a request draws its block table over the map, in order; a cell clicked calls `on_block` with its
+    block id (the Dashboard opens its life). Caches beyond `max_blocks` show their first `max_blocks` blocks
+    (allocation takes the free queue's head, so those are the first used)."""
 
     title = "KV block map"
 
@@ -32,6 +34,7 @@ class KVBlockMap(View):
         self.table = self.buffer(["x", "y", "order", "block_id"], name="kv_block_table")
         self.select = pn.widgets.Select(label="Block table of request", options=[NO_REQUEST], width=220)
         self.select.param.watch(self._on_select, "value")
+        self.on_block: Callable[[int], None] | None = None
         self.note = pn.pane.Markdown("", margin=(0, 10))
         self._columns = 32
         self._total = self._num_shown = 0
@@ -48,7 +51,14 @@ class KVBlockMap(View):
             y_range=Range1d(-0.5, 0.5),
         )
         cells = fig.rect(
-            x="x", y="y", width=0.92, height=0.92, fill_color="color", line_color=None, source=self.cells.source
+            x="x",
+            y="y",
+            width=0.92,
+            height=0.92,
+            fill_color="color",
+            line_color=None,
+            source=self.cells.source,
+            nonselection_fill_alpha=1.0,  # a cell picked opens its life: the map keeps its colours
         )
         fig.rect(
             x="x",
@@ -82,9 +92,15 @@ class KVBlockMap(View):
                 ],
             )
         )
+        fig.add_tools(TapTool(renderers=[cells]))
+        self.cells.source.selected.on_change("indices", self._on_tap)
         fig.axis.visible = False
         fig.grid.visible = False
         return fig
+
+    def _on_tap(self, attr: str, old: list[int], new: list[int]) -> None:
+        if new and self.on_block is not None:
+            self.on_block(int(self.cells.source.data["block_id"][new[0]]))
 
     @property
     def panel(self) -> pn.Column:

@@ -5,6 +5,7 @@ measure the engine; each prints a table and, with --write-docs, rewrites its own
 trace for Perfetto.
 `workbench tune` searches the engine's knobs for the most goodput under latency SLOs;
 `workbench serve` serves the live dashboard; `workbench replay` serves the dashboards over a trace;
+`workbench attach` serves the live dashboard of a running vLLM server, from its KV cache events and /metrics;
 `workbench pd` runs prompts through prefill and decode engine processes that move KV through a connector;
 `workbench train-draft` self-distils an EAGLE or Medusa head for a target model.
 `workbench fidelity` checks the engine's decisions against vLLM 0.33.0's own scheduler, step by step."""
@@ -201,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_replay(commands)
     commands.add_parser(
+        "attach",
+        help="the live dashboard of a running vLLM server, from its KV cache events and its /metrics",
+        add_flags=_add_attach_args,
+    )
+    commands.add_parser(
         "pd", help="disaggregated prefill/decode: N prefill + M decode engine processes", add_flags=_add_pd_args
     )
     commands.add_parser(
@@ -380,6 +386,48 @@ def _add_replay(commands: Any) -> None:
     p.add_argument("--port", type=_port, default=5006, help="(default: %(default)s)")
 
 
+def _add_attach_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-events",
+        required=True,
+        metavar="ENDPOINT",
+        help="the server's KV events endpoint, tcp://HOST:PORT (its --kv-events-config endpoint, e.g. tcp://*:5557)",
+    )
+    p.add_argument(
+        "--replay", metavar="ENDPOINT", help="its replay_endpoint, tcp://HOST:PORT: read what it holds from batch 0"
+    )
+    p.add_argument("--metrics", metavar="URL", help="its Prometheus metrics, http://HOST:PORT/metrics")
+    p.add_argument("--block-size", type=positive_int, help="the server's block size, where known")
+    p.add_argument("--num-blocks", type=positive_int, help="the server's number of KV blocks, where known")
+    p.add_argument("--topic", default="", help="the topic its kv_events_config names (default: none)")
+    p.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between scrapes (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=5006, help="the dashboard's port (default: %(default)s)")
+
+
+def attach(args: argparse.Namespace) -> None:
+    """`workbench attach`: the dashboard of a running server until interrupted. The port is checked, then each
+    endpoint (a malformed one, or one where nothing answers, is an error naming its flag), before anything is
+    announced."""
+    from workbench.app import check_port
+
+    check_port(args.port)
+    from workbench.attach import Attachment
+    from workbench.views.attached import serve_attach
+
+    if not args.metrics_interval > 0:
+        raise ValueError(f"--metrics-interval: expected seconds > 0, got {args.metrics_interval}")
+    attachment = Attachment(
+        args.kv_events,
+        args.metrics,
+        args.replay,
+        args.block_size,
+        args.num_blocks,
+        args.topic,
+        metrics_interval_s=args.metrics_interval,
+    )
+    serve_attach(attachment, args.port, announce=_announce(f"attached to {args.kv_events}: dashboard at "))
+
+
 def _announce(what: str) -> Callable[[str], None]:
     """What serve and replay print once the server listens (nothing when it fails before)."""
     return lambda url: print(f"workbench: {what}{url} (Ctrl-C stops)", file=sys.stderr, flush=True)
@@ -460,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
             serve(args)
         elif args.command == "replay":
             replay(args)
+        elif args.command == "attach":
+            attach(args)
         elif args.command == "pd":
             from workbench.bench.pd import run_pd_command
 

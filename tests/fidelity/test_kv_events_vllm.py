@@ -17,6 +17,7 @@ import os
 import queue
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,53 @@ def test_the_subscriber_reads_what_vllms_scheduler_and_publisher_send(tmp_path):
     assert theirs == [fields_but_ts(b) for b in engine_batches(WORKLOAD)]
     crafted = {k: v for k, v in published[-1].items() if k != "ts"}
     assert crafted == fields_but_ts(crafted_batch(kv_events))  # every field, read as vLLM set it
+
+
+def _hash(value: Any) -> Any:
+    """A hash as vLLM's side wrote it in JSON ({"bytes": hex} for a bytes one), as the workbench decodes it."""
+    return bytes.fromhex(value["bytes"]) if isinstance(value, dict) else value
+
+
+def test_attached_to_vllms_publisher_the_state_is_vllms_cache(tmp_path):
+    """`workbench attach`'s state from a stream vLLM's own scheduler and ZmqEventPublisher send: after the workload
+    (read from the replay, from batch 0) its hashes and copies are what vLLM's block pool holds; then, live, two runs
+    of batches built with vLLM's classes whose effect is known (copies, a removal that cuts a chain, a reset, a bytes
+    hash)."""
+    from workbench.attach import CLEARED, HITTABLE, ORPHANED, REMOVED, Attachment
+
+    endpoint, replay_endpoint = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/kv-replay"
+    vllm_side = VLLMSide(tmp_path, "attach", endpoint, replay_endpoint)
+    try:
+        said = vllm_side.read("cache")
+        with Attachment(endpoint, replay=replay_endpoint, block_size=4, num_blocks=11) as attachment:
+            state = attachment.state
+
+            def reach(last: int) -> None:  # the publisher's thread sends what it was given: live, if not replayed
+                deadline = time.monotonic() + TIMEOUT_S
+                while state.last_seq < last:
+                    assert time.monotonic() < deadline, f"live: batch {state.last_seq} of {last}"
+                    time.sleep(0.01)
+
+            reach(said["published"] - 1)
+            assert state.notes == [] and state.num_batches == said["published"]
+            held = {_hash(h): copies for h, copies in said["cache"]}
+            assert held and state.resident() == held
+            assert state.event_counts["BlockRemoved"] > 0  # the workload's long prompt evicts
+
+            def next_run() -> None:
+                vllm_side.send({"next": True})
+                reach(vllm_side.read("published")["published"] - 1)
+
+            next_run()
+            resident = state.resident()
+            assert {h: resident[h] for h in (11, 13, 14)} == {11: 2, 13: 1, 14: 1} and 12 not in resident
+            hittable = state.hittable()
+            assert [state.status(h, hittable) for h in (11, 12, 13, 14)] == [HITTABLE, REMOVED, ORPHANED, ORPHANED]
+            next_run()
+            assert state.resident() == {21: 1, 22: 1, 23: 1, b"\x01" * 32: 1}
+            assert state.hittable() == {21, 22, 23, b"\x01" * 32} and state.children() == {21: 1, 22: 1}
+            assert {state.status(h, set()) for h in (11, 13, 14)} == {CLEARED} and state.nodes[12].status == REMOVED
+            assert [p.num_tokens for p in state.prefixes()] == [12, 4] and state.lost_batches == 0
+            vllm_side.send({"done": True})
+    finally:
+        vllm_side.close()

@@ -6,6 +6,7 @@ Run the commands with the reference venv's python (`make vllm-ref` builds .venv-
     vllm_kv_events.py record OUT.json                    vLLM's scheduler and publisher on WORKLOAD: the exact bytes
     vllm_kv_events.py decode ENDPOINT REPLAY_ENDPOINT    vLLM's decoder reads a publisher's stream, live and replayed
     vllm_kv_events.py publish ENDPOINT REPLAY_ENDPOINT   vLLM's scheduler and publisher on WORKLOAD, live
+    vllm_kv_events.py attach ENDPOINT REPLAY_ENDPOINT    the same, then what its block pool holds, then KNOWN_BATCHES
 
 Live, ZeroMQ drops what a PUB socket sends before a subscription has reached it, so the two processes agree first
 over stdin/stdout, one JSON object a line: the publishing side sends probe batches (one AllBlocksCleared) until the
@@ -159,9 +160,9 @@ def crafted_batch(kv: Any) -> Any:
     return kv.KVEventBatch(ts=0.5, events=[stored, removed, kv.AllBlocksCleared()], data_parallel_rank=3)
 
 
-def _run_vllm(endpoint: str, replay_endpoint: str, sync: bool) -> Any:
+def _run_vllm(endpoint: str, replay_endpoint: str, sync: bool, crafted: bool = True) -> Any:
     """WORKLOAD through vLLM's scheduler (tests/fidelity/vllm_driver.py) publishing with its own publisher, then
-    the crafted batch; returns the publisher, still open."""
+    (with `crafted`) the crafted batch; returns the publisher, still open."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import vllm_driver  # first: it sets vLLM's environment (offline, its cache, its log level) before vLLM loads
     from vllm.distributed import kv_events
@@ -174,7 +175,8 @@ def _run_vllm(endpoint: str, replay_endpoint: str, sync: bool) -> Any:
     config = {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay_endpoint}
     vllm_driver.run_workload(WORKLOAD, config)
     publisher = publisher_class.last
-    publisher.publish(crafted_batch(kv_events))
+    if crafted:
+        publisher.publish(crafted_batch(kv_events))
     return publisher
 
 
@@ -272,7 +274,65 @@ def decode(endpoint: str, replay_endpoint: str) -> None:
     replay.close(linger=0)
 
 
+def known_batches(kv: Any) -> list[list[Any]]:
+    """Two runs of batches of the classes of `kv` whose effect on a cache is known (the attached state's check,
+    tests/fidelity/test_kv_events_vllm.py): 11-12-13 stored with a second copy of 11, 14 after 12, then 12 removed;
+    then a reset, and 21-22-23 and a bytes hash stored."""
+
+    def stored(hashes: list[Any], parent: Any) -> Any:
+        tokens = list(range(100, 100 + 4 * len(hashes)))
+        return kv.BlockStored(hashes, parent, tokens, 4, None, "GPU", None)
+
+    first = [
+        kv.KVEventBatch(ts=0.0, events=[stored([11, 12, 13], None), stored([11], None)]),
+        kv.KVEventBatch(ts=0.0, events=[stored([14], 12), kv.BlockRemoved([12], "GPU")]),
+    ]
+    second = [
+        kv.KVEventBatch(ts=0.0, events=[kv.AllBlocksCleared(), stored([21, 22], None)]),
+        kv.KVEventBatch(ts=0.0, events=[stored([23], 22), stored([b"\x01" * 32], None)]),
+    ]
+    return [first, second]
+
+
+def _external(block_hash: Any) -> Any:
+    return {"bytes": block_hash.hex()} if isinstance(block_hash, bytes) else block_hash
+
+
+def attach(endpoint: str, replay_endpoint: str) -> None:
+    """WORKLOAD through vLLM's scheduler and publisher; then says what its block pool's prefix cache holds (each
+    hash as events carry it, and its copies) and, each time it is asked, publishes the next run of known_batches."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import vllm_driver
+
+    schedulers: list[Any] = []
+    make_scheduler = vllm_driver.make_scheduler
+
+    def keep(*args: Any, **kwargs: Any) -> Any:
+        schedulers.append(make_scheduler(*args, **kwargs))
+        return schedulers[-1]
+
+    vllm_driver.make_scheduler = keep  # run_workload builds its scheduler through the module: this one is kept
+    publisher = _run_vllm(endpoint, replay_endpoint, sync=False, crafted=False)
+    from vllm.distributed import kv_events
+    from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+
+    cache = schedulers[0].kv_cache_manager.block_pool.cached_block_hash_to_block._cache
+    held = [
+        [_external(maybe_convert_block_hash(get_block_hash(key))), len(blocks) if isinstance(blocks, dict) else 1]
+        for key, blocks in cache.items()
+    ]
+    _say({"published": len(publisher.published), "cache": held})
+    for batches in known_batches(kv_events):
+        if _stdin_line(TIMEOUT_S) is None:
+            raise SystemExit("not asked for the known batches")
+        for batch in batches:
+            publisher.publish(batch)
+        _say({"published": len(publisher.published)})
+    _stdin_line(TIMEOUT_S)  # "done": the replay socket answers until then
+    publisher.shutdown()
+
+
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON lines
     command, *args = sys.argv[1:]
-    {"record": record, "decode": decode, "publish": publish}[command](*args)
+    {"record": record, "decode": decode, "publish": publish, "attach": attach}[command](*args)

@@ -6,7 +6,7 @@ Run the commands with the reference venv's python (`make vllm-ref` builds .venv-
     vllm_kv_events.py record OUT.json                    vLLM's scheduler and publisher on WORKLOAD: the exact bytes
     vllm_kv_events.py decode ENDPOINT REPLAY_ENDPOINT    vLLM's decoder reads a publisher's stream, live and replayed
     vllm_kv_events.py publish ENDPOINT REPLAY_ENDPOINT   vLLM's scheduler and publisher on WORKLOAD, live
-    vllm_kv_events.py attach ENDPOINT REPLAY_ENDPOINT    the same, then what its block pool holds, then KNOWN_BATCHES
+    vllm_kv_events.py attach ENDPOINT REPLAY_ENDPOINT    the same, then what its block pool holds, then known_batches
 
 Live, ZeroMQ drops what a PUB socket sends before a subscription has reached it, so the two processes agree first
 over stdin/stdout, one JSON object a line: the publishing side sends probe batches (one AllBlocksCleared) until the

@@ -50,6 +50,10 @@ def _check_keys(cls: type, d: Any, name: str) -> None:
 def check_token_script(script: object) -> None:
     """A script must be a mapping of request ids to lists of token ids, or a callable: anything else is refused
     with the field named."""
+    from engine.executor.scripted import ScriptedModel  # the executor's module imports this one
+
+    if isinstance(script, ScriptedModel):
+        script = script.tokens
     if callable(script):
         return
     if not isinstance(script, Mapping):
@@ -324,7 +328,8 @@ class EngineConfig:
     """The simulated executor's device: a name of its hardware table (h100-sxm, h200, a100-80gb, l4, cpu ...) or
     the table's fields (a JSON object on the command line)."""
     token_script: dict | Callable | None = None
-    """The scripted executor's sampled tokens: {request_id: [token ids]} or a callable."""
+    """The scripted executor's sampled tokens: {request_id: [token ids]}, a callable, or a ScriptedModel
+    (engine/executor/scripted.py: tokens, and the drafts a scripted proposer makes)."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (the multiproc executor's worker processes)."""
     # see engine/distributed/nodes.py
@@ -472,9 +477,13 @@ class EngineConfig:
         if self.hardware is None:
             raise ValueError(f"hardware: the simulated executor needs one of {', '.join(hardware_table())} or a dict")
         hardware = get_hardware(self.hardware)  # refuses an unknown name or a bad dict here
-        for name in ("speculative_config", "kv_transfer_config"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name}: not supported by the simulated executor yet")
+        if self.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config: not supported by the simulated executor yet")
+        if self.speculative_config is not None and self.token_script is None:
+            raise ValueError(
+                "speculative_config: not supported by the simulated executor without a token_script (its drafts "
+                "come from a ScriptedModel)"
+            )
         self.device = self.device or "cpu"  # no tensor is made: the hardware is simulated
         self.dtype = self.dtype or cast(DType, hardware.default_dtype)  # checked with the others in __post_init__
 

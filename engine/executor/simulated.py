@@ -96,7 +96,12 @@ class SimulatedExecutor(Executor):
         cost = self.cost_model.step_cost(shapes)
         self.clock.advance(cost.total_s)
         sampled = {s.request_id: [self._token(s.request)] for s in scheduled if s.samples}
-        return ModelRunnerOutput(sampled, {}, forward_ms=cost.forward_s * 1e3, sample_ms=cost.sampling_s * 1e3)
+        drafts = {}
+        if self.script is not None and self.config.speculative is not None:  # a scripted proposer (ScriptedModel)
+            drafts = self.script.speculate(scheduled, sampled, self.config.speculative, self.events)
+        return ModelRunnerOutput(
+            sampled, {}, dict(drafts), forward_ms=cost.forward_s * 1e3, sample_ms=cost.sampling_s * 1e3
+        )
 
     def _token(self, request: Request) -> int:
         if self.script is not None:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 _COMPILING = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 _BLOCKED = (_COMPILING, RequestStatus.WAITING_FOR_REMOTE_KVS)  # waiting on something outside the step
+_DRAFTS_WRITE_KV = ("draft_model", "eagle")  # speculative methods whose proposer fills lookahead slots
 
 
 class Verdict(enum.Enum):
@@ -116,8 +117,10 @@ class Scheduler:
         self.awaiting_kv: set[str] = set()
         self.held: dict[str, Request] = {}
         spec = config.speculative
-        # room for the next drafts: the draft model writes their KV before they are scheduled
-        self.num_lookahead_tokens = spec.num_speculative_tokens if spec else 0
+        # room for the next drafts where a draft model (or EAGLE's head) writes their KV before they are scheduled;
+        # n-gram and Medusa write none (vLLM 0.33's VllmConfig.num_lookahead_tokens)
+        self.num_lookahead_tokens = spec.num_speculative_tokens if spec and spec.method in _DRAFTS_WRITE_KV else 0
+        self.num_spec_tokens = spec.num_speculative_tokens if spec else 0
         self.spec_method = spec.method if spec else None
         # vLLM's AsyncScheduler: step N+1 is scheduled before step N's tokens are known, one placeholder per token
         # a decode will sample (engine/llm_engine.py keeps one step in flight)
@@ -598,7 +601,9 @@ class Scheduler:
             request.spec_token_ids, request.spec_draft_probs = [], None
             running, had_placeholders = request.status == RequestStatus.RUNNING, request.num_output_placeholders > 0
             appended[request.request_id], status = self._append(request, tokens, stale)
-            if not stale and running and had_placeholders:  # blocks its output filled, now that it is known
+            # blocks its output filled, now that it is known (in flight, or accepted drafts: vLLM caches blocks
+            # after every step once speculative decoding is on)
+            if not stale and running and (had_placeholders or self.num_spec_tokens):
                 self.kv.cache_blocks(request, request.num_computed_tokens - request.num_in_flight_tokens)
             if status is not None:  # freed after the caching above, as vLLM: its cached blocks go to the LRU tail
                 self.finish_request(request, status)

@@ -1,6 +1,7 @@
 """The deliberate differences from vLLM 0.33.0 that docs/FIDELITY.md lists, pinned."""
 
 from engine import LLMEngine, SamplingParams
+from engine.executor.scripted import ScriptedModel
 
 
 def test_blocks_cached_in_a_step_that_preempts_their_request_lose_their_hashes():
@@ -32,3 +33,26 @@ def test_blocks_cached_in_a_step_that_preempts_their_request_lose_their_hashes()
     cache = engine.kv_cache_manager.block_pool.cached_block_hash_to_block
     assert a.block_hashes[3] not in cache  # nobody can hit the KV a never computed
     assert all(h in cache for h in a.block_hashes[:3])  # the blocks a did compute stay cached
+
+
+def test_a_newly_admitted_one_token_decode_is_not_padded_to_k_drafts():
+    # vLLM 0.33 with speculative decoding pads a request admitted with one token to compute (here a one-token
+    # prompt), while the running requests decode, to 1 + K rows with K drafts of -1 that are always rejected, so the
+    # batch stays a uniform decode for its CUDA graphs; and stops admitting if the budget lacks those rows. This
+    # engine captures no CUDA graphs: it schedules the one token. (The harness turns the padding off on vLLM's side
+    # with a dynamic speculative decoding schedule of K at every batch size, which changes nothing else.)
+    engine = LLMEngine(
+        executor="scripted",
+        token_script=ScriptedModel({"a": [7] * 8, "b": [8] * 8}, {"a": [[], [7, 7]] + [[]] * 7}),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        num_kv_blocks=16,
+        block_size=4,
+        max_model_len=32,
+    )
+    params = SamplingParams(max_tokens=8)
+    engine.add_request([10, 11, 12, 13, 14], params, request_id="a")
+    assert engine.step().scheduled == {"a": 5}  # the prompt; a samples, then drafts [7, 7]
+    engine.add_request([20], params, request_id="b")
+    record = engine.step()
+    assert record.scheduled == {"a": 3, "b": 1}  # vLLM: {"a": 3, "b": 3}, b's drafts [-1, -1]
+    assert [e.request_id for e in record.events if e.kind == "spec.verified"] == ["a"]

@@ -11,6 +11,15 @@ workbench/fidelity/trace.py's `step_record`), so each side can be read without t
 The scheduler is driven as vLLM's own tests drive it (tests/v1/core/utils.py): `schedule()`, then a
 `ModelRunnerOutput` carrying the scripted token of each request whose computed tokens reached its length, then
 `update_from_output(...)`. No model, no GPU, no tokenizer: a tiny Llama config.json stands for the model.
+
+Speculative workloads (`num_speculative_tokens` in the config): vLLM's "ngram" method, whose drafts take no
+lookahead slots and no extra input budget. The runner's part is scripted as the engine's ScriptedModel scripts it:
+each scheduled request's `scheduled_spec_decode_tokens` are verified greedily against its script (the accepted
+prefix plus one token in `sampled_token_ids`), then, as `EngineCore.post_step` does, `update_draft_token_ids` gets
+the batch's next drafts (the workload's, after the request's outputs; none for a request that did not sample).
+A dynamic speculative decoding schedule of K at every batch size turns off one thing only: the padding of a newly
+admitted one-token decode to 1 + K rows with -1 drafts, kept for CUDA graphs (a deliberate difference,
+docs/FIDELITY.md).
 """
 
 from __future__ import annotations
@@ -57,7 +66,15 @@ _model_configs: dict = {}
 
 def make_scheduler(workload: dict, kv_events_config: dict | None = None):
     import torch
-    from vllm.config import CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -86,7 +103,18 @@ def make_scheduler(workload: dict, kv_events_config: dict | None = None):
         prefix_caching_hash_algo=c["prefix_caching_hash_algo"],
     )
     cache_config.num_gpu_blocks = c["num_blocks"]
+    k = c.get("num_speculative_tokens", 0)
+    speculative_config = None
+    if k:
+        speculative_config = SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=k,
+            prompt_lookup_max=k,
+            prompt_lookup_min=1,
+            num_speculative_tokens_per_batch_size=[(1, 1, k)],
+        )
     vllm_config = VllmConfig(
+        speculative_config=speculative_config,
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
@@ -153,8 +181,9 @@ def _schedule_record(out, requests: dict) -> dict:
 
 
 def _runner_output(out, samples: set, requests: dict, workload: dict):
-    """The scripted tokens of a batch: one for each request that reached its sequence's end when scheduled, the
-    script's next token after what it has (EOS past the script's end)."""
+    """The scripted tokens of a batch: for each request that reached its sequence's end when scheduled, the
+    script's next token after what it has (EOS past the script's end); with drafts, first the drafts that equal the
+    script's tokens from there on (a greedy verification)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     scripts = {r["request_id"]: r["output_token_ids"] for r in workload["requests"]}
@@ -162,11 +191,30 @@ def _runner_output(out, samples: set, requests: dict, workload: dict):
     sampled = []
     for rid in req_ids:
         i = len(requests[rid].output_token_ids)
-        script = scripts[rid]
-        sampled.append([script[i] if i < len(script) else workload["eos_token_id"]] if rid in samples else [])
+        script = scripts[rid] + [workload["eos_token_id"]] * (
+            i + 1 + workload["config"].get("num_speculative_tokens", 0)
+        )
+        drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+        accepted = next((j for j, d in enumerate(drafts) if d != script[i + j]), len(drafts))
+        sampled.append(script[i : i + accepted + 1] if rid in samples else [])
     return ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)}, sampled_token_ids=sampled
     )
+
+
+def _draft_token_ids(out, samples: set, requests: dict, workload: dict):
+    """The drafts proposed after a batch, as the runner hands them to the scheduler: for each request in it, the
+    workload's drafts once it has its outputs now (none for one that did not sample)."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    drafts = {r["request_id"]: r["draft_token_ids"] for r in workload["requests"]}
+    k = workload["config"]["num_speculative_tokens"]
+    req_ids = list(out.num_scheduled_tokens)
+    proposed = []
+    for rid in req_ids:
+        n = len(requests[rid].output_token_ids)
+        proposed.append(list(drafts[rid][n][:k]) if rid in samples and n < len(drafts[rid]) else [])
+    return DraftTokenIds(req_ids, proposed)
 
 
 def run_workload(workload: dict, kv_events_config: dict | None = None) -> dict:
@@ -212,6 +260,8 @@ def run_workload(workload: dict, kv_events_config: dict | None = None) -> dict:
         if not asynchronous or scheduler.has_requests():
             out = scheduler.schedule()
             record.update(_schedule_record(out, requests))
+            if "num_speculative_tokens" in c:  # the drafts each request verifies in this batch
+                record["spec"] = {rid: list(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
             # a request samples when its scheduled tokens reached its sequence's end (no prompt left)
             samples = {rid for rid in out.num_scheduled_tokens if not scheduler.requests[rid].is_prefill_chunk}
             queue.append((out, samples))
@@ -229,6 +279,8 @@ def run_workload(workload: dict, kv_events_config: dict | None = None) -> dict:
                 for o in outputs.outputs:
                     if o.finish_reason is not None:
                         finished.append([o.request_id, str(o.finish_reason)])
+            if "num_speculative_tokens" in c and out.total_num_scheduled_tokens:  # EngineCore.post_step
+                scheduler.update_draft_token_ids(_draft_token_ids(out, samples, requests, workload))
         record["requests"] = {
             rid: {
                 "computed": r.num_computed_tokens,

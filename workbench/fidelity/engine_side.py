@@ -6,7 +6,8 @@ recording at every step what vLLM's side records (tests/fidelity/vllm_driver.py)
 - preempted: sorted ids; hit_tokens: for each admitted request, the tokens it starts from (prefix-cache hits);
 - requests: every live request's num_computed_tokens, block ids and the hash each block holds (None if uncached);
 - finished: [request id, reason] in the order they finished (aborts before the step first);
-- free_blocks and free_queue: the free block count and the free queue's block ids, head first.
+- free_blocks and free_queue: the free block count and the free queue's block ids, head first;
+- spec (speculative workloads only): the drafts each request verified this step, by request id.
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ from typing import Any
 
 from engine import LLMEngine, SamplingParams
 from engine.core.block_hash import hash_hex
+from engine.executor.scripted import ScriptedModel
 
 
 def make_engine(workload: dict[str, Any], kv_events_config: dict[str, Any] | None = None) -> LLMEngine:
     """The engine of a workload's config; `kv_events_config` (vLLM's keys) turns its KV cache events on."""
     c = workload["config"]
     scripts = {r["request_id"]: r["output_token_ids"] for r in workload["requests"]}
+    k = c.get("num_speculative_tokens", 0)
+    drafts = {r["request_id"]: r["draft_token_ids"] for r in workload["requests"] if "draft_token_ids" in r}
     return LLMEngine(
         executor="scripted",
-        token_script=scripts,
+        # vLLM's side runs the "ngram" method, whose drafts need no lookahead slots: so does this engine's
+        token_script=ScriptedModel(scripts, drafts) if k else scripts,
+        speculative_config={"method": "ngram", "num_speculative_tokens": k} if k else None,
         num_kv_blocks=c["num_blocks"],
         block_size=c["block_size"],
         max_num_batched_tokens=c["max_num_batched_tokens"],
@@ -92,6 +98,7 @@ def trace_steps(workload: dict[str, Any], engine: LLMEngine) -> Iterator[dict[st
         record = engine.step()
         events = [e for e in record.events if e.step == record.step]
         admitted = [e for e in events if e.kind == "request.scheduled" and e.request_id not in was_running]
+        spec = {"spec": {e.request_id: list(e.draft_token_ids) for e in events if e.kind == "spec.verified"}}
         yield {
             "step": step,
             "scheduled": [[rid, n] for rid, n in record.scheduled.items()],
@@ -103,6 +110,7 @@ def trace_steps(workload: dict[str, Any], engine: LLMEngine) -> Iterator[dict[st
             "finished": [[e.request_id, e.reason] for e in events if e.kind == "request.finished"],
             "free_blocks": pool.get_num_free_blocks(),
             "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+            **(spec if "num_speculative_tokens" in workload["config"] else {}),
         }
 
 

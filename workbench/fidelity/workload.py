@@ -8,7 +8,10 @@ Each coverage group draws what it covers and keeps the rest at defaults that can
 - lifecycle: the same, plus aborts in every state (waiting, running, preempted, finished, before arrival), EOS,
   stop tokens, min_tokens, ignore_eos and max_model_len reached before max_tokens;
 - async: the lifecycle group under asynchronous scheduling (vLLM's AsyncScheduler, against this engine's
-  async_scheduling): each step scheduled before the previous step's tokens are back.
+  async_scheduling): each step scheduled before the previous step's tokens are back;
+- spec: the lifecycle group (min_tokens aside: the engine refuses it with drafts) under speculative decoding, 1 to 4
+  speculative tokens (vLLM's "ngram" method: no lookahead slots), each request with scripted drafts after each of
+  its outputs, some equal to the tokens it will sample and some not, so that verifications accept all, some or none.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-GROUPS = ("core", "lifecycle", "async")
+GROUPS = ("core", "lifecycle", "async", "spec")
 EOS_TOKEN_ID = 2
 VOCAB = range(3, 500)  # script and prompt tokens: small ids, never EOS unless placed on purpose
 
@@ -87,6 +90,21 @@ def _request(rng: random.Random, i: int, config: dict, prefixes: list[list[int]]
     }
 
 
+def _drafts(rng: random.Random, script: list[int], k: int) -> list[list[int]]:
+    """Item n: the drafts proposed once the request has n outputs, 0 to k tokens; a prefix of them (often all) is
+    the script's next tokens, so a greedy verification accepts that prefix (EOS past the script's end)."""
+    drafts = []
+    for n in range(len(script) + 1):
+        target = [*script[n : n + k], *[EOS_TOKEN_ID] * k][:k]
+        length = rng.randint(0, k)
+        accepted = length if rng.random() < 0.4 else rng.randint(0, length)
+        wrong = [rng.choice(VOCAB) for _ in range(length - accepted)]
+        if wrong and wrong[0] == target[accepted]:  # a rejection where one was drawn
+            wrong[0] = VOCAB[(wrong[0] - VOCAB[0] + 1) % len(VOCAB)]
+        drafts.append(target[:accepted] + wrong)
+    return drafts
+
+
 def _aborts(rng: random.Random, requests: list[dict]) -> dict[str, list[str]]:
     """Aborts at steps spread over the run: before arrival, waiting, running, preempted or finished (a no-op),
     and an id never added."""
@@ -105,9 +123,14 @@ def make_workload(group: str, seed: int) -> dict[str, Any]:
         raise ValueError(f"group: must be one of {GROUPS}, got {group!r}")
     rng = random.Random(f"{group}-{seed}")
     config = {**_config(rng), "async_scheduling": group == "async"}
-    lifecycle = group in ("lifecycle", "async")
+    lifecycle = group in ("lifecycle", "async", "spec")
+    if group == "spec":
+        config["num_speculative_tokens"] = rng.randint(1, 4)
     prefixes = [[rng.choice(VOCAB) for _ in range(config["max_model_len"])] for _ in range(rng.randint(0, 3))]
     requests = [_request(rng, i, config, prefixes, lifecycle) for i in range(rng.randint(1, 12))]
+    for request in requests if group == "spec" else ():
+        request["min_tokens"] = 0
+        request["draft_token_ids"] = _drafts(rng, request["output_token_ids"], config["num_speculative_tokens"])
     return {
         "name": f"{group}-{seed}",
         "group": group,

@@ -9,6 +9,11 @@ small Python calls), and by replaying each plain step's events into a fresh `Eve
 StepRecord without any profiler (a lower bound: building the payloads at the call sites is not replayed).
 The runner's input preparation is also timed alone, without any profiler, on a captured SchedulerOutput of the
 decode workload and of one chunk of a chunked prefill.
+
+With --kv-events the engine publishes vLLM's KV cache events (ZeroMQ, a subscriber connected and draining) and the
+publishing is costed as the events are: each plain step's batch is built again, encoded and sent on a PUB socket
+with a subscriber, on one thread and without any profiler (the whole work, the publisher thread's part included),
+against the plain step (issue #34: under 3% of a step at batch 32).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import cProfile
 import statistics
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -35,6 +40,9 @@ from workbench.bench.args import add_common_args, add_positive_ints, non_negativ
 from workbench.bench.datasets import random_requests, token_id_range
 from workbench.bench.report import Line, Part, Table, described, docs_only, formatters, run_settings
 from workbench.bench.timing import timed
+
+if TYPE_CHECKING:
+    from engine.distributed.kv_events import EventBatch
 
 HELP = "where a decode step's time goes (cProfile, torch.profiler)"
 IN_ALL: tuple[int, list[str]] = (3, [])  # `workbench bench all` runs it: (place, flags)
@@ -165,6 +173,74 @@ def _chunked_prefill_input_prep(llm: LLM, prompt_len: int, seed: int) -> tuple[i
     return s.num_new_tokens, s.num_computed_tokens + s.num_new_tokens, ms
 
 
+class _Drain:
+    """A SUB socket connected to `endpoint` and a thread that reads and drops what arrives (a subscriber costs the
+    publisher its sends over TCP; decoding is the subscriber's cost, not counted)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import zmq
+
+        self._sub: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
+        self._sub.connect(endpoint)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-kv-events-drain", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sub.poll(100):
+                self._sub.recv_multipart(copy=False)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close(linger=0)
+
+
+def publish_ms_replayed(batch: EventBatch, repeats: int = 20) -> float:
+    """ms to build a batch's events again, encode the batch and send it on a PUB socket with a subscriber draining
+    it, as the block pool's recorder, the engine and the publisher's thread do between them (median of `repeats`,
+    no profiler)."""
+    import msgspec
+    import zmq
+
+    from engine.distributed.kv_events import KVEventBatch
+
+    encoder = msgspec.msgpack.Encoder()
+    pub: zmq.Socket = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind("tcp://127.0.0.1:0")
+    drain = _Drain(pub.getsockopt_string(zmq.LAST_ENDPOINT))
+    fields_of = [(type(e), {f: getattr(e, f) for f in e.__struct_fields__}) for e in batch.events]
+    seq = iter(range(repeats))
+
+    def publish() -> None:
+        events = [cls(**values) for cls, values in fields_of]
+        payload = encoder.encode(KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=0))
+        pub.send_multipart((b"", next(seq).to_bytes(8, "big"), payload))
+
+    try:
+        return timed(publish, repeats, warmup=0).median_s * 1e3
+    finally:
+        drain.close()
+        pub.close(linger=0)
+
+
+def _kv_events_costs(plain: list[StepRecord], batches: dict[int, EventBatch]) -> dict[str, Any]:
+    """What publishing the plain steps' KV events costs: batches and events per step, and the replayed ms per step
+    (a step that published nothing costs nothing) against the plain step."""
+    per_step = [publish_ms_replayed(batches[r.step]) if r.step in batches else 0.0 for r in plain]
+    ms = statistics.fmean(per_step)
+    return {
+        "batches_per_step": len(batches) / len(plain),
+        "events_per_step": sum(len(b.events) for b in batches.values()) / len(plain),
+        "ms_replayed": ms,
+        "share": ms / _median_step_ms(plain),
+    }
+
+
 def _start_decode_workload(llm: LLM, num_requests: int, prompt_len: int, max_tokens: int, seed: int) -> list[str]:
     """Add the requests and step until every one of them is decoding."""
     eng = llm.engine
@@ -193,6 +269,24 @@ def _plain_steps(eng: LLMEngine, steps: int, warmup: int) -> list[StepRecord]:
     for _ in range(warmup):
         eng.step()
     return [eng.step() for _ in range(steps)]
+
+
+def _plain_steps_publishing(eng: LLMEngine, steps: int, warmup: int) -> tuple[list[StepRecord], dict[int, EventBatch]]:
+    """The plain steps, and each KV event batch the engine published as one of them ended, by step number."""
+    publisher = eng.kv_event_publisher
+    assert publisher is not None
+    batches: dict[int, EventBatch] = {}
+    send = publisher.publish
+
+    def keep(batch: EventBatch) -> None:  # published as its step ends: step_count is that step's number
+        batches[eng.step_count] = batch
+        send(batch)
+
+    publisher.publish = keep  # type: ignore[method-assign]
+    try:
+        return _plain_steps(eng, steps, warmup), batches
+    finally:
+        publisher.publish = send  # type: ignore[method-assign]
 
 
 def _median_step_ms(records: list[StepRecord]) -> float:
@@ -258,24 +352,32 @@ def run_profile(
     top_ops: int = 10,
     seed: int = 0,
     max_num_batched_tokens: int = 2048,
+    kv_events: bool = False,
     engine_kwargs: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Profile `steps` decode steps of `num_requests` requests three ways (plain, cProfile, torch.profiler).
+    `kv_events`: the engine publishes vLLM's KV cache events, to a subscriber, and their cost is measured.
     `engine_kwargs`: more EngineConfig fields. Returns the plain step time, the stage split, the events' cost
-    and the top ops."""
+    (and the KV events') and the top ops."""
     engine_kwargs = dict(engine_kwargs or {})
+    if kv_events:
+        engine_kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0"}
     llm = LLM(model=model, max_num_batched_tokens=max_num_batched_tokens, seed=seed, **engine_kwargs)
     eng = llm.engine
+    publisher = eng.kv_event_publisher
+    drain = _Drain(publisher.get_publisher_config().endpoint) if kv_events and publisher is not None else None
     chunked_prompt_len = _two_chunk_prompt_len(eng, max_num_batched_tokens)
     # the first requests decode while the last ones still prefill: enough tokens that none finishes before the end
     prefill_steps = -(-num_requests * prompt_len // max_num_batched_tokens) + 1
     ids = _start_decode_workload(llm, num_requests, prompt_len, prefill_steps + warmup + 3 * steps + 2, seed)
-    plain = _plain_steps(eng, steps, warmup)
+    plain, batches = _plain_steps_publishing(eng, steps, warmup) if drain else (_plain_steps(eng, steps, warmup), {})
     log(f"plain decode step: {_median_step_ms(plain):.1f} ms")
     ms = _cprofile_ms(eng, steps)
     ops, inside_ops_ms = _torch_ops(eng, steps, top_ops) if top_ops else ([], None)
     input_prep = _input_prep(llm, ids, chunked_prompt_len, seed, log)
+    if drain is not None:
+        drain.close()
     return {
         "model": model,
         "settings": run_settings(run_profile, locals()),
@@ -283,6 +385,7 @@ def run_profile(
         "torch_ops": ops,
         "inside_ops_ms": inside_ops_ms,
         "input_prep": input_prep,
+        "kv_events": _kv_events_costs(plain, batches) if kv_events else None,
     }
 
 
@@ -293,6 +396,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=non_negative_int, default=2)
     parser.add_argument(
         "--top-ops", type=non_negative_int, default=10, help="aten ops to list (0: skip torch.profiler)"
+    )
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish vLLM's KV cache events (to a subscriber) and measure what publishing costs a step",
     )
 
 
@@ -321,6 +429,15 @@ def events_line(result: dict[str, Any]) -> str:
         f"events + StepRecord: {result['events_per_step']:.0f} events/step; {result['events_ms_profiled']:.2f} ms "
         f"= {result['events_share_profiled']:.1%} of the step under cProfile; replayed without a profiler "
         f"{replayed:.2f} ms = {replayed / result['step_ms']:.1%} of a plain {result['step_ms']:.1f} ms step"
+    )
+
+
+def kv_events_line(result: dict[str, Any]) -> str:
+    kv = result["kv_events"]
+    return (
+        f"KV events published (vLLM's format, ZeroMQ, a subscriber connected): {kv['batches_per_step']:.2f} batches, "
+        f"{kv['events_per_step']:.2f} events per step; building, encoding and sending them again without a "
+        f"profiler {kv['ms_replayed']:.3f} ms per step = {kv['share']:.2%} of a plain {result['step_ms']:.1f} ms step"
     )
 
 
@@ -374,6 +491,9 @@ def _parts(result: dict[str, Any]) -> list[Part]:
         Line(prep, prep + "."),
         Line(events, events + "."),
     ]
+    if result.get("kv_events"):
+        kv = kv_events_line(result)
+        parts.append(Line(kv, kv + "."))
     if result["torch_ops"]:
         eager = eager_line(result)
         parts += [Line(eager, eager + "."), docs_only("Heaviest aten ops:"), Table(_OP_HEADERS, _op_rows(result))]

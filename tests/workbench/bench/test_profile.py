@@ -77,3 +77,24 @@ def test_capture_refuses_a_step_that_ran_nothing() -> None:
     llm = LLM(model="tiny-llama", num_kv_blocks=8)
     with pytest.raises(RuntimeError, match="scheduled nothing"):
         capture_scheduler_output(llm.engine)
+
+
+def test_kv_events_publishing_is_costed_when_asked() -> None:
+    """--kv-events: the engine publishes (to a subscriber) and each plain step's batch is rebuilt, encoded and sent
+    again, its cost set against the step (never a timed assertion: only that it is measured and reported)."""
+    result = run_profile(
+        num_requests=4,
+        prompt_len=16,
+        steps=4,
+        warmup=0,
+        top_ops=0,
+        max_num_batched_tokens=48,
+        kv_events=True,
+        log=lambda _: None,
+        model="tiny-llama",
+        engine_kwargs={"num_kv_blocks": 64, "block_size": 4},  # decode fills a block every 4 steps: batches to cost
+    )
+    kv = result["kv_events"]
+    assert kv["batches_per_step"] > 0 and kv["events_per_step"] >= kv["batches_per_step"]
+    assert kv["ms_replayed"] > 0 and kv["share"] == pytest.approx(kv["ms_replayed"] / result["step_ms"])
+    assert "KV events published" in format_markdown(result, "workbench bench profile --kv-events")

@@ -159,6 +159,9 @@ class AttachedState:
         self.samples: deque[MetricsSample] = deque(maxlen=max_samples)
         self.num_samples = 0  # every scrape added, those the deque no longer holds too
         self.metrics_error: str | None = None
+        self._num_resident = 0  # blocks holding a stored hash: the copies, summed
+        self._sizes_said: set[int] = set()
+        self._over_said = False
         self.version = 0
         self.epoch = 0  # moves when the nodes are forgotten (a restarted server): a view draws them anew
         self._t0 = time.monotonic()
@@ -187,6 +190,7 @@ class AttachedState:
                     "cache starts empty; what was stored before is forgotten."
                 )
                 self.nodes.clear()
+                self._num_resident = 0
                 self.epoch += 1
             self.last_seq = seq
             self.num_batches += 1
@@ -202,11 +206,15 @@ class AttachedState:
                     for node in self.nodes.values():
                         if node.resident:
                             node.copies, node.status, node.changed_seq = 0, CLEARED, seq
+                    self._num_resident = 0
             self.version += 1
 
     def _stored(self, event: BlockStored, seq: int) -> None:
         parent = event.parent_block_hash
         size = event.block_size
+        if self.block_size is not None and size != self.block_size and size not in self._sizes_said:
+            self._sizes_said.add(size)  # a partial block (hybrid models) is smaller: said, once per size
+            self.notes.append(f"Batch {seq} stores blocks of {size} tokens; --block-size says {self.block_size}.")
         for i, block_hash in enumerate(event.block_hashes):
             node = self.nodes.get(block_hash)
             if node is None:
@@ -229,6 +237,13 @@ class AttachedState:
             node.copies += 1
             node.status, node.changed_seq = "stored", seq
             parent = block_hash
+        self._num_resident += len(event.block_hashes)
+        if self.num_blocks is not None and self._num_resident > self.num_blocks and not self._over_said:
+            self._over_said = True
+            self.notes.append(
+                f"Batch {seq} leaves {self._num_resident} blocks stored, more than --num-blocks ({self.num_blocks}): "
+                "is --num-blocks the server's, or were removals lost?"
+            )
 
     def _removed(self, block_hashes: Iterable[ExternalBlockHash], seq: int) -> None:
         for block_hash in block_hashes:
@@ -237,6 +252,7 @@ class AttachedState:
                 self.unknown_removed += 1
                 continue
             node.copies -= 1
+            self._num_resident -= 1
             node.changed_seq = seq
             if not node.resident:
                 node.status = REMOVED
@@ -255,8 +271,8 @@ class AttachedState:
 
     @property
     def num_resident_blocks(self) -> int:
-        with self.lock:
-            return sum(n.copies for n in self.nodes.values())
+        """Blocks that hold a stored hash (the copies of every stored hash)."""
+        return self._num_resident
 
     def hittable(self) -> set[ExternalBlockHash]:
         """The stored hashes a request can hit: those whose chain back to its sequence's first block is all stored

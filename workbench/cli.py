@@ -391,7 +391,8 @@ def _add_attach_args(p: argparse.ArgumentParser) -> None:
         "--kv-events",
         required=True,
         metavar="ENDPOINT",
-        help="the server's KV events endpoint, tcp://HOST:PORT (its --kv-events-config endpoint, e.g. tcp://*:5557)",
+        help="the server's KV events endpoint as reached from here, tcp://HOST:PORT (vLLM's tcp://*:5557 on HOST: "
+        "tcp://HOST:5557)",
     )
     p.add_argument(
         "--replay", metavar="ENDPOINT", help="its replay_endpoint, tcp://HOST:PORT: read what it holds from batch 0"

@@ -108,6 +108,14 @@ def test_the_state_follows_stores_removals_and_resets():
     assert state.resident() == {} and {n.status for n in state.nodes.values()} == {CLEARED}
     assert state.event_counts == {"BlockStored": 4, "BlockRemoved": 2, "AllBlocksCleared": 1}
     assert state.ranks == {0} and state.notes == [] and state.num_batches == 5
+    # what --block-size and --num-blocks say, checked against the stream
+    state.apply(message(5, stored([31], None, block_size=8), stored(list(range(40, 56)), 31)))
+    assert state.num_resident_blocks == 17 == sum(state.resident().values())
+    assert state.notes == [
+        "Batch 5 stores blocks of 8 tokens; --block-size says 4.",
+        "Batch 5 leaves 17 blocks stored, more than --num-blocks (16): is --num-blocks the server's, or were "
+        "removals lost?",
+    ]
 
 
 def test_gaps_a_late_start_and_a_restart_are_said():
@@ -205,6 +213,20 @@ def test_attaching_catches_up_from_the_replay_follows_live_and_closes(publisher)
             time.sleep(0.02)
         wait_for(lambda: late.state.last_seq > 2, what="a live batch")
         assert "Attached at batch" in late.state.notes[0] and late.state.unknown_removed >= 1
+
+
+def test_closing_the_notebook_dashboard_closes_its_threads_and_sockets(publisher):
+    from workbench.views.attached import attach
+
+    publish(publisher, stored([1, 2], None))
+    config = publisher.get_publisher_config()
+    wait_for(lambda: len(publisher._buffer) == 1, what="the publisher's thread sent it")
+    board = attach(config.endpoint, replay=config.replay_endpoint, block_size=4)
+    thread = next(t for t in threading.enumerate() if t.name == "attach-kv-events")
+    assert list(board.view.cells.source.data["status"]) == [HITTABLE, HITTABLE]  # drawn as it opens
+    board.close()
+    assert board.attachment.closed and not thread.is_alive() and board.attachment._sub._sub.closed
+    assert board._callback is None
 
 
 # ---- bad endpoints ----------------------------------------------------------------------------------------------

@@ -57,7 +57,8 @@ class JourneySpan:
 
     def describe(self) -> str:
         steps = f"step {self.first_step}" if self.num_steps == 1 else f"steps {self.first_step}-{self.last_step}"
-        got = f"{self.phase} {self.num_tokens} tokens" if self.phase else self.state
+        tokens = "1 token" if self.num_tokens == 1 else f"{self.num_tokens} tokens"
+        got = f"{self.phase} {tokens}" if self.phase else self.state
         if self.phase and self.num_steps > 1:
             got += " each"
         why = f": {self.reason.describe()}" if self.reason is not None else ""

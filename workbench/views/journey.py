@@ -123,6 +123,27 @@ def _parts(name: str, breakdown: Any) -> str:
     return f"- **{name}** {_ms(breakdown.total_ns)} = {parts}"
 
 
+def _admission_hits(journey: Journey) -> str:
+    """The prefix hits of the lookups that admitted it (at its start, and at each resume after a preemption); a
+    waiting request looks again every step, and those lookups are counted, not added."""
+    scheduled = {step for step, span in journey.steps() if span.phase}
+    admitted, waiting, skipped = [], 0, None
+    for e in journey.lookups:
+        if isinstance(e, PrefixSkipped):
+            skipped = e
+        elif e.step in scheduled:
+            miss = f"; then {e.miss.describe()}" if e.miss is not None else ""
+            admitted.append(f"{_count(e.num_hit_tokens, 'token')} at step {e.step}{miss}")
+        else:
+            waiting += 1
+    text = "; ".join(admitted) or "none"
+    if waiting:
+        text += f" ({_count(waiting, 'lookup')} more while it waited)"
+    if skipped is not None:
+        text += f" (skipped: {skipped.reason.describe()})"
+    return text
+
+
 def journey_totals(journey: Journey) -> list[str]:
     """The journey's totals as Markdown bullets: waiting by reason, prefill chunks, preemptions and recomputed
     tokens, prefix hits, decode steps, and TTFT and end-to-end latency split into parts."""
@@ -132,11 +153,7 @@ def journey_totals(journey: Journey) -> list[str]:
         for part, ns in latency.parts_ns.items()
         if part.startswith("wait:")
     ]
-    skipped = [e for e in journey.lookups if isinstance(e, PrefixSkipped)]
-    lookups = _count(len(journey.lookups) - len(skipped), "lookup")
-    hits = f"{_count(journey.num_prefix_hit_tokens, 'token')} in {lookups}"
-    if skipped:
-        hits += f" ({len(skipped)} skipped: {skipped[0].reason.describe()})"
+    hits = _admission_hits(journey)
     return [
         f"- **waiting, by reason**: {', '.join(waits) if waits else 'never'}",
         f"- **prefill chunks**: {journey.num_prefill_chunks}",

@@ -39,7 +39,16 @@ STATUS_COLORS = {HITTABLE: "#31a354", ORPHANED: "#a1d99b", REMOVED: "#bdbdbd", C
 SHARED_LINE = "black"  # the outline of a hash several stored chains go on from
 _CELL_COLUMNS = ("x", "y", "hash", "parent", "status", "copies", "depth", "tokens", "children", "color", "line")
 _METRIC_COLUMNS = ("t", "running", "waiting", "kv_usage", "hit_rate", "prompt_tps", "generation_tps")
+MAX_PREFIXES = 200  # the longest prefixes listed (a busy server's cache holds thousands)
 _PREFIX_COLUMNS = {"prefix": "last block", "blocks": "blocks", "tokens": "tokens", "first": "first block's tokens"}
+
+
+def _legend() -> pn.pane.HTML:
+    """The map's colours, named (the figure draws one glyph for every status)."""
+    swatch = '<span style="display:inline-block;width:12px;height:12px;background:{};{}margin:0 4px 0 12px"></span>{}'
+    items = [swatch.format(color, "", status) for status, color in STATUS_COLORS.items()]
+    items.append(swatch.format("white", f"border:2px solid {SHARED_LINE};", "a prefix several chains share"))
+    return pn.pane.HTML("".join(items), margin=(0, 10))
 
 
 class AttachedView:
@@ -87,11 +96,14 @@ class AttachedView:
             self.summary,
             self.notes,
             pn.Tabs(
-                ("KV blocks", pn.Column(pn.pane.Bokeh(self.map_figure), self.unknowable, sizing_mode="stretch_width")),
+                (
+                    "KV blocks",
+                    pn.Column(_legend(), pn.pane.Bokeh(self.map_figure), self.unknowable, sizing_mode="stretch_width"),
+                ),
                 (
                     "Prefix cache",
                     pn.Column(
-                        "### Longest hit-able prefixes",
+                        f"### Longest hit-able prefixes (the {MAX_PREFIXES} longest)",
                         self.prefixes,
                         pn.pane.Bokeh(self._chains_figure()),
                         sizing_mode="stretch_width",
@@ -106,8 +118,7 @@ class AttachedView:
     # ---- figures --------------------------------------------------------------------------------------------
     def _map_figure(self) -> Any:
         fig = new_figure(
-            "KV block hashes, in the order first stored (hit-able / stored, prefix gone / removed / cleared; "
-            "outlined: a prefix several chains share)",
+            "KV block hashes, in the order first stored (a cell is a hash; hover for its chain, copies and tokens)",
             height=200,
             tools="pan,wheel_zoom,reset",
             x_range=Range1d(start=-0.5, end=self._columns - 0.5),
@@ -207,7 +218,7 @@ class AttachedView:
                 self.map_figure.x_range.update(start=-0.5, end=self._columns - 0.5)
                 self.map_figure.height = min(600, rows * 20) + 60
                 self._metrics()
-                self.prefixes.value = self._prefix_frame(state.prefixes())
+                self.prefixes.value = self._prefix_frame(state.prefixes()[:MAX_PREFIXES])
                 for buf in (self.cells, self.nodes, self.links, self.series):
                     buf.flush()
                 self.summary.object = self._summary(len(hittable))
@@ -333,16 +344,22 @@ class AttachedView:
             m = s.samples[-1].values
             rate = s.hit_rate()
             metrics = [
-                f"running {m.get('vllm:num_requests_running', math.nan):.0f}",
-                f"waiting {m.get('vllm:num_requests_waiting', math.nan):.0f}",
-                f"KV usage {100 * m.get('vllm:kv_cache_usage_perc', math.nan):.1f}%",
-                f"prefix-cache hit rate {'-' if rate is None else f'{100 * rate:.1f}%'} since start",
-                f"{m.get('vllm:request_success_total', math.nan):.0f} requests done",
+                f"running {_shown(m.get('vllm:num_requests_running'))}",
+                f"waiting {_shown(m.get('vllm:num_requests_waiting'))}",
+                f"KV usage {_shown(m.get('vllm:kv_cache_usage_perc'), '.1%')}",
+                f"prefix-cache hit rate {_shown(rate, '.1%')} since start",
+                f"{_shown(m.get('vllm:request_success_total'))} requests done",
+                f"{_shown(m.get('vllm:num_preemptions_total'))} preemptions",
             ]
             line += "\n\n/metrics: " + " · ".join(metrics)
         if s.metrics_error:
             line += f"\n\n/metrics: the last scrape failed: {s.metrics_error}"
         return line
+
+
+def _shown(value: float | None, spec: str = ".0f") -> str:
+    """A metric's value for the summary; "-" where the server does not expose it."""
+    return "-" if value is None else format(value, spec)
 
 
 def _or_nan(value: float | None) -> float:

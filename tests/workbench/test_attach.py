@@ -42,6 +42,7 @@ from workbench.attach import (
     REMOVED,
     AttachedState,
     Attachment,
+    check_metrics_url,
     parse_metrics,
 )
 from workbench.cli import main
@@ -164,6 +165,9 @@ def test_metrics_are_read_with_vllms_names_and_counters_become_rates():
     assert state.metric("vllm:num_requests_waiting") is None  # not exposed: not invented
     with pytest.raises(ValueError, match="no vllm"):
         parse_metrics("# TYPE x gauge\nx 1.0\n")
+    # a server's root is taken as its /metrics; a path is kept
+    assert check_metrics_url("http://h:8000") == check_metrics_url("http://h:8000/") == "http://h:8000/metrics"
+    assert check_metrics_url("https://h/v/metrics") == "https://h/v/metrics"
 
 
 # ---- a publisher in this process ------------------------------------------------------------------------------
@@ -338,7 +342,8 @@ def test_attached_to_this_workbenchs_server_the_state_is_the_engines_cache(serve
         metrics_interval_s=0.2,
     ) as attachment:
         state = attachment.state
-        assert state.resident() == _engine_cache(served.llm) != {}
+        before = _engine_cache(served.llm)  # from the replay, or live if its last batch was still being sent
+        wait_for(lambda: state.resident() == before != {}, what=f"{state.resident()} == {before}")
         # concurrent requests sharing the prefix (copies of a block computed at once), then distinct long prompts
         # that fill the 23 blocks and evict
         threads = [

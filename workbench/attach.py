@@ -446,10 +446,13 @@ def check_metrics_url(url: str) -> str:
 class Attachment:
     """Owns the connection to a running server: a KVEventSubscriber on its KV events endpoint (and its replay
     endpoint, from which it first reads every batch the server still holds, from batch 0), the /metrics URL, the
-    AttachedState (`state`) they feed, and two threads (one reads batches, one scrapes /metrics every
-    `metrics_interval_s`). Every endpoint is checked first: a malformed one is a ValueError naming its flag, one
-    where nothing answers a ConnectionError naming it, within `connect_timeout_s`. `close()` (or `with`) stops the
-    threads and closes the sockets."""
+    AttachedState (`state`) they feed, and two threads (one reads batches, and asks the replay for any it missed
+    when the stream has been quiet for QUIET_REPLAY_S; one scrapes /metrics every `metrics_interval_s`). Every
+    endpoint is checked first: a malformed one is a ValueError naming its flag, one where nothing answers a
+    ConnectionError naming it, within `connect_timeout_s`. `close()` (or `with`) stops the threads and closes the
+    sockets."""
+
+    QUIET_REPLAY_S = 2.0  # a stream quiet this long is asked of the replay socket for a tail it may have missed
 
     def __init__(
         self,
@@ -518,6 +521,7 @@ class Attachment:
 
     def _read_events(self) -> None:
         seen_gaps = 0
+        quiet_since = time.monotonic()
         while not self._stop.is_set():
             try:
                 message = self._sub.recv(timeout_s=0.1)
@@ -531,12 +535,31 @@ class Attachment:
                 )
             seen_gaps = len(self._sub.gaps)
             if message is None:
+                if self.replay is not None and time.monotonic() - quiet_since > self.QUIET_REPLAY_S:
+                    quiet_since = time.monotonic()
+                    self._replay_tail()
                 continue
+            quiet_since = time.monotonic()
             if self._replayed:
                 if self._replayed.get(message.seq) == message.batch.ts:
                     continue
                 self._replayed = {}
             self.state.apply(message)
+
+    def _replay_tail(self) -> None:
+        """What the server published after the last batch read, from its replay socket: a SUB socket receives
+        nothing sent before its subscription reached the server, and a gap shows only with the next batch, so a
+        quiet stream is checked for a missed tail."""
+        last = self.state.last_seq
+        try:
+            tail = [m for m in self._sub.replay(last + 1, timeout_s=1.0) if m.seq > last]
+        except TimeoutError:
+            return  # a server gone quiet or gone: the next live batch, or the next check, says more
+        for message in tail:
+            self.state.apply(message)
+            self._replayed[message.seq] = message.batch.ts
+        if tail:
+            self._sub.last_seq = tail[-1].seq
 
     def _scrape_metrics(self) -> None:
         assert self.metrics is not None

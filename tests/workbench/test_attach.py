@@ -233,6 +233,26 @@ def test_closing_the_notebook_dashboard_closes_its_threads_and_sockets(publisher
     assert board._callback is None
 
 
+def test_a_tail_missed_live_is_read_from_the_replay_once_the_stream_is_quiet(publisher, monkeypatch):
+    """A subscription that has not reached the server yet misses what is sent, and nothing shows the gap until the
+    next batch: a quiet stream is checked against the replay. Here nothing comes live at all (the attachment's topic
+    filters out the publisher's), so every batch after the catch-up arrives that way, once."""
+    monkeypatch.setattr(Attachment, "QUIET_REPLAY_S", 0.2)
+    checks = []
+    replay_tail = Attachment._replay_tail
+    monkeypatch.setattr(Attachment, "_replay_tail", lambda self: checks.append(replay_tail(self)))
+    config = publisher.get_publisher_config()
+    with Attachment(config.endpoint, replay=config.replay_endpoint, topic="other") as attachment:
+        state = attachment.state
+        publish(publisher, stored([1, 2], None))
+        wait_for(lambda: state.last_seq == 0, what="the batch, from the replay")
+        publish(publisher, stored([3], 2))
+        wait_for(lambda: state.last_seq == 1, what="the next one")
+        seen = len(checks)
+        wait_for(lambda: len(checks) >= seen + 2, what="two more checks")  # which find nothing new to apply
+    assert state.resident() == {1: 1, 2: 1, 3: 1} and state.num_batches == 2 and state.notes == []
+
+
 # ---- bad endpoints ----------------------------------------------------------------------------------------------
 class _NotVLLM(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:

@@ -276,14 +276,21 @@ class AttachedState:
 
     def hittable(self) -> set[ExternalBlockHash]:
         """The stored hashes a request can hit: those whose chain back to its sequence's first block is all stored
-        (vLLM's lookup walks a prompt's blocks from the first and stops at the first miss). Parents are first stored
-        before their children, so one pass in that order settles each."""
+        (vLLM's lookup walks a prompt's blocks from the first and stops at the first miss). A chain through a hash
+        the stream never named (stored before attaching) is not known to be whole: not counted."""
         with self.lock:
-            found: set[ExternalBlockHash] = set()
-            for h, node in self.nodes.items():
-                if node.resident and (node.parent is None or node.parent in found):
-                    found.add(h)
-            return found
+            found: dict[ExternalBlockHash, bool] = {}
+            for start in self.nodes:
+                chain: list[HashNode] = []  # the ancestors not settled yet, child first
+                at: ExternalBlockHash | None = start
+                while at is not None and at not in found and at in self.nodes:
+                    chain.append(self.nodes[at])
+                    at = chain[-1].parent
+                whole = True if at is None else found.get(at, False)  # a first block, settled, or never named
+                for node in reversed(chain):
+                    whole = whole and node.resident
+                    found[node.block_hash] = whole
+            return {h for h, whole in found.items() if whole}
 
     def status(self, block_hash: ExternalBlockHash, hittable: set[ExternalBlockHash]) -> str:
         """A hash's status on the map: HITTABLE, ORPHANED, REMOVED or CLEARED."""

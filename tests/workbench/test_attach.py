@@ -128,6 +128,8 @@ def test_gaps_a_late_start_and_a_restart_are_said():
     assert state.unknown_removed == 1 and 7 not in state.nodes
     state.apply(message(9, stored([2], None)))
     assert state.lost_batches == 2 and "Batches 7..8 were lost" in state.notes[-1]
+    state.apply(message(10, stored([9], None)))  # the parent, stored again after the child was first seen
+    assert state.hittable() == {9, 1, 2} and state.nodes[9].slot > state.nodes[1].slot
     state.apply(message(0, stored([3], None)))
     assert "started again at batch 0" in state.notes[-1] and state.resident() == {3: 1} and state.epoch == 1
     with pytest.raises(ValueError, match="--num-blocks"):

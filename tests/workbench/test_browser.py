@@ -1,8 +1,8 @@
 """The served dashboard in a real Chromium: `workbench serve` on the default model with two requests queued (the
 loop starts paused); `/` leads to `/dashboard`; clicking `Step` three times reads `step 3` and changes the KV block
 map; `Play` runs them to the end on the serving loop; a request sent over HTTP with the `openai` client then shows
-its row with its text, and `step N` advances. With WORKBENCH_SCREENSHOTS=DIR (`make screenshots`), a screenshot
-goes to DIR/dashboard.png."""
+its row with its text, and `step N` advances; clicking its row opens its journey, and clicking block 1 on the block
+map that block's life. With WORKBENCH_SCREENSHOTS=DIR (`make screenshots`), a screenshot goes to DIR/dashboard.png."""
 
 from __future__ import annotations
 
@@ -44,6 +44,19 @@ Y_RANGE = """(title) => {
     if (m.title != null && m.title.text !== undefined && m.title.text.startsWith(title))
       return [m.y_range.start, m.y_range.end, m.title.text];
   return null;
+}"""
+
+
+# Where the browser drew the cell at data (x, y) of the figure whose title starts with the first argument: page pixels.
+CELL_XY = """([title, x, y]) => {
+  const found = [];
+  const visit = (view) => {
+    if (view.model.title != null && String(view.model.title.text).startsWith(title)) found.push(view);
+    for (const child of view.child_views ?? []) visit(child);
+  };
+  for (const root of Bokeh.index.roots) visit(root);
+  const view = found[0], box = view.canvas_view.el.getBoundingClientRect();
+  return [box.left + view.frame.x_scale.compute(x), box.top + view.frame.y_scale.compute(y)];
 }"""
 
 
@@ -119,6 +132,14 @@ def test_step_three_times_then_serve_http_in_chromium(server_url):
                     break
                 page.wait_for_timeout(200)
             assert _shown_step(page) > steps_before
+            # its row clicked: its journey, as the engine explains it (a prefill, then three decodes: 4 tokens)
+            page.locator(".tabulator-cell[tabulator-field=request_id]", has_text="cmpl-from-http").first.click()
+            page.get_by_text("Journey of request cmpl-from-http · finished (length)").wait_for(timeout=15_000)
+            assert page.get_by_text("decode 1 token each").first.is_visible()
+            # block 1 clicked on the map: its life, from the first prompt's first block on
+            page.mouse.click(*page.evaluate(CELL_XY, ["KV blocks", 0, 0]))
+            page.get_by_text(re.compile(r"^Life of block 1 · \d+ (life|lives) seen$")).wait_for(timeout=15_000)
+            assert page.get_by_text("allocated at step 1 to req-0").is_visible()
             if SCREENSHOT_DIR:
                 page.screenshot(path=str(Path(SCREENSHOT_DIR) / "dashboard.png"))
         finally:

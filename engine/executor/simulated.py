@@ -72,7 +72,7 @@ class SimulatedExecutor(Executor):
         return spec_tokenizer(self.spec)
 
     def validate_request(self, params: SamplingParams) -> None:
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and self.script is None:  # a script may follow a grammar
             raise ValueError(
                 "structured_outputs: the simulated executor samples random tokens, which no grammar would allow"
             )

@@ -25,6 +25,28 @@ def xgrammar_backend() -> ModuleType:
     return backend_xgrammar
 
 
+class ScriptedGrammar:
+    """Stands for a compiled grammar where whoever drives the engine says when each grammar is ready
+    (`StructuredOutputManager.script_grammars`): it allows every token and never terminates, as the stand-in
+    `workbench fidelity` gives vLLM's scheduler does."""
+
+    def accept_token(self, token: int) -> bool:
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> int:
+        bitmask[row] = -1  # every bit set: every token allowed
+        return bitmask.shape[1] * 32
+
+    def jump_forward_string(self) -> str:
+        return ""
+
+
 @dataclass
 class StructuredOutputRequest:
     """A guided request's grammar: the compile in flight, then the matcher."""
@@ -32,7 +54,7 @@ class StructuredOutputRequest:
     key: tuple[str, str]
     future: Future | None  # the compile in flight; dropped once grammar or error is set
     cache_hit: bool = False
-    grammar: Grammar | None = None
+    grammar: Grammar | ScriptedGrammar | None = None
     error: str | None = None
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -51,6 +73,22 @@ class StructuredOutputManager:
         self._cache: dict[tuple[str, str], Future] = {}
         self.requests: dict[str, StructuredOutputRequest] = {}
         self._allowed: dict[str, int] = {}  # this step's allowed-token count per guided request
+        self.scripted = False  # script_grammars: nothing compiles, grammar_ready says when each grammar is there
+
+    def script_grammars(self) -> None:
+        """From now on no grammar compiles: a guided request waits until `grammar_ready` is called for it, and its
+        grammar (a ScriptedGrammar) allows every token. For a model-free engine driven by a script
+        (`workbench fidelity`'s guided group), which decides at which step each grammar is ready."""
+        self.scripted = True
+
+    def grammar_ready(self, request_id: str, error: str | None = None) -> None:
+        """A scripted grammar is ready (or failed to compile with `error`): the next schedule() sees it."""
+        future = self.requests[request_id].future
+        assert self.scripted and future is not None, "only a scripted grammar still waiting is made ready"
+        if error is None:
+            future.set_result(ScriptedGrammar())
+        else:
+            future.set_exception(ValueError(error))
 
     @property
     def backend(self) -> XgrammarBackend:
@@ -61,6 +99,10 @@ class StructuredOutputManager:
     def add_request(self, request: Request) -> None:
         """Start compiling the request's grammar (or reuse the cached one); the request waits for it."""
         key = xgrammar_backend().grammar_key(request.sampling_params.structured_outputs)
+        if self.scripted:  # not shared: each request's grammar is ready when its script says
+            self.requests[request.request_id] = StructuredOutputRequest(key, Future())
+            request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            return
         cached = key in self._cache
         if not cached:
             backend = self.backend
@@ -78,7 +120,8 @@ class StructuredOutputManager:
         if not future.done():
             return False
         try:
-            so.grammar = xgrammar_backend().Grammar(future.result())
+            compiled = future.result()
+            so.grammar = compiled if isinstance(compiled, ScriptedGrammar) else xgrammar_backend().Grammar(compiled)
         except Exception as exc:  # the compiler's message is the user's answer
             so.error = f"grammar: {type(exc).__name__}: {exc}"
             self._cache.pop(so.key, None)
@@ -97,7 +140,7 @@ class StructuredOutputManager:
     def wait_for_any(self, request_ids: list[str], timeout: float) -> None:
         """Block until one of these requests' grammars is compiled (or `timeout` seconds pass)."""
         futures = [so.future for rid in request_ids if (so := self.requests.get(rid)) and so.future is not None]
-        if futures:
+        if futures and not self.scripted:  # a scripted grammar is made ready between steps, never during one
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
     def error(self, request_id: str) -> str | None:
@@ -119,6 +162,9 @@ class StructuredOutputManager:
         self._allowed = {}
         if not any(rid in self.requests for rid, _ in sampling):
             return None, []
+        if self.scripted:  # every token is allowed: no mask
+            self._allowed = {rid: self.vocab_size for rid, _ in sampling if rid in self.requests}
+            return None, []
         bitmask = self.backend.allocate_bitmask(sum(1 + len(d) for _, d in sampling))
         rows, row = [], 0
         for rid, drafts in sampling:
@@ -134,7 +180,7 @@ class StructuredOutputManager:
             row += 1 + len(drafts)
         return bitmask, rows
 
-    def _matcher(self, request_id: str) -> Grammar:
+    def _matcher(self, request_id: str) -> Grammar | ScriptedGrammar:
         grammar = self.requests[request_id].grammar
         if grammar is None:  # the scheduler runs a guided request only once check_ready said so
             raise RuntimeError(f"grammar: request {request_id} ran before its grammar compiled")

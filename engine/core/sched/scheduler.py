@@ -59,7 +59,7 @@ class Verdict(enum.Enum):
 
     SKIP = "skip"  # not ready (its grammar compiles, its KV loads or is not stored yet): passed over this step
     STOP = "stop"  # no room (the budget, without chunking; the KV cache): nobody else is admitted this step
-    FINISH = "finish"  # it can never run (its grammar or its KV load failed): finished with the error
+    FINISH = "finish"  # it can never run (its KV load failed): finished with the error
     PARK = "park"  # its KV loads asynchronously into the blocks just allocated: WAITING_FOR_REMOTE_KVS until then
     SCHEDULE = "schedule"  # admitted: `num_new` tokens run this step
 
@@ -116,6 +116,9 @@ class Scheduler:
         self.remote_loads: dict[str, int] = {}
         self.awaiting_kv: set[str] = set()
         self.held: dict[str, Request] = {}
+        # grammars found failed while scheduling: their requests finish at the end of the step (vLLM's
+        # grammar_compile_error_reqs, finished in update_from_output after the step's outputs)
+        self.grammar_errors: dict[str, str] = {}
         spec = config.speculative
         # room for the next drafts where a draft model (or EAGLE's head) writes their KV before they are scheduled;
         # n-gram and Medusa write none (vLLM 0.33's VllmConfig.num_lookahead_tokens)
@@ -412,12 +415,15 @@ class Scheduler:
         return Verdict.SKIP
 
     def _check_grammar(self, a: Admission) -> Verdict | None:
-        """A grammar still compiling holds its request back (the others go on); one that failed finishes it."""
+        """A grammar still compiling holds its request back (the others go on); one that failed holds it back too,
+        and finishes it at the end of the step."""
         if a.request.status != _COMPILING or self._structured().check_ready(a.request):
             return None
         a.error = self._structured().error(a.request.request_id)
+        if a.error is not None:
+            self.grammar_errors[a.request.request_id] = a.error
         a.reason = WaitingForGrammar()
-        return Verdict.SKIP if a.error is None else Verdict.FINISH
+        return Verdict.SKIP
 
     @staticmethod
     def _check_stale_output(a: Admission) -> Verdict | None:
@@ -612,6 +618,11 @@ class Scheduler:
             request.metrics.last_token_time = now
             if not request.is_finished and drafts and request.request_id in drafts:
                 self._set_drafts(request, *drafts[request.request_id])
+        for rid in sorted(self.grammar_errors):  # vLLM finishes them from a set, in no order of its own
+            failed = self.requests.get(rid)
+            if failed is not None:
+                self.finish_request(failed, RequestStatus.FINISHED_ERROR, self.grammar_errors[rid])
+        self.grammar_errors.clear()
         return appended
 
     def _append(

@@ -125,7 +125,7 @@ def test_over_vllms_workloads_every_journey_adds_up_and_a_trace_explains_the_sam
             replayed = read_trace(path).explainer()
             for spec in case["workload"]["requests"]:
                 rid = spec["request_id"]
-                if engine.explain(rid).finish_reason not in (None, "abort"):
+                if engine.explain(rid).finish_reason not in (None, "abort", "error"):  # error: maybe no token
                     assert_parts_add_up(engine.explain(rid))
                 assert replayed.explain(rid) == engine.explain(rid)
             for block_id in range(engine.num_kv_blocks):

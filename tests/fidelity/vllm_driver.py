@@ -20,6 +20,12 @@ the batch's next drafts (the workload's, after the request's outputs; none for a
 A dynamic speculative decoding schedule of K at every batch size turns off one thing only: the padding of a newly
 admitted one-token decode to 1 + K rows with -1 drafts, kept for CUDA graphs (a deliberate difference,
 docs/FIDELITY.md).
+
+Guided requests (`grammar_ready_step`): structured-output params (a JSON object), so vLLM's Request waits in
+WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR; no grammar is compiled (EngineCore's grammar_init is never called, and
+nothing here has a tokenizer). At that step, before it is scheduled, `structured_output_request.grammar` becomes a
+stand-in that allows every token and never terminates, or an exception (a failed compile). The grammar bitmask is
+not asked for: no model samples under it.
 """
 
 from __future__ import annotations
@@ -134,8 +140,30 @@ def make_scheduler(workload: dict, kv_events_config: dict | None = None):
     )
 
 
+class StandInGrammar:
+    """vLLM's StructuredOutputGrammar interface, allowing every token: what the scheduler calls on a grammar."""
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return tokens
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def fill_bitmask(self, bitmask, batch_index: int) -> None:
+        bitmask[batch_index] = -1
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+
 def make_request(spec: dict, index: int, workload: dict, hasher):
-    from vllm.sampling_params import SamplingParams
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
     from vllm.v1.request import Request
 
     params = SamplingParams(
@@ -143,6 +171,7 @@ def make_request(spec: dict, index: int, workload: dict, hasher):
         min_tokens=spec["min_tokens"],
         ignore_eos=spec["ignore_eos"],
         stop_token_ids=list(spec["stop_token_ids"]),
+        structured_outputs=StructuredOutputsParams(json_object=True) if "grammar_ready_step" in spec else None,
     )
     params.update_from_generation_config({}, eos_token_id=workload["eos_token_id"])
     return Request(
@@ -246,6 +275,10 @@ def run_workload(workload: dict, kv_events_config: dict | None = None) -> dict:
         for rid in workload["aborts"].get(str(step), []):
             if scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED):
                 finished.append([rid, "abort"])
+        for spec in workload["requests"]:
+            if spec.get("grammar_ready_step") == step and spec["request_id"] in scheduler.requests:
+                grammar = ValueError("the script's grammar does not compile") if spec["grammar_error"] else None
+                scheduler.requests[spec["request_id"]].structured_output_request.grammar = grammar or StandInGrammar()
         pending = any(s["arrival_step"] > step for s in workload["requests"])
         # done when nothing is left to schedule and no batch with tokens is in flight (an empty batch in the queue,
         # scheduled only to report finished ids, changes nothing when it is taken)
@@ -275,10 +308,12 @@ def run_workload(workload: dict, kv_events_config: dict | None = None) -> dict:
             update = queue.pop(0)
         if update is not None:
             out, samples = update
+            errors = []  # grammars that failed to compile, finished last, in a set's order: sorted here
             for outputs in scheduler.update_from_output(out, _runner_output(out, samples, requests, workload)).values():
                 for o in outputs.outputs:
                     if o.finish_reason is not None:
-                        finished.append([o.request_id, str(o.finish_reason)])
+                        (errors if o.error is not None else finished).append([o.request_id, str(o.finish_reason)])
+            finished += sorted(errors)
             if "num_speculative_tokens" in c and out.total_num_scheduled_tokens:  # EngineCore.post_step
                 scheduler.update_draft_token_ids(_draft_token_ids(out, samples, requests, workload))
         record["requests"] = {

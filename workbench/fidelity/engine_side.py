@@ -8,6 +8,9 @@ recording at every step what vLLM's side records (tests/fidelity/vllm_driver.py)
 - finished: [request id, reason] in the order they finished (aborts before the step first);
 - free_blocks and free_queue: the free block count and the free queue's block ids, head first;
 - spec (speculative workloads only): the drafts each request verified this step, by request id.
+
+A guided request's grammar is scripted (StructuredOutputManager.script_grammars): ready, or failed, at its
+`grammar_ready_step`, before that step is scheduled, as vLLM's side sets its stand-in grammar.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams, StructuredOutputsParams
 from engine.core.block_hash import hash_hex
 from engine.executor.scripted import ScriptedModel
 
@@ -26,7 +29,7 @@ def make_engine(workload: dict[str, Any], kv_events_config: dict[str, Any] | Non
     scripts = {r["request_id"]: r["output_token_ids"] for r in workload["requests"]}
     k = c.get("num_speculative_tokens", 0)
     drafts = {r["request_id"]: r["draft_token_ids"] for r in workload["requests"] if "draft_token_ids" in r}
-    return LLMEngine(
+    engine = LLMEngine(
         executor="scripted",
         # vLLM's side runs the "ngram" method, whose drafts need no lookahead slots: so does this engine's
         token_script=ScriptedModel(scripts, drafts) if k else scripts,
@@ -44,6 +47,8 @@ def make_engine(workload: dict[str, Any], kv_events_config: dict[str, Any] | Non
         async_scheduling=c.get("async_scheduling", False),
         kv_events_config=kv_events_config,
     )
+    engine.structured.script_grammars()
+    return engine
 
 
 def _add(engine: LLMEngine, spec: dict[str, Any], index: int) -> None:
@@ -52,6 +57,7 @@ def _add(engine: LLMEngine, spec: dict[str, Any], index: int) -> None:
         min_tokens=spec["min_tokens"],
         ignore_eos=spec["ignore_eos"],
         stop_token_ids=list(spec["stop_token_ids"]),
+        structured_outputs=StructuredOutputsParams(json_object=True) if "grammar_ready_step" in spec else None,
     )
     engine.add_request(
         list(spec["prompt_token_ids"]),
@@ -90,6 +96,10 @@ def trace_steps(workload: dict[str, Any], engine: LLMEngine) -> Iterator[dict[st
         for rid in workload["aborts"].get(str(step), []):  # its request.finished lands in this step's record
             if rid in scheduler.requests:
                 engine.abort(rid)
+        for spec in workload["requests"]:
+            if spec.get("grammar_ready_step") == step and spec["request_id"] in scheduler.requests:
+                error = "the script's grammar does not compile" if spec["grammar_error"] else None
+                engine.structured.grammar_ready(spec["request_id"], error)
         pending = any(s["arrival_step"] > step for s in workload["requests"])
         if not engine.has_unfinished_requests() and not pending:
             return

@@ -11,7 +11,10 @@ Each coverage group draws what it covers and keeps the rest at defaults that can
   async_scheduling): each step scheduled before the previous step's tokens are back;
 - spec: the lifecycle group (min_tokens aside: the engine refuses it with drafts) under speculative decoding, 1 to 4
   speculative tokens (vLLM's "ngram" method: no lookahead slots), each request with scripted drafts after each of
-  its outputs, some equal to the tokens it will sample and some not, so that verifications accept all, some or none.
+  its outputs, some equal to the tokens it will sample and some not, so that verifications accept all, some or none;
+- guided: the lifecycle group with structured output: some requests are guided and wait for their grammar
+  (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR) until a given step, when it is ready (a stand-in that allows every token)
+  or fails to compile.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-GROUPS = ("core", "lifecycle", "async", "spec")
+GROUPS = ("core", "lifecycle", "async", "spec", "guided")
 EOS_TOKEN_ID = 2
 VOCAB = range(3, 500)  # script and prompt tokens: small ids, never EOS unless placed on purpose
 
@@ -123,7 +126,7 @@ def make_workload(group: str, seed: int) -> dict[str, Any]:
         raise ValueError(f"group: must be one of {GROUPS}, got {group!r}")
     rng = random.Random(f"{group}-{seed}")
     config = {**_config(rng), "async_scheduling": group == "async"}
-    lifecycle = group in ("lifecycle", "async", "spec")
+    lifecycle = group in ("lifecycle", "async", "spec", "guided")
     if group == "spec":
         config["num_speculative_tokens"] = rng.randint(1, 4)
     prefixes = [[rng.choice(VOCAB) for _ in range(config["max_model_len"])] for _ in range(rng.randint(0, 3))]
@@ -131,6 +134,10 @@ def make_workload(group: str, seed: int) -> dict[str, Any]:
     for request in requests if group == "spec" else ():
         request["min_tokens"] = 0
         request["draft_token_ids"] = _drafts(rng, request["output_token_ids"], config["num_speculative_tokens"])
+    for request in requests if group == "guided" else ():
+        if rng.random() < 0.6:  # guided: its grammar is ready (or fails) this many steps after it arrives
+            request["grammar_ready_step"] = request["arrival_step"] + rng.choice([0, 0, 1, 2, 3, 5, 10, 20])
+            request["grammar_error"] = rng.random() < 0.1
     return {
         "name": f"{group}-{seed}",
         "group": group,

@@ -6,7 +6,9 @@ step made), under cProfile (the split by stage, read by code object so that no n
 torch.profiler (the heaviest aten ops). The events' cost is measured twice: cProfile's cumulative time of
 `EventLog.emit` and `StepRecord` construction (inflated by the profiler's per-call overhead, which falls hardest on
 small Python calls), and by replaying each plain step's events into a fresh `EventLog` and rebuilding its
-StepRecord without any profiler (a lower bound: building the payloads at the call sites is not replayed).
+StepRecord without any profiler (a lower bound: building the payloads at the call sites is not replayed). The
+reasons' fold (each request's journey and each block's life, `LLMEngine.explain`) is a row of the split, and is
+replayed too: each plain step folded into a fresh Explainer, without any profiler.
 The runner's input preparation is also timed alone, without any profiler, on a captured SchedulerOutput of the
 decode workload and of one chunk of a chunked prefill.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
@@ -31,6 +34,7 @@ import kernels
 from engine import LLM, SamplingParams, StepRecord
 from engine.core.sched.scheduler import Scheduler, SchedulerOutput
 from engine.events import EventLog
+from engine.journey import Explainer
 from engine.llm_engine import LLMEngine
 from engine.model.llama import LlamaForCausalLM
 from engine.model.runner import ModelRunner
@@ -65,8 +69,10 @@ _FUNCS = {
     "begin": EventLog.begin,
     "drain": EventLog.drain,
     "step_record": StepRecord.__init__,
+    "explain": Explainer.observe,  # every step's reasons folded into journeys and block lives (LLMEngine.explain)
 }
 PREP_REPEATS = 50  # calls timed by input_prep_ms
+REASONS_ROW = "reasons: journeys and block lives (Explainer.observe)"
 # Rows that are the model's own arithmetic; every other row is engine overhead around it.
 MODEL_ROWS = (
     "model: attention (KV write + paged attention)",
@@ -100,6 +106,7 @@ def stage_split(ms: dict[str, float]) -> list[tuple[str, float]]:
         ("sampler", ms["sampler"]),
         ("scheduler: update_from_output", ms["update"]),
         ("output processing (detokenize, stop strings)", ms["detokenize"]),
+        (REASONS_ROW, ms["explain"]),
     ]
     rows.append(("rest of step (StepRecord, StepTiming, KV usage, glue)", ms["step"] - sum(v for _, v in rows)))
     return rows
@@ -124,6 +131,18 @@ def replay_events_ms(record: StepRecord, repeats: int = 20) -> float:
         StepRecord(**others, events=log.drain())
 
     return timed(replay, repeats, warmup=0).median_s * 1e3
+
+
+def replay_explain_ms(records: list[StepRecord], block_size: int) -> float:
+    """Median ms to fold one step into the journeys and block lives (`Explainer.observe`, as LLMEngine.step does),
+    each record folded once, in order, into an Explainer that has folded the ones before it, without any profiler."""
+    explainer = Explainer(block_size)
+    times = []
+    for record in records:
+        start = time.perf_counter_ns()
+        explainer.observe(record)
+        times.append((time.perf_counter_ns() - start) / 1e6)
+    return statistics.median(times)
 
 
 def capture_scheduler_output(eng: LLMEngine) -> SchedulerOutput:
@@ -303,8 +322,9 @@ def _cprofile_ms(eng: LLMEngine, steps: int) -> dict[str, float]:
     return _cumulative_ms(profiler, steps)
 
 
-def _step_costs(plain: list[StepRecord], ms: dict[str, float]) -> dict[str, Any]:
-    """The plain step time, the stage split and what the events cost, from the plain steps and cProfile's times."""
+def _step_costs(plain: list[StepRecord], ms: dict[str, float], block_size: int) -> dict[str, Any]:
+    """The plain step time, the stage split and what the events and their reasons' fold cost, from the plain steps
+    and cProfile's times."""
     events_profiled = ms["emit"] + ms["begin"] + ms["drain"] + ms["step_record"]
     stages = stage_split(ms)
     overhead = [(name, v) for name, v in stages if name not in MODEL_ROWS]
@@ -317,6 +337,8 @@ def _step_costs(plain: list[StepRecord], ms: dict[str, float]) -> dict[str, Any]
         "events_ms_profiled": events_profiled,
         "events_share_profiled": events_profiled / ms["step"],
         "events_ms_replayed": statistics.median(replay_events_ms(r) for r in plain),
+        "explain_ms_profiled": ms["explain"],
+        "explain_ms_replayed": replay_explain_ms(plain, block_size),
     }
 
 
@@ -381,7 +403,7 @@ def run_profile(
     return {
         "model": model,
         "settings": run_settings(run_profile, locals()),
-        **_step_costs(plain, ms),
+        **_step_costs(plain, ms, eng.config.block_size),
         "torch_ops": ops,
         "inside_ops_ms": inside_ops_ms,
         "input_prep": input_prep,
@@ -429,6 +451,18 @@ def events_line(result: dict[str, Any]) -> str:
         f"events + StepRecord: {result['events_per_step']:.0f} events/step; {result['events_ms_profiled']:.2f} ms "
         f"= {result['events_share_profiled']:.1%} of the step under cProfile; replayed without a profiler "
         f"{replayed:.2f} ms = {replayed / result['step_ms']:.1%} of a plain {result['step_ms']:.1f} ms step"
+    )
+
+
+def reasons_line(result: dict[str, Any]) -> str:
+    """The reasons' fold beside the events: together, what a step pays to be explained (#33: under 3% at batch 32)."""
+    step, replayed = result["step_ms"], result["explain_ms_replayed"]
+    both = replayed + result["events_ms_replayed"]
+    return (
+        f"reasons folded into journeys and block lives (Explainer.observe, every step): "
+        f"{result['explain_ms_profiled']:.2f} ms = {result['explain_ms_profiled'] / result['profiled_step_ms']:.1%} "
+        f"of the step under cProfile; replayed without a profiler {replayed:.3f} ms = {replayed / step:.2%} of a "
+        f"plain {step:.1f} ms step; with the events and the StepRecord {both:.3f} ms = {both / step:.2%}"
     )
 
 
@@ -483,13 +517,19 @@ _DOCS = _WORKLOAD + (
 
 
 def _parts(result: dict[str, Any]) -> list[Part]:
-    largest, prep, events = largest_line(result), input_prep_line(result), events_line(result)
+    largest, prep, events, reasons = (
+        largest_line(result),
+        input_prep_line(result),
+        events_line(result),
+        reasons_line(result),
+    )
     parts: list[Part] = [
         described(result, _WORKLOAD, _DOCS),
         Table(_STAGE_HEADERS, _stage_rows(result)),
         Line(largest, f"**{largest}.**"),
         Line(prep, prep + "."),
         Line(events, events + "."),
+        Line(reasons, reasons + "."),
     ]
     if result.get("kv_events"):
         kv = kv_events_line(result)

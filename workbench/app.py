@@ -341,11 +341,13 @@ class Workbench:
             with self._inbox_lock:
                 self._inbox = []
             engine.subscribe(self._on_record)
-        # journeys and block lives from the engine itself (a data-parallel front end has no steps of its own to
-        # explain: the records it gives are folded instead)
+        # journeys and block lives from the engine itself; a data-parallel front end has no scheduler steps of its
+        # own to explain (each replica's are its own), and keeps no records for it
         explanations = self.dashboard.explanations
         explanations.block_size = engine.config.block_size
-        if self.data_parallel_size > 1 or not hasattr(engine, "explain"):
+        if self.data_parallel_size > 1:
+            explanations.attach(None, None, keep_records=False)
+        elif not hasattr(engine, "explain"):
             explanations.attach(None, None)
         else:
             explanations.attach(engine.explain, engine.block_life, self.lock)

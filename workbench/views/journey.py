@@ -46,6 +46,7 @@ class Explanations:
         self._explain: Callable[[str], Journey] | None = None
         self._block_life: Callable[[int], list[BlockLife]] | None = None
         self.records: list[StepRecord] = []
+        self.keep_records = True
         self._journey: tuple[JourneyRecorder, int] | None = None  # the request folded alone, records folded
         self._blocks: tuple[BlockLifeRecorder, int] | None = None
 
@@ -54,10 +55,13 @@ class Explanations:
         explain: Callable[[str], Journey] | None,
         block_life: Callable[[int], list[BlockLife]] | None,
         lock: contextlib.AbstractContextManager[Any] | None = None,
+        keep_records: bool = True,
     ) -> None:
-        """Read a live engine's (None: fold the records fed from now on)."""
+        """Read a live engine's (None: fold the records fed from now on; with `keep_records` False, keep none and
+        explain nothing: a data-parallel front end's records hold no steps to explain, and a server runs for days)."""
         self._explain, self._block_life = explain, block_life
         self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.keep_records = keep_records
         self.clear()
 
     @property
@@ -65,7 +69,7 @@ class Explanations:
         return self._explain is not None
 
     def observe(self, records: Sequence[StepRecord]) -> None:
-        if not self.live:  # a live engine keeps its own
+        if not self.live and self.keep_records:  # a live engine keeps its own
             self.records.extend(records)
 
     def clear(self) -> None:

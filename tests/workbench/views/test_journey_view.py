@@ -122,3 +122,14 @@ def test_the_panels_say_what_cannot_be_explained():
     life = BlockLifeView(explanations=Explanations())
     life.open(3)
     assert "Never allocated" in life.markdown.object
+
+
+def test_a_front_end_without_steps_keeps_no_records(run):
+    # a data-parallel front end's dashboard (the Workbench attaches it so): a server runs for days
+    _, records = run
+    explanations = Explanations()
+    explanations.attach(None, None, keep_records=False)
+    explanations.observe(records)
+    assert explanations.records == []
+    with pytest.raises(KeyError):
+        explanations.explain("a")

@@ -8,7 +8,7 @@ torch.profiler (the heaviest aten ops). The events' cost is measured twice: cPro
 small Python calls), and by replaying each plain step's events into a fresh `EventLog` and rebuilding its
 StepRecord without any profiler (a lower bound: building the payloads at the call sites is not replayed). The
 reasons' fold (each request's journey and each block's life, `LLMEngine.explain`) is a row of the split, and is
-replayed too: each plain step folded into a fresh Explainer, without any profiler.
+replayed too: the plain steps folded in order into an Explainer of their own, each timed, without any profiler.
 The runner's input preparation is also timed alone, without any profiler, on a captured SchedulerOutput of the
 decode workload and of one chunk of a chunked prefill.
 

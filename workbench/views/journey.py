@@ -222,7 +222,8 @@ class _Opened(View):
     """What the journey and the block-life panels share: the Markdown pane, what is open, and a refresh after each
     batch of records that changed it."""
 
-    hint = ""
+    hint = ""  # what the panel says before anything is opened
+    css_class = ""  # lets a browser test find the panel
 
     def __init__(self, state: EngineState | None = None, explanations: Explanations | None = None) -> None:
         super().__init__(state)
@@ -230,8 +231,6 @@ class _Opened(View):
         self.markdown = pn.pane.Markdown(self.hint, sizing_mode="stretch_width", margin=(0, 10))
         self._panel = pn.Column(self.markdown, sizing_mode="stretch_width", css_classes=[self.css_class])
         self._dirty = False
-
-    css_class = ""
 
     @property
     def panel(self) -> pn.Column:

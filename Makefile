@@ -135,7 +135,9 @@ $(VLLM_STAMP): tests/fidelity/requirements-vllm.txt
 # workloads per coverage group, from seed FIDELITY_START. Exits non-zero on any divergence. The KV events too: vLLM's
 # scheduler and publisher re-record their bytes (tests/fidelity/golden/kv_events.json), the engine is checked against
 # them, then each side's stream is read by the other's classes, live (tests/fidelity/test_kv_events_vllm.py).
-FIDELITY_WORKLOADS ?= 1000
+# 600 workloads for each of the five groups: 0.4-0.6 s a workload on 2 busy cores (docs/FIDELITY.md), so about 25
+# minutes with the recording and the checks, inside CI's 90 beside make test.
+FIDELITY_WORKLOADS ?= 600
 FIDELITY_START ?= 1000
 fidelity: $(EDITABLE) $(VLLM_STAMP)
 	$(BIN)/workbench fidelity record --vllm-python $(VLLM_VENV)/bin/python

@@ -1,6 +1,6 @@
 """The engine against vLLM 0.33.0's recorded decisions (tests/fidelity/golden, written by `workbench fidelity
 record`): every workload must match at every step, without vLLM installed. `make fidelity` compares with live vLLM
-on a thousand fresh workloads per group."""
+on fresh seeded workloads of every group (FIDELITY_WORKLOADS of each)."""
 
 import copy
 

@@ -28,8 +28,12 @@ lab: $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
 	PANEL_INLINE=true $(BIN)/jupyter lab --ip 127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS) notebooks/00_tour.ipynb
 
 # No pipe and no `|| true`: pytest's exit code (5 when nothing was collected) is make's.
+# One worker per core (TEST_WORKERS=0 runs in this process): much of the suite waits on kernels, servers and
+# subprocesses, and a worker's torch uses its share of the cores (tests/conftest.py), so two never oversubscribe.
+# worksteal: a worker that runs out takes tests queued for the other, so the long ones do not end the run alone.
+TEST_WORKERS ?= auto
 test: lint docs $(EDITABLE) $(GIT_FILTER) $(CPU_OPS)
-	$(BIN)/python -m pytest -q --durations=15 tests/ $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests/ $(PYTEST_ARGS)
 
 # Style and types (pyproject.toml says which rules): the formatter holds 120 columns, ruff lints, mypy checks the
 # types of the three packages (seconds with its cache in .mypy_cache; about a minute on a clean clone).
@@ -135,9 +139,9 @@ $(VLLM_STAMP): tests/fidelity/requirements-vllm.txt
 # workloads per coverage group, from seed FIDELITY_START. Exits non-zero on any divergence. The KV events too: vLLM's
 # scheduler and publisher re-record their bytes (tests/fidelity/golden/kv_events.json), the engine is checked against
 # them, then each side's stream is read by the other's classes, live (tests/fidelity/test_kv_events_vllm.py).
-# 600 workloads for each of the five groups: 0.4-0.6 s a workload on 2 busy cores (docs/FIDELITY.md), so about 25
-# minutes with the recording and the checks, inside CI's 90 beside make test.
-FIDELITY_WORKLOADS ?= 600
+# 500 workloads for each of the five groups: about 28 minutes on 2 busy cores (0.5 s a workload, and 5 minutes of
+# recording and checks: make fidelity FIDELITY_WORKLOADS=100 took 9.5), less on quiet ones; CI has 90 with make test.
+FIDELITY_WORKLOADS ?= 500
 FIDELITY_START ?= 1000
 fidelity: $(EDITABLE) $(VLLM_STAMP)
 	$(BIN)/workbench fidelity record --vllm-python $(VLLM_VENV)/bin/python

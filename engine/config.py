@@ -47,11 +47,19 @@ def _check_keys(cls: type, d: Any, name: str) -> None:
         raise ValueError(f"{name}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
 
 
+@dataclass(frozen=True)
+class ScriptedModel:
+    """A scripted model and proposer, given as `token_script` (engine/executor/scripted.py reads it): `tokens` is a
+    plain script (request id -> the token ids it samples); `drafts[request_id][n]` the drafts proposed once the
+    request has n output tokens (none where absent; at most num_speculative_tokens of them are verified)."""
+
+    tokens: Mapping[str, Sequence[int]]
+    drafts: Mapping[str, Sequence[Sequence[int]]] = field(default_factory=dict)
+
+
 def check_token_script(script: object) -> None:
     """A script must be a mapping of request ids to lists of token ids, or a callable: anything else is refused
     with the field named."""
-    from engine.executor.scripted import ScriptedModel  # the executor's module imports this one
-
     if isinstance(script, ScriptedModel):
         script = script.tokens
     if callable(script):

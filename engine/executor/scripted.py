@@ -16,24 +16,14 @@ token of the script (the recovered token after a rejection, the bonus token when
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
-from engine.config import SpeculativeConfig
+from engine.config import ScriptedModel, SpeculativeConfig
 from engine.core.sched.output import ScheduledRequest
 from engine.events import EventLog, SpecVerified
 from engine.request import Request
 
 Script = Mapping[str, Sequence[int]] | Callable[[Request], int]
-
-
-@dataclass(frozen=True)
-class ScriptedModel:
-    """A scripted model and proposer, given as `token_script`: `tokens` is a plain script (request id -> the token
-    ids it samples); `drafts[request_id][n]` the drafts proposed once the request has n output tokens (none where
-    absent; at most num_speculative_tokens of them are verified)."""
-
-    tokens: Mapping[str, Sequence[int]]
-    drafts: Mapping[str, Sequence[Sequence[int]]] = field(default_factory=dict)
+__all__ = ["ScriptedModel", "Script", "TokenScript"]  # ScriptedModel lives in engine/config.py (no import cycle)
 
 
 class TokenScript:

@@ -194,6 +194,7 @@ def test_a_value_the_config_refuses_is_one_line_naming_the_field(tmp_path, capsy
 NOT_ENGINE_FLAGS = {
     ("run", "--seed"): "SamplingParams.seed, every prompt's",
     ("train-draft", "--seed"): "the seed of the answers and of the training",
+    ("attach", "--block-size"): "the attached vLLM server's block size, checked against its KV events",
     **{
         (cmd, "--seed"): "the workload's seed"
         for cmd in ("tune", "bench all", *(f"bench {b.name}" for b in cli.BENCHMARKS))

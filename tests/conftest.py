@@ -64,6 +64,20 @@ def pytest_configure(config) -> None:
     import sys
 
     _STDERR.append(os.dup(sys.__stderr__.fileno()))
+    _share_the_cores()
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist (`make test`: one worker per core), each worker's torch, and every kernel, server and
+    subprocess it starts, uses its share of the cores: two workers each running two OpenMP threads on two cores
+    would spin against each other at every parallel region."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the processes it starts read it as torch loads
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 @pytest.hookimpl(hookwrapper=True)

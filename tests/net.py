@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -13,11 +15,30 @@ from pathlib import Path
 
 import pytest
 
+# Ports are taken below the kernel's ephemeral range (32768 and up on Linux), where every outgoing connection takes
+# its local port: a port picked there could be taken by another test's client before this test binds it. Each
+# pytest-xdist worker has a band of its own, and walks it, so two workers never pick the same port.
+_BAND_START, _BAND_SIZE = 20000, 1500
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % 8
+_next = itertools.count(random.Random(os.getpid()).randrange(_BAND_SIZE))
 
-def free_port() -> int:
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(count: int = 1) -> int:
+    """A loopback port nobody listens on, and the `count - 1` after it (a replica of rank r takes port + r)."""
+    for _ in range(_BAND_SIZE):
+        base = _BAND_START + _WORKER * _BAND_SIZE + next(_next) % (_BAND_SIZE - count)
+        if all(_bindable(base + i) for i in range(count)):
+            return base
+    raise RuntimeError(f"no {count} free consecutive ports in this worker's band")
 
 
 def wait_for_http(url: str, server: subprocess.Popen, timeout: float, name: str) -> None:

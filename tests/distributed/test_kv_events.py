@@ -260,7 +260,7 @@ def test_a_subscriber_receives_every_block_cached_and_evicted_in_order_and_the_r
 
 
 def test_a_rank_publishes_on_its_own_port_and_says_its_rank():
-    port = _free_port_pair()
+    port = free_port(count=2)
     engine = _scripted_engine(
         {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"}, data_parallel_rank=1
     )
@@ -273,25 +273,11 @@ def test_a_rank_publishes_on_its_own_port_and_says_its_rank():
         engine.close()
 
 
-def _free_port_pair(avoid: frozenset[int] = frozenset()) -> int:
-    """A free loopback port whose successor is free too (a rank-1 replica takes port + 1), both outside `avoid`."""
-    for _ in range(100):
-        base = free_port()
-        if not {base, base + 1} & avoid and base < 65535:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", base + 1))
-                except OSError:
-                    continue
-            return base
-    raise RuntimeError("no two consecutive free ports in 100 tries")
-
-
 def test_each_data_parallel_replica_publishes_on_its_own_ports_with_its_rank(tiny_model_path):
     from engine import LLM
 
-    port = _free_port_pair()
-    replay_port = _free_port_pair(frozenset({port, port + 1}))
+    port = free_port(count=4)  # two replicas' publishers, then their replay sockets
+    replay_port = port + 2
     config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"}
     config["replay_endpoint"] = f"tcp://127.0.0.1:{replay_port}"
     prompts = [[1000 + 7 * i + j for j in range(40)] for i in range(4)]  # a burst spreads over both replicas
@@ -310,9 +296,13 @@ def test_each_data_parallel_replica_publishes_on_its_own_ports_with_its_rank(tin
             assert messages and {m.batch.data_parallel_rank for m in messages} == {rank}
             stored = [e for m in messages for e in m.batch.events if isinstance(e, BlockStored)]
             assert {tuple(e.token_ids[:16]) for e in stored} <= {tuple(p[:16]) for p in prompts}
-    for p in (port, port + 1, replay_port, replay_port + 1):  # closed with the replicas: the ports are free again
+    # closed with the replicas: nobody listens on the ports again. SO_REUSEADDR, as ZMQ binds: a connection the
+    # publisher closed first leaves its side in TIME_WAIT on the port, which is no listener
+    for p in (port, port + 1, replay_port, replay_port + 1):
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", p))
+            s.listen()
 
 
 def test_every_message_carries_the_topic_a_subscriber_filters_on():

@@ -5,7 +5,6 @@ subprocess is node 1 (rank 1). Greedy tokens equal one process's; the launcher e
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -14,24 +13,10 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.distributed.nodes import node_ranks
+from tests.net import free_port
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], list(range(20, 41))]
 KW = dict(model="tiny-llama", num_kv_blocks=32, block_size=4, max_num_batched_tokens=16)
-
-
-def _two_free_ports() -> int:
-    """A port p with p + 1 free too (the store, then the engine's listener)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _greedy(engine: LLMEngine) -> tuple[list[list[int]], list]:
@@ -49,7 +34,7 @@ def test_ranks_split_evenly_over_nodes_and_a_bad_split_is_refused() -> None:
 
 @pytest.mark.slow
 def test_two_nodes_on_loopback_give_one_process_tokens(monkeypatch) -> None:
-    port = _two_free_ports()
+    port = free_port(count=2)
     monkeypatch.setenv("WORKBENCH_DIST_AUTHKEY", "loopback-test")
     node1 = subprocess.Popen(
         [

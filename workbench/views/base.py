@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import panel as pn
 from bokeh.models import BasicTicker, ColumnDataSource, CustomJSTickFormatter, DataRange1d
 from bokeh.plotting import figure
+from panel.viewable import Viewable
 
 from engine.events import StepRecord
 from workbench.state import EngineState, StepDelta
@@ -23,11 +24,51 @@ def ensure_extension() -> None:
     pn.config.inline = True  # type: ignore[misc]  # a read-only property in Panel's types; its __setattr__ sets it
     if not _extension_loaded:
         pn.extension("tabulator", inline=True)  # Tabulator ships its own JavaScript: named, or a notebook lacks it
+        _batch_inline_stylesheets()
         if _in_kernel():
             from IPython.display import HTML, display
 
             display(HTML(drop_echoes_script()))
         _extension_loaded = True
+
+
+def _batch_inline_stylesheets() -> None:
+    """Before a notebook shows a Panel object inline, Panel swaps each Bokeh model's imported stylesheets for inline
+    ones, one model at a time (panel.viewable: patch_inline_stylesheets), and every swap makes Bokeh walk the whole
+    document again to index its models: quadratic in the models, 25 s for a Workbench on these CPUs. Here the
+    document's index is frozen while Panel swaps (Bokeh's own `Document.models.freeze`) and rebuilt once, just
+    before Panel renders the bundle. Only inside a display: Panel also swaps the stylesheets of models that change
+    in a live document, where nothing would rebuild a frozen index."""
+    import panel.viewable as viewable
+
+    patch, render, display = viewable.patch_inline_stylesheets, viewable.render_mimebundle, Viewable._repr_mimebundle_
+    frozen: dict[int, Any] = {}  # id(document) -> its freeze, entered
+    displaying = False
+
+    def patch_frozen(model: Any) -> None:
+        doc = model.document
+        if doc is not None and displaying and id(doc) not in frozen:
+            frozen[id(doc)] = freeze = doc.models.freeze()
+            freeze.__enter__()
+        patch(model)
+
+    def render_thawed(model: Any, doc: Any, *args: Any, **kwargs: Any) -> Any:
+        if (freeze := frozen.pop(id(doc), None)) is not None:
+            freeze.__exit__(None, None, None)  # one walk of the document, with every stylesheet in place
+        return render(model, doc, *args, **kwargs)
+
+    def display_batched(self: Any, include: Any = None, exclude: Any = None) -> Any:
+        nonlocal displaying
+        displaying = True
+        try:
+            return display(self, include, exclude)
+        finally:
+            displaying = False
+            while frozen:  # a display that failed before rendering: thaw what it froze
+                frozen.popitem()[1].__exit__(None, None, None)
+
+    viewable.patch_inline_stylesheets, viewable.render_mimebundle = patch_frozen, render_thawed
+    Viewable._repr_mimebundle_ = display_batched  # type: ignore[method-assign]
 
 
 def _in_kernel() -> bool:

@@ -15,7 +15,8 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -82,17 +83,39 @@ def main(args: argparse.Namespace, command: str, out: Callable[[str], None] = pr
     return {"run": run, "record": record, "check": check}[args.fidelity_command](args, command, out)
 
 
+def _pipelined(batches: list[list[dict[str, Any]]], vllm_python: str) -> Iterator[tuple[list, list]]:
+    """Each batch of workloads with vLLM's traces of it. vLLM's child process runs the next batch while the caller
+    compares this one in this process: the two sides on two cores, not one after the other."""
+    from workbench.fidelity.compare import run_vllm
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(run_vllm, batches[0], vllm_python) if batches else None
+        for i, batch in enumerate(batches):
+            assert pending is not None  # submitted for every batch before it is taken
+            traces = pending.result()
+            if i + 1 < len(batches):
+                pending = pool.submit(run_vllm, batches[i + 1], vllm_python)
+            yield batch, traces
+
+
 def run(args: argparse.Namespace, command: str, out: Callable[[str], None] = print) -> int:
-    from workbench.fidelity.compare import compare, run_vllm, vllm_version
+    from workbench.fidelity.compare import compare, vllm_version
     from workbench.fidelity.workload import make_workload
 
+    starts = range(args.start, args.start + args.workloads, BATCH)
+    results = _pipelined(
+        [
+            [make_workload(group, seed) for seed in range(start, min(start + BATCH, args.start + args.workloads))]
+            for group in args.groups
+            for start in starts
+        ],
+        args.vllm_python,
+    )
     rows, divergences = [], []
     for group in args.groups:
         t0, found = time.monotonic(), []
-        for start in range(args.start, args.start + args.workloads, BATCH):
-            seeds = range(start, min(start + BATCH, args.start + args.workloads))
-            workloads = [make_workload(group, seed) for seed in seeds]
-            found += compare(workloads, run_vllm(workloads, args.vllm_python))
+        for _ in starts:
+            found += compare(*next(results))
         rows.append((group, args.workloads, args.workloads - len(found), len(found), time.monotonic() - t0))
         divergences += found
         out(

@@ -4,8 +4,6 @@ scraper reads them, agreeing with the engine's records."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,9 +21,7 @@ def _scrape(served) -> dict[str, float]:
 
 
 def _idle(served) -> None:
-    deadline = time.monotonic() + 60
-    while served.llm.stats()["num_running"] + served.llm.stats()["num_waiting"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert served.llm.wait_until_idle(60), "the engine did not go idle"
 
 
 def test_the_reasons_are_scraped_as_vllm_names_them(served):

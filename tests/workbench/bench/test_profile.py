@@ -2,7 +2,7 @@
 
 import pytest
 
-from workbench.bench.profile import capture_scheduler_output, format_markdown, run_profile
+from workbench.bench.profile import REASONS_ROW, capture_scheduler_output, format_markdown, run_profile
 
 TINY = {"model": "tiny-llama", "engine_kwargs": {"num_kv_blocks": 64}}
 
@@ -30,6 +30,16 @@ def test_input_preparation_is_its_own_row_and_measured_alone(result) -> None:
     assert (prep["prefill_tokens"], prep["prefill_context"]) == (48, 96)
     text = format_markdown(result, "workbench bench profile")
     assert "at 4 decoding requests" in text and "48-token prefill chunk (context 96)" in text
+
+
+def test_the_reasons_fold_is_a_row_and_a_reported_line(result) -> None:
+    """What explaining costs a step (#33): the reasons' fold into journeys and block lives (Explainer.observe) is its
+    own row of the split, and replayed without a profiler beside the events (measured and reported, never timed)."""
+    stages = dict(result["stages"])
+    assert stages[REASONS_ROW] == result["explain_ms_profiled"] > 0
+    assert result["explain_ms_replayed"] > 0
+    text = format_markdown(result, "workbench bench profile")
+    assert "reasons folded into journeys and block lives" in text and "with the events and the StepRecord" in text
 
 
 def test_each_model_row_is_a_real_share_of_the_step(result) -> None:

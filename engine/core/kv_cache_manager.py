@@ -104,13 +104,15 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` (plus lookahead slots for draft tokens) after the request's computed
         tokens and its new prefix hits. Returns the newly allocated blocks, or None if the pool is short
         (then nothing changes). `delay_cache_blocks`: the new blocks get their KV later (an asynchronous load),
         so they enter the prefix cache only when `cache_blocks` is called. `full_sequence_must_fit` (vLLM's
         admission gate, `scheduler_reserve_full_isl`): refuse unless the request's whole sequence would fit now,
-        not only this chunk, so that admitting it cannot force a preemption later in its prefill."""
+        not only this chunk, so that admitting it cannot force a preemption later in its prefill. `reserved_blocks`:
+        free blocks this allocation must leave to others (vLLM's, for an asynchronous load)."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -123,7 +125,7 @@ class KVCacheManager:
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
         if self.max_model_len is not None:  # as vLLM: lookahead slots for drafts never reach past the last position
             num_slots = min(num_slots, self.max_model_len)
-        if self._refuse(self._num_blocks_to_allocate(blocks, new_computed_blocks, num_slots)):
+        if self._refuse(self._num_blocks_to_allocate(blocks, new_computed_blocks, num_slots) + reserved_blocks):
             return None
         num_new_blocks = max(0, cdiv(num_slots, self.block_size) - len(blocks) - len(new_computed_blocks))
         if new_computed_blocks:

@@ -26,6 +26,13 @@ WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR; no grammar is compiled (EngineCore's gram
 nothing here has a tokenizer). At that step, before it is scheduled, `structured_output_request.grammar` becomes a
 stand-in that allows every token and never terminates, or an exception (a failed compile). The grammar bitmask is
 not asked for: no model samples under it.
+
+Connector workloads (`kv_connector` in the config): vLLM's Scheduler builds a `ScriptedConnector` (a
+KVConnectorBase_V1 loaded from this module by `kv_connector_module_path`) whose scheduler side follows the workload:
+`get_num_new_matched_tokens` answers the request's `remote_tokens` past its local hits (asynchronous with
+`load_async`), `update_state_after_alloc` starts its load, `request_finished` holds a stopped request's blocks for
+its `send_steps`. The runner's part: each step's ModelRunnerOutput carries a KVConnectorOutput with the loads
+(`finished_recving`) and sends (`finished_sending`) the script ends in that step. No KV moves.
 """
 
 from __future__ import annotations
@@ -68,6 +75,82 @@ def _write_model_config(eos_token_id: int) -> None:
 
 
 _model_configs: dict = {}
+_connector_script: dict = {}  # the workload whose ScriptedConnector vLLM's factory builds next
+
+
+def _scripted_connector_class():
+    """ScriptedConnector, made on first use (vLLM is imported only once the environment above is set)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
+    from vllm.v1.request import RequestStatus
+
+    class ScriptedConnector(KVConnectorBase_V1):
+        """The scheduler side of a connector workload's script; the worker side moves nothing."""
+
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            super().__init__(vllm_config, role, kv_cache_config)
+            self.by_id = {r["request_id"]: r for r in _connector_script["requests"]}
+            self.step = 0
+            self.due_loads: dict[str, int] = {}  # request id -> the step whose output reports it done
+            self.due_sends: dict[str, int] = {}
+            self.freeing: set[str] = set()  # finished while loading
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            r = self.by_id[request.request_id]
+            n = max(r.get("remote_tokens", 0) - num_computed_tokens, 0)
+            return n, bool(n) and r["load_async"]
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            r = self.by_id[request.request_id]
+            if num_external_tokens > 0 and r["load_async"]:
+                self.due_loads[request.request_id] = self.step + r["load_steps"]
+
+        def build_connector_meta(self, scheduler_output):
+            return KVConnectorMetadata()
+
+        def request_finished(self, request, block_ids):
+            if request.request_id in self.due_loads:  # its blocks are freed when its load ends
+                self.freeing.add(request.request_id)
+            send = self.by_id[request.request_id].get("send_steps", 0)
+            send *= request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+            if send:
+                self.due_sends[request.request_id] = self.step + send
+            return bool(send), None
+
+        def output(self):
+            """The KVConnectorOutput of this step's runner: what ends now. vLLM frees the blocks of the ids in
+            each set in the set's order (a string hash's, which differs between processes), so at most one
+            transfer that frees blocks ends per set and step; the others due wait a step, earliest due first."""
+            from vllm.v1.outputs import KVConnectorOutput
+
+            ended = []
+            for due in (self.due_sends, self.due_loads):
+                ready = sorted((step, rid) for rid, step in due.items() if step <= self.step)
+                frees = [rid for _, rid in ready if due is self.due_sends or rid in self.freeing][:1]
+                ended.append({rid for _, rid in ready if due is self.due_loads and rid not in self.freeing} | {*frees})
+                for rid in ended[-1]:
+                    del due[rid]
+                    self.freeing.discard(rid)
+            return KVConnectorOutput(finished_sending=ended[0], finished_recving=ended[1])
+
+        def start_load_kv(self, forward_context, **kwargs):
+            pass
+
+        def wait_for_layer_load(self, layer_name):
+            pass
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            pass
+
+        def wait_for_save(self):
+            pass
+
+    return ScriptedConnector
+
+
+def __getattr__(name: str):  # vLLM's KVConnectorFactory imports ScriptedConnector from this module by name
+    if name == "ScriptedConnector":
+        return _scripted_connector_class()
+    raise AttributeError(name)
 
 
 def make_scheduler(workload: dict, kv_events_config: dict | None = None):
@@ -76,6 +159,7 @@ def make_scheduler(workload: dict, kv_events_config: dict | None = None):
         CacheConfig,
         DeviceConfig,
         KVEventsConfig,
+        KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
         SpeculativeConfig,
@@ -126,6 +210,7 @@ def make_scheduler(workload: dict, kv_events_config: dict | None = None):
         scheduler_config=scheduler_config,
         device_config=DeviceConfig(device="cpu"),
         kv_events_config=None if kv_events_config is None else KVEventsConfig(**kv_events_config),
+        kv_transfer_config=_kv_transfer_config(workload, KVTransferConfig),
     )
     spec = FullAttentionSpec(block_size=c["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(
@@ -138,6 +223,14 @@ def make_scheduler(workload: dict, kv_events_config: dict | None = None):
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=c["block_size"],
     )
+
+
+def _kv_transfer_config(workload: dict, config_class):
+    if "kv_connector" not in workload["config"]:
+        return None
+    _connector_script.clear()
+    _connector_script.update(workload)
+    return config_class(kv_connector="ScriptedConnector", kv_connector_module_path=__name__, kv_role="kv_both")
 
 
 class StandInGrammar:
@@ -266,7 +359,10 @@ def run_workload(workload: dict, kv_events_config: dict | None = None) -> dict:
     requests: dict = {}
     queue: list = []  # (scheduler output, the requests that sample in it), oldest first
     steps = []
+    connector = scheduler.connector
     for step in range(workload["max_steps"]):
+        if connector is not None:
+            connector.step = step
         finished = []
         for index, spec in enumerate(workload["requests"]):
             if spec["arrival_step"] == step:
@@ -282,11 +378,8 @@ def run_workload(workload: dict, kv_events_config: dict | None = None) -> dict:
         pending = any(s["arrival_step"] > step for s in workload["requests"])
         # done when nothing is left to schedule and no batch with tokens is in flight (an empty batch in the queue,
         # scheduled only to report finished ids, changes nothing when it is taken)
-        if (
-            not scheduler.get_num_unfinished_requests()
-            and not pending
-            and not any(out.total_num_scheduled_tokens for out, _ in queue)
-        ):
+        # (scheduler.requests also holds finished requests whose blocks a transfer still holds)
+        if not scheduler.requests and not pending and not any(out.total_num_scheduled_tokens for out, _ in queue):
             break
         record = {"step": step, "scheduled": [], "new": [], "resumed": [], "preempted": [], "hit_tokens": {}}
         update = None
@@ -309,7 +402,10 @@ def run_workload(workload: dict, kv_events_config: dict | None = None) -> dict:
         if update is not None:
             out, samples = update
             errors = []  # grammars that failed to compile, finished last, in a set's order: sorted here
-            for outputs in scheduler.update_from_output(out, _runner_output(out, samples, requests, workload)).values():
+            runner_output = _runner_output(out, samples, requests, workload)
+            if connector is not None:
+                runner_output.kv_connector_output = connector.output()
+            for outputs in scheduler.update_from_output(out, runner_output).values():
                 for o in outputs.outputs:
                     if o.finish_reason is not None:
                         (errors if o.error is not None else finished).append([o.request_id, str(o.finish_reason)])

@@ -11,6 +11,11 @@ recording at every step what vLLM's side records (tests/fidelity/vllm_driver.py)
 
 A guided request's grammar is scripted (StructuredOutputManager.script_grammars): ready, or failed, at its
 `grammar_ready_step`, before that step is scheduled, as vLLM's side sets its stand-in grammar.
+
+A connector workload's scheduler gets a `ScriptedConnector` (the engine's KVConnectorBase, scheduler side from the
+workload, worker side empty: no KV moves without a model). After each step its `get_finished` reports the loads and
+sends the script ends then, and the scheduler takes them (`update_kv_xfer_finished`) as vLLM's takes the step's
+`kv_connector_output`; `requests` then also lists the finished requests whose blocks a send or a load still holds.
 """
 
 from __future__ import annotations
@@ -21,6 +26,69 @@ from typing import Any
 from engine import LLMEngine, SamplingParams, StructuredOutputsParams
 from engine.core.block_hash import hash_hex
 from engine.executor.scripted import ScriptedModel
+from engine.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+from engine.request import Request, RequestStatus
+
+
+class ScriptedConnector(KVConnectorBase):
+    """Owns a connector workload's script of transfers: which prompt tokens another instance stored (a load,
+    synchronous or landing `load_steps` steps after its blocks are allocated) and which finished requests send
+    their KV for `send_steps` steps. `step` is the harness's step number, set before each step."""
+
+    def __init__(self, workload: dict[str, Any]) -> None:
+        self.specs = {r["request_id"]: r for r in workload["requests"]}
+        self.step = 0
+        self.loads: dict[str, int] = {}  # request id -> the step whose end reports its load landed
+        self.sends: dict[str, int] = {}
+        self.freeing: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        spec = self.specs[request.request_id]
+        num_external = max(spec.get("remote_tokens", 0) - num_computed_tokens, 0)
+        return num_external, num_external > 0 and spec["load_async"]
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        spec = self.specs[request.request_id]
+        if num_external_tokens and spec["load_async"]:
+            self.loads[request.request_id] = self.step + spec["load_steps"]
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if request.request_id in self.loads:  # finished while loading: its blocks are freed when the load ends
+            self.freeing.add(request.request_id)
+        steps = self.specs[request.request_id].get("send_steps")
+        stopped = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+        if steps and stopped:  # a prefill instance sends what it computed; an aborted request sends nothing
+            self.sends[request.request_id] = self.step + steps
+        return bool(steps and stopped), None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """The sends and loads that end now. At most one of each that frees blocks (vLLM's side frees in a set's
+        order, which is a string hash's): the others wait a step, earliest due first, then by id."""
+        sends = sorted((at, rid) for rid, at in self.sends.items() if at <= self.step)[:1]
+        loads = sorted((at, rid) for rid, at in self.loads.items() if at <= self.step)
+        frees = [rid for _, rid in loads if rid in self.freeing][:1]
+        recving = {rid for _, rid in loads if rid not in self.freeing} | set(frees)
+        for rid in recving:
+            del self.loads[rid]
+            self.freeing.discard(rid)
+        for _, rid in sends:
+            del self.sends[rid]
+        return {rid for _, rid in sends}, recving
+
+    def start_load_kv(self, kv_caches: Any) -> None:
+        pass
+
+    def save_kv_layer(self, layer_index: int, kv_layer: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
 
 
 def make_engine(workload: dict[str, Any], kv_events_config: dict[str, Any] | None = None) -> LLMEngine:
@@ -48,6 +116,8 @@ def make_engine(workload: dict[str, Any], kv_events_config: dict[str, Any] | Non
         kv_events_config=kv_events_config,
     )
     engine.structured.script_grammars()
+    if c.get("kv_connector") == "scripted":  # the scheduler's connector only: the runner has no KV to move
+        engine.scheduler.connector = ScriptedConnector(workload)
     return engine
 
 
@@ -70,14 +140,16 @@ def _add(engine: LLMEngine, spec: dict[str, Any], index: int) -> None:
 
 
 def _live_requests(engine: LLMEngine) -> dict[str, dict[str, Any]]:
-    kv = engine.kv_cache_manager
+    """Every request the scheduler holds blocks or state for: vLLM keeps a finished request whose blocks a
+    transfer still holds among its requests."""
+    kv, scheduler = engine.kv_cache_manager, engine.scheduler
     return {
         rid: {
             "computed": r.num_computed_tokens,
             "blocks": kv.get_block_ids(rid),
             "hashes": [hash_hex(b.block_hash) for b in kv.req_to_blocks.get(rid, [])],
         }
-        for rid, r in sorted(engine.scheduler.requests.items())
+        for rid, r in sorted({**scheduler.requests, **scheduler.held}.items())
     }
 
 
@@ -89,7 +161,10 @@ def trace_steps(workload: dict[str, Any], engine: LLMEngine) -> Iterator[dict[st
             f"eos_token_id: the workload's is {workload['eos_token_id']}, the engine's {engine.eos_token_id}"
         )
     scheduler, pool = engine.scheduler, engine.kv_cache_manager.block_pool
+    connector = scheduler.connector if isinstance(scheduler.connector, ScriptedConnector) else None
     for step in range(workload["max_steps"]):
+        if connector is not None:
+            connector.step = step
         for index, spec in enumerate(workload["requests"]):
             if spec["arrival_step"] == step:
                 _add(engine, spec, index)
@@ -106,6 +181,8 @@ def trace_steps(workload: dict[str, Any], engine: LLMEngine) -> Iterator[dict[st
         was_running = {r.request_id for r in scheduler.running}
         live = dict(scheduler.requests)
         record = engine.step()
+        if connector is not None:  # the transfers the script ends in this step, as its runner output reports them
+            scheduler.update_kv_xfer_finished(*connector.get_finished(set()), set())
         events = [e for e in record.events if e.step == record.step]
         admitted = [e for e in events if e.kind == "request.scheduled" and e.request_id not in was_running]
         spec = {"spec": {e.request_id: list(e.draft_token_ids) for e in events if e.kind == "spec.verified"}}

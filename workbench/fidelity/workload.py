@@ -14,7 +14,12 @@ Each coverage group draws what it covers and keeps the rest at defaults that can
   its outputs, some equal to the tokens it will sample and some not, so that verifications accept all, some or none;
 - guided: the lifecycle group with structured output: some requests are guided and wait for their grammar
   (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR) until a given step, when it is ready (a stand-in that allows every token)
-  or fails to compile.
+  or fails to compile;
+- connector: the lifecycle group with a scripted KV connector (its scheduler side: what vLLM's Scheduler asks of
+  a KVConnectorBase_V1). Some requests find part of their prompt stored by another instance: loaded synchronously
+  (vLLM's ExampleConnector: the block-aligned prompt but its last token) or asynchronously (P/D: the request waits
+  in WAITING_FOR_REMOTE_KVS until its load lands, `load_steps` steps after its blocks are allocated); some send
+  their KV when they finish (the connector's request_finished holds their blocks until `send_steps` steps later).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-GROUPS = ("core", "lifecycle", "async", "spec", "guided")
+GROUPS = ("core", "lifecycle", "async", "spec", "guided", "connector")
 EOS_TOKEN_ID = 2
 VOCAB = range(3, 500)  # script and prompt tokens: small ids, never EOS unless placed on purpose
 
@@ -108,6 +113,21 @@ def _drafts(rng: random.Random, script: list[int], k: int) -> list[list[int]]:
     return drafts
 
 
+def _remote(rng: random.Random, request: dict, block_size: int) -> None:
+    """What the scripted connector says of a request: `remote_tokens` of its prompt stored elsewhere, loaded
+    synchronously or not (`load_async`, landing `load_steps` steps after its blocks are allocated), and
+    `send_steps`: its blocks held that long after it stops or reaches its length, while its KV is sent."""
+    n = len(request["prompt_token_ids"])
+    if n > 1 and rng.random() < 0.6:
+        request["load_async"] = rng.random() < 0.6
+        most = n if request["load_async"] else n - 1  # a synchronous load leaves the last token to compute
+        aligned = (n - 1) // block_size * block_size  # ExampleConnector's: whole blocks of the prompt but its last
+        request["remote_tokens"] = rng.choice([most, aligned, rng.randint(1, most)])
+        request["load_steps"] = rng.choice([0, 1, 1, 2, 3, 5, 10])
+    if rng.random() < 0.3:
+        request["send_steps"] = rng.choice([1, 1, 2, 3, 6])
+
+
 def _aborts(rng: random.Random, requests: list[dict]) -> dict[str, list[str]]:
     """Aborts at steps spread over the run: before arrival, waiting, running, preempted or finished (a no-op),
     and an id never added."""
@@ -126,7 +146,9 @@ def make_workload(group: str, seed: int) -> dict[str, Any]:
         raise ValueError(f"group: must be one of {GROUPS}, got {group!r}")
     rng = random.Random(f"{group}-{seed}")
     config = {**_config(rng), "async_scheduling": group == "async"}
-    lifecycle = group in ("lifecycle", "async", "spec", "guided")
+    if group == "connector":
+        config["kv_connector"] = "scripted"  # each side's scripted connector (engine_side.py, vllm_driver.py)
+    lifecycle = group in ("lifecycle", "async", "spec", "guided", "connector")
     if group == "spec":
         config["num_speculative_tokens"] = rng.randint(1, 4)
     prefixes = [[rng.choice(VOCAB) for _ in range(config["max_model_len"])] for _ in range(rng.randint(0, 3))]
@@ -138,6 +160,8 @@ def make_workload(group: str, seed: int) -> dict[str, Any]:
         if rng.random() < 0.6:  # guided: its grammar is ready (or fails) this many steps after it arrives
             request["grammar_ready_step"] = request["arrival_step"] + rng.choice([0, 0, 1, 2, 3, 5, 10, 20])
             request["grammar_error"] = rng.random() < 0.1
+    for request in requests if group == "connector" else ():
+        _remote(rng, request, config["block_size"])
     return {
         "name": f"{group}-{seed}",
         "group": group,

@@ -21,7 +21,7 @@ from engine.clock import Clock
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.output import ScheduledRequest, SchedulerOutput
-from engine.core.sched.request_queue import create_request_queue
+from engine.core.sched.request_queue import RequestQueue, create_request_queue
 from engine.core.sched.utils import check_stop
 from engine.events import EventLog, RequestDeferred, RequestFinished, RequestPreempted, SpecProposed
 from engine.kv_transfer.base import KVLoadError
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 _COMPILING = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 _BLOCKED = (_COMPILING, RequestStatus.WAITING_FOR_REMOTE_KVS)  # waiting on something outside the step
-_DRAFTS_WRITE_KV = ("draft_model", "eagle")  # speculative methods whose proposer fills lookahead slots
+_DRAFTS_WRITE_KV = ("draft_model", "eagle", "eagle3")  # speculative methods whose proposer fills lookahead slots
 
 
 class Verdict(enum.Enum):
@@ -108,6 +108,9 @@ class Scheduler:
         self.events = events
         self.policy = config.scheduling_policy
         self.waiting = create_request_queue(self.policy)
+        # waiting requests that hold KV blocks (an asynchronous load, loaded or not yet): vLLM 0.33 drains them before
+        # the others, so that a block holder never waits behind a request whose refused allocation ends the loop
+        self.kv_holding = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.finished_req_ids: set[str] = set()
@@ -116,6 +119,12 @@ class Scheduler:
         self.remote_loads: dict[str, int] = {}
         self.awaiting_kv: set[str] = set()
         self.held: dict[str, Request] = {}
+        # loads that landed: their requests leave WAITING_FOR_REMOTE_KVS when the waiting loop reaches them (vLLM's
+        # finished_recving_kv_req_ids), which caches their blocks then, not before
+        self.finished_recving: set[str] = set()
+        # requests whose prompt is not all computed yet, loading ones included: an asynchronous load is admitted only
+        # if the blocks these still need stay free (vLLM's _inflight_prefills)
+        self.inflight_prefills: dict[str, Request] = {}
         # grammars found failed while scheduling: their requests finish at the end of the step (vLLM's
         # grammar_compile_error_reqs, finished in update_from_output after the step's outputs)
         self.grammar_errors: dict[str, str] = {}
@@ -165,18 +174,28 @@ class Scheduler:
         """Work remains, but nothing runs and every waiting request waits on something outside the step (its
         grammar, its KV load, its producer's save): the engine blocks then, rather than spin through empty steps."""
         return (
-            self.has_unfinished_requests()
-            and not self.running
-            and all(r.status in _BLOCKED or r.request_id in self.awaiting_kv for r in self.waiting)
+            self.has_unfinished_requests() and not self.running and all(self._blocked(r) for r in self._all_waiting())
         )
+
+    def _blocked(self, request: Request) -> bool:
+        """Waiting on its grammar, its load (not landed yet) or its producer's save."""
+        rid = request.request_id
+        return (request.status in _BLOCKED and rid not in self.finished_recving) or rid in self.awaiting_kv
+
+    def _all_waiting(self) -> list[Request]:
+        """Every waiting request, block holders first, each queue in its order."""
+        return [*self.kv_holding, *self.waiting]
+
+    def _queue_of(self, request: Request) -> RequestQueue:
+        return self.kv_holding if any(r is request for r in self.kv_holding) else self.waiting
 
     def compiling(self) -> list[str]:
         """Waiting requests whose grammar was still compiling when last looked at."""
-        return [r.request_id for r in self.waiting if r.status == _COMPILING]
+        return [r.request_id for r in self._all_waiting() if r.status == _COMPILING]
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.kv_holding)
 
     @property
     def num_running(self) -> int:
@@ -187,7 +206,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # vLLM 0.33: the long-prefill threshold keeps a long prompt from starving the others; with one request
         # (running or waiting) there is nobody to starve, and it is not applied
-        alone = len(self.running) + len(self.waiting) <= 1
+        alone = len(self.running) + self.num_waiting <= 1
         self.long_prefill_token_threshold = 0 if alone else self.config.long_prefill_token_threshold
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
@@ -196,7 +215,7 @@ class Scheduler:
             self._schedule_waiting(scheduled, budget)
         else:  # under memory pressure, admit nobody new this step
             victims = tuple(r.request_id for r in preempted)
-            held = tuple(rid for rid in self.waiting.request_ids() if rid not in victims)
+            held = tuple(r.request_id for r in self._all_waiting() if r.request_id not in victims)
             if held:
                 self.events.emit(RequestDeferred, request_ids=held, reason=MemoryPressure(preempted=victims))
         for s in scheduled:
@@ -214,6 +233,8 @@ class Scheduler:
         request.num_computed_tokens += s.num_new_tokens
         request.num_in_flight_tokens += s.num_new_tokens
         request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens + request.num_output_placeholders
+        if not request.is_prefill_chunk:
+            self.inflight_prefills.pop(request.request_id, None)
         if self.async_scheduling and not request.is_prefill_chunk:
             request.num_output_placeholders += 1 + len(s.spec_token_ids)
 
@@ -327,6 +348,7 @@ class Scheduler:
             ),
         )
         self.kv.free(request)
+        self.inflight_prefills.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         # outputs still in flight come back to a request that starts over: appended, but they move no counter
@@ -338,11 +360,14 @@ class Scheduler:
         self.waiting.prepend_request(request)
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
-        skipped: list[Request] = []  # passed over, not blocking the others: back at the head of the queue after
+        skipped: list[Request] = []  # passed over, not blocking the others: back at the head of their queue after
         deferred: dict[Reason, list[str]] = {}  # the skipped ones by reason
         stop: Admission | None = None
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek_request()
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            queue = self.kv_holding if len(self.kv_holding) else self.waiting
+            if not len(queue):
+                break
+            request = queue.peek_request()
             admission = self._admission(request, budget)
             if admission.verdict is Verdict.STOP:
                 stop = admission
@@ -350,24 +375,26 @@ class Scheduler:
             if admission.verdict is Verdict.FINISH:
                 self.finish_request(request, RequestStatus.FINISHED_ERROR, admission.error)
             elif admission.verdict is Verdict.SCHEDULE:
+                queue.pop_request()
                 budget -= self._admit(admission, scheduled)
             else:
                 if admission.verdict is Verdict.PARK:
                     self._wait_for_remote_kvs(admission)
-                skipped.append(self.waiting.pop_request())
+                skipped.append(queue.pop_request())
                 assert admission.reason is not None, "a check that skips says why"
                 deferred.setdefault(admission.reason, []).append(request.request_id)
         for reason, ids in deferred.items():
             self._defer(tuple(ids), reason)
-        if len(self.waiting):
+        if self.num_waiting:
             self._defer_not_reached(stop, budget)
-        for request in reversed(skipped):
-            self.waiting.prepend_request(request)
+        for request in reversed(skipped):  # a request that holds blocks now waits with the block holders
+            holds = request.num_computed_tokens > 0 or request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            (self.kv_holding if holds else self.waiting).prepend_request(request)
 
     def _defer_not_reached(self, stop: Admission | None, budget: int) -> None:
         """Say why the requests still queued were not admitted: the one a check stopped at (`stop`) says its own
         reason, and those after it wait behind it; else the budget or max_num_seqs ended the loop."""
-        rest = self.waiting.request_ids()
+        rest = (*self.kv_holding.request_ids(), *self.waiting.request_ids())
         behind: Reason
         if stop is not None:
             head = stop.request
@@ -406,13 +433,27 @@ class Scheduler:
                 break
         return admission
 
-    @staticmethod
-    def _check_remote_kvs(a: Admission) -> Verdict | None:
-        # update_kv_xfer_finished makes it WAITING again once its load lands
+    def _check_remote_kvs(self, a: Admission) -> Verdict | None:
         if a.request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             return None
-        a.reason = WaitingForRemoteKV(stored=True)
-        return Verdict.SKIP
+        if a.request.request_id not in self.finished_recving:
+            a.reason = WaitingForRemoteKV(stored=True)
+            return Verdict.SKIP
+        self._promote_loaded(a.request)
+        return None
+
+    def _promote_loaded(self, request: Request) -> None:
+        """Its load landed (update_kv_xfer_finished): cache the blocks it filled, or free them if none is good, and
+        make it WAITING (PREEMPTED if it was preempted before) from its first missing token, as vLLM 0.33's
+        _update_waiting_for_remote_kv does when the waiting loop reaches it."""
+        self.finished_recving.discard(request.request_id)
+        if request.num_computed_tokens:
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+        else:  # every block came back bad: allocated again from the prefix cache's hits
+            self.kv.free(request)
+        if request.num_computed_tokens == request.num_tokens:  # the whole prompt loaded: its last token is computed
+            request.num_computed_tokens -= 1  # again, so that the first output is sampled
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
 
     def _check_grammar(self, a: Admission) -> Verdict | None:
         """A grammar still compiling holds its request back (the others go on); one that failed holds it back too,
@@ -474,6 +515,9 @@ class Scheduler:
         budget) and the new tokens; STOP when the cache is short. Blocks an asynchronous load fills enter the
         prefix cache only when it lands: nobody may hit KV that is not there yet."""
         lookahead = 0 if a.load_async else self.num_lookahead_tokens
+        # a load holds its blocks for the whole transfer, unpreemptible: admitted only if the blocks the prompts in
+        # flight still need (and one speculative step's) stay free, as vLLM 0.33 reserves them
+        reserved = self._num_reserved_blocks() if a.load_async else 0
         if (
             self.kv.allocate_slots(
                 a.request,
@@ -483,6 +527,7 @@ class Scheduler:
                 lookahead,
                 delay_cache_blocks=a.load_async,
                 full_sequence_must_fit=self.config.scheduler_reserve_full_isl,
+                reserved_blocks=reserved,
             )
             is None
         ):
@@ -497,10 +542,22 @@ class Scheduler:
             return Verdict.PARK
         return Verdict.SCHEDULE
 
+    def _num_reserved_blocks(self) -> int:
+        """Blocks the requests whose prompt is not all computed still need for their whole sequence, and one
+        speculative step's (vLLM 0.33's _inflight_prefill_reserved_blocks and _spec_decode_step_blocks)."""
+        extra = 1 + self.num_spec_tokens + self.num_lookahead_tokens if self.num_spec_tokens else 0
+        block_size = self.kv.block_size
+        reserved = -(-extra // block_size)
+        for rid, r in self.inflight_prefills.items():
+            num_blocks = -(-(min(r.num_tokens, self.max_model_len) + extra) // block_size)
+            reserved += max(num_blocks - len(self.kv.req_to_blocks.get(rid, ())), 0)
+        return reserved
+
     def _admit(self, a: Admission, scheduled: list[ScheduledRequest]) -> int:
-        """Move the request from waiting to running; returns the budget its new tokens take."""
+        """Move the request (popped from its queue) to running; returns the budget its new tokens take."""
         request, num_computed = a.request, a.num_computed
-        self.waiting.pop_request()
+        if num_computed + a.num_new < request.num_tokens:
+            self.inflight_prefills[request.request_id] = request
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
@@ -515,17 +572,19 @@ class Scheduler:
         """Park a request whose blocks are allocated until its asynchronous load lands."""
         request = a.request
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_computed_tokens = a.num_hit
+        request.num_computed_tokens = a.num_hit + a.num_external  # as vLLM: what it will have once the load lands
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = a.num_hit + a.num_external
         self.remote_loads[request.request_id] = a.num_hit + a.num_external
+        self.inflight_prefills[request.request_id] = request
 
     def update_kv_xfer_finished(
         self, finished_sending: set[str], finished_recving: set[str], failed_block_ids: set[int]
     ) -> None:
-        """Asynchronous transfers ended: release held blocks, and make loaded requests schedulable from their
-        first missing token (or, under policy "fail", finish those whose KV came back bad)."""
-        for rid in finished_sending | finished_recving:
+        """Asynchronous transfers ended: release held blocks, and mark loaded requests to leave
+        WAITING_FOR_REMOTE_KVS from their first missing token when the waiting loop reaches them (_promote_loaded), or,
+        under policy "fail", finish those whose KV came back bad."""
+        for rid in (*finished_recving, *finished_sending):  # vLLM 0.33's order: loads, then sends
             if rid in self.held:
                 self.kv.free(self.held.pop(rid))
         fail = self._kv_load_fails()
@@ -541,10 +600,8 @@ class Scheduler:
                 )
                 continue
             if bad:
-                num_computed = min(num_computed, min(bad) * self.kv.block_size)
-            request.num_computed_tokens = num_computed
-            self.kv.cache_blocks(request, num_computed)
-            request.status = RequestStatus.WAITING
+                request.num_computed_tokens = min(num_computed, min(bad) * self.kv.block_size)
+            self.finished_recving.add(rid)
 
     def _scheduled(
         self, request: Request, num_new: int, num_computed: int, limit: TokenLimit | None = None
@@ -668,16 +725,21 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         elif request.status != RequestStatus.RUNNING:
-            self.waiting.remove_request(request)
+            self._queue_of(request).remove_request(request)
+        # a load still writing into its blocks: they stay held until it ends (vLLM 0.33's finish_requests)
+        loading = request.request_id in self.remote_loads
         request.status = status
         request.error = error
         request.metrics.finished_time = self.clock.monotonic()
         delay_free = False
+        self.inflight_prefills.pop(request.request_id, None)
         if self.connector is not None:
             delay_free, request.kv_transfer_params_out = self.connector.request_finished(
                 request, self.kv.get_block_ids(request.request_id)
             )
+            delay_free |= loading
             self.remote_loads.pop(request.request_id, None)
+            self.finished_recving.discard(request.request_id)
             self.awaiting_kv.discard(request.request_id)
         if delay_free:  # a transfer thread still reads or writes them: freed when get_finished says it ended
             self.held[request.request_id] = request

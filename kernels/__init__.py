@@ -101,6 +101,23 @@ def paged_attention(
     return _impl("paged_attention", q.device.type)(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_attention`` with each query row's mask over the keys just before it (draft trees); see
+    ``kernels.reference``."""
+    return _impl("tree_attention", q.device.type)(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask, scale
+    )
+
+
 def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> int:
     """Compile now what paged attention will compile while requests run (on CUDA: one Triton variant per split
     count); returns how many variants ran, 0 where nothing is compiled (the CPU ops are built ahead)."""
@@ -149,5 +166,6 @@ __all__ = [
     "rotary",
     "silu_and_mul",
     "store_kvcache",
+    "tree_attention",
     "warm_up_paged_attention",
 ]

@@ -185,6 +185,55 @@ def _prefill_one(
     return o[0].transpose(0, 1)
 
 
+TREE_MASK_BITS = 64  # keys this close to a query row are masked by its tree_mask bits; farther ones are context
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_attention`` in which each query row also carries a mask of the keys just before it (a draft tree:
+    a node sees the context, its ancestors and itself).
+
+    New token i of a sequence sits at slot position ``seq_len - q_len + i`` and sees the key at position j when
+    ``j <= its position`` and either ``its position - j >= 64`` or bit ``its position - j`` of ``tree_mask[row]``
+    (int64 ``[T]``) is set; a row of -1 is plain causal attention. Returns ``[T, Hq, D]``."""
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    bits = torch.arange(TREE_MASK_BITS, device=q.device)
+    for s, seq_len in enumerate(lens):
+        rows = slice(starts[s], starts[s + 1])
+        q_len = starts[s + 1] - starts[s]
+        if q_len == 0:
+            continue
+        num_blocks = -(-seq_len // k_cache.shape[1])
+        k = _gather(k_cache, block_tables[s, :num_blocks])[:seq_len].to(q.dtype)
+        v = _gather(v_cache, block_tables[s, :num_blocks])[:seq_len].to(q.dtype)
+        # offset of each key behind each query row; a row's bits, unpacked, say which of the nearest it sees
+        offset = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None] - torch.arange(
+            seq_len, device=q.device
+        )
+        row_bits = (tree_mask[rows, None] >> bits[None, :]) & 1 == 1  # [q_len, 64]
+        near = row_bits.gather(1, offset.clamp(0, TREE_MASK_BITS - 1))
+        mask = (offset >= 0) & ((offset >= TREE_MASK_BITS) | near)
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = o[0].transpose(0, 1)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Rejection sampling (speculative decoding), vLLM V1's layout and names.
 #

@@ -66,6 +66,23 @@ def paged_attention(
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    if q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.bfloat16):
+        return torch.ops.workbench_cpu.tree_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask, scale
+        )
+    return reference.tree_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask, scale)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2:
         return torch.ops.workbench_cpu.rms_norm(x, weight, eps)

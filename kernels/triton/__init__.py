@@ -8,5 +8,6 @@ bf16 and fp16 inputs are accepted; softmax statistics and accumulators are fp32.
 from kernels.triton.attention import paged_attention
 from kernels.triton.cache import store_kvcache
 from kernels.triton.rejection import rejection_sample
+from kernels.triton.tree_attention import tree_attention
 
-__all__ = ["paged_attention", "rejection_sample", "store_kvcache"]
+__all__ = ["paged_attention", "rejection_sample", "store_kvcache", "tree_attention"]

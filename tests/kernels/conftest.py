@@ -15,7 +15,13 @@ import pytest
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-_TRITON_MODULES = ("kernels.triton.attention", "kernels.triton.cache", "kernels.triton.rejection", "kernels.triton")
+_TRITON_MODULES = (
+    "kernels.triton.attention",
+    "kernels.triton.cache",
+    "kernels.triton.rejection",
+    "kernels.triton.tree_attention",
+    "kernels.triton",
+)
 
 
 @pytest.fixture(scope="session")

@@ -150,3 +150,55 @@ fidelity: $(EDITABLE) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q tests/distributed/test_kv_events.py tests/fidelity/test_kv_events_vllm.py
 	$(BIN)/workbench fidelity run --vllm-python $(VLLM_VENV)/bin/python --workloads $(FIDELITY_WORKLOADS) \
 		--start $(FIDELITY_START)
+
+# llama.cpp as a measured peer, never a dependency (nothing in engine/, kernels/ or workbench/ imports it): the
+# llama-cpp-python sdist (its vendor/llama.cpp, a pinned version), `llama-bench` built from it into
+# .llamacpp/LLAMACPP_ISA/ (`native`: every vector unit of this CPU; `avx2`: AVX2 + FMA only, so that on an AVX-512
+# CPU the AVX2 paths of both sides can be compared), and smollm2-135m's own folder (the one the engine loads)
+# converted to F32, BF16 and Q8_0 GGUFs in .llamacpp/gguf/ by the sdist's convert_hf_to_gguf.py, with the sdist's
+# own gguf-py on the path (the workbench's venv gives torch and transformers; nothing is installed into it).
+# `workbench bench decode` and `bench prefill` find both there. pip spends minutes preparing the sdist's metadata;
+# the build takes 5-25 minutes on 2 cores (nice'd: the machine may be shared). Needs cmake and a C++ compiler.
+.PHONY: llamacpp-ref
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_ISA ?= native
+LLAMACPP := .llamacpp
+LLAMACPP_SDIST := $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+LLAMACPP_SRC := $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+LLAMACPP_CMAKE_native := -DGGML_NATIVE=ON
+LLAMACPP_CMAKE_avx2 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
+LLAMACPP_BENCH := $(LLAMACPP)/$(LLAMACPP_ISA)/bin/llama-bench
+LLAMACPP_GGUFS := $(foreach f,f32 bf16 q8_0,$(LLAMACPP)/gguf/smollm2-135m-$(f).gguf)
+llamacpp-ref: $(LLAMACPP_BENCH) $(LLAMACPP_GGUFS)
+	@echo "llama.cpp reference: $(LLAMACPP_BENCH), $(LLAMACPP_GGUFS)"
+
+$(LLAMACPP_SDIST): | $(BIN)/python
+	$(BIN)/pip download --no-binary :all: --no-deps --dest $(LLAMACPP) llama-cpp-python==$(LLAMACPP_VERSION)
+
+$(LLAMACPP)/.unpacked-$(LLAMACPP_VERSION): $(LLAMACPP_SDIST)
+	tar -xzf $< -C $(LLAMACPP)
+	touch $@
+
+# A static llama-bench (BUILD_SHARED_LIBS=OFF): the one file runs wherever it is copied.
+$(LLAMACPP)/%/bin/llama-bench: $(LLAMACPP)/.unpacked-$(LLAMACPP_VERSION)
+	@test -n "$(LLAMACPP_CMAKE_$*)" || { echo "LLAMACPP_ISA=$*: native or avx2"; exit 1; }
+	nice -n 15 cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP)/$*/build -DCMAKE_BUILD_TYPE=Release $(LLAMACPP_CMAKE_$*) \
+		-DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_BUILD_SERVER=OFF
+	nice -n 15 cmake --build $(LLAMACPP)/$*/build --target llama-bench -j $$(nproc)
+	mkdir -p $(@D)
+	cp $(LLAMACPP)/$*/build/bin/llama-bench $@
+
+# The converter imports sentencepiece before it looks for a sentencepiece model (SmolLM2 has none: byte-level BPE):
+# installed into the reference folder, as llama.cpp's requirements pin it, never into the venv.
+$(LLAMACPP)/pylib/.installed: | $(BIN)/python
+	$(BIN)/pip install --target $(LLAMACPP)/pylib "sentencepiece>=0.1.98,<0.3.0"
+	touch $@
+
+$(LLAMACPP)/gguf/smollm2-135m-%.gguf: $(LLAMACPP)/.unpacked-$(LLAMACPP_VERSION) $(LLAMACPP)/pylib/.installed \
+		| $(EDITABLE)
+	mkdir -p $(@D)
+	folder=$$($(BIN)/python -c 'from engine import resolve_model; print(resolve_model("smollm2-135m"))') && \
+	nice -n 15 env PYTHONPATH=$(LLAMACPP_SRC)/gguf-py:$(LLAMACPP)/pylib $(BIN)/python \
+		$(LLAMACPP_SRC)/convert_hf_to_gguf.py --outtype $* --outfile $@.part "$$folder"
+	mv $@.part $@

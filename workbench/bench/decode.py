@@ -1,7 +1,8 @@
 """Single-stream decode, as a CPU user meets it: one prompt, N greedy tokens, tok/s of the engine in each weight
 format against transformers `generate` on the same weights in the same process (float32; bfloat16 where the
-engine stores bfloat16 weights), and against llama.cpp (llama-cpp-python) on GGUF files of the same weights where
-it is installed and `--llamacpp-gguf` names them. Sides alternate round by round; each number is a median.
+engine stores bfloat16 weights), and against llama.cpp's `llama-bench` on GGUF files of the same weights (tg N after
+a context as long as the prompt; `make llamacpp-ref` builds both, `workbench.bench.llamacpp` finds them). Sides
+alternate round by round; each number is a median.
 
 The floor of a token is its weights over the read bandwidth (`bench roofline`); this benchmark says how far each
 system is from the others, and its load-average line says how much the machine was shared meanwhile.
@@ -10,10 +11,9 @@ system is from the others, and its load-average line says how much the machine w
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,24 +21,43 @@ from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams, resolve_model
 from workbench.bench.args import add_common_args, run_with_flags
+from workbench.bench.llamacpp import GGUF_TYPES, LlamaBench, add_llamacpp_args, llamacpp_from_args
 from workbench.bench.report import Line, Part, Table, described, formatters, run_settings
 from workbench.bench.timing import LoadAverage, alternate, load_line
 
-HELP = "single-stream decode tok/s: the engine in each weight format vs transformers (and llama.cpp if installed)"
+HELP = "single-stream decode tok/s: the engine in each weight format vs transformers and llama.cpp (llama-bench)"
 IN_ALL: tuple[int, list[str]] = (10, [])  # `workbench bench all` runs it: (place, flags)
 PROMPT = "The history of the printing press begins"
 WEIGHT_FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
 TRANSFORMERS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # transformers has no int8 on CPU
+LLAMACPP = "llama.cpp (llama-bench)"
 
 
 @dataclass
 class Side:
-    """One system in one weight format: a callable that decodes the prompt and returns the tokens it made."""
+    """One system in one weight format: `run` measures once and returns what it made (the tokens of a side that
+    decodes here, llama-bench's row of one that runs as a child process), `rate` the tok/s of that call from what
+    it returned and its wall seconds; `tokens` is what its untimed first call made (None: a side that makes its
+    tokens elsewhere, llama-bench, which warms up by itself)."""
 
     system: str
     weights: str
-    decode: Callable[[], list[int]]
-    tok_s: list[float]
+    run: Callable[[], Any]
+    rate: Callable[[Any, float], float]
+    tokens: list[int] | None = None
+    workload: str = ""  # what the progress lines name beside system and weights, where sides differ in it
+    tok_s: list[float] = field(default_factory=list)
+    last: Any = None
+
+
+def token_rate(tokens: list[int], seconds: float) -> float:
+    """A side that decodes in this process: the tokens it made over the call's wall seconds."""
+    return len(tokens) / seconds
+
+
+def llama_bench_rate(row: dict[str, Any], seconds: float) -> float:
+    """A llama-bench side: the rate it measured itself (its call's wall time also loads the model)."""
+    return float(row["avg_ts"])
 
 
 def engine_side(
@@ -46,7 +65,7 @@ def engine_side(
 ) -> Side:
     llm = LLM(model=model, seed=seed, **{**engine_kwargs, **WEIGHT_FORMATS[weights]})
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return Side("engine", weights, lambda: llm.generate([prompt_ids], params, use_tqdm=False)[0].token_ids, [])
+    return Side("engine", weights, lambda: llm.generate([prompt_ids], params, use_tqdm=False)[0].token_ids, token_rate)
 
 
 def transformers_side(path: str, weights: str, prompt_ids: list[int], max_tokens: int) -> Side:
@@ -70,41 +89,56 @@ def transformers_side(path: str, weights: str, prompt_ids: list[int], max_tokens
             )
         return out[0, len(prompt_ids) :].tolist()
 
-    return Side("transformers generate", weights, decode, [])
+    return Side("transformers generate", weights, decode, token_rate)
 
 
-def llamacpp_side(label: str, gguf: str, prompt_ids: list[int], max_tokens: int) -> Side:
-    try:
-        from llama_cpp import Llama
-    except ImportError as exc:
-        raise SystemExit("bench decode: --llamacpp-gguf needs llama-cpp-python (pip install llama-cpp-python)") from exc
-    llama = Llama(
-        model_path=gguf, n_ctx=len(prompt_ids) + max_tokens + 8, n_threads=torch.get_num_threads(), verbose=False
+def llamacpp_side(bench: LlamaBench, weights: str, gguf: str, workload: str = "", **test: int) -> Side:
+    """llama.cpp in `weights`' GGUF type: each call one llama-bench test of `gguf` (`LlamaBench.run`'s settings)."""
+    return Side(LLAMACPP, weights, lambda: bench.run(gguf, **test), llama_bench_rate, workload=workload)
+
+
+def measure_sides(sides: Sequence[Side], runs: int, log: Callable[[str], None]) -> None:
+    """Each side that decodes here once untimed (its `tokens`), then `runs` rounds in which every side runs once
+    (the same order each round, so a burst of load falls on all), each call's rate appended to its side's tok_s."""
+    for side in sides:
+        if side.system != LLAMACPP:
+            side.tokens = side.run()
+    for turn in alternate({i: side.run for i, side in enumerate(sides)}, runs):
+        side = sides[turn.side]
+        side.tok_s.append(side.rate(turn.value, turn.seconds))
+        side.last = turn.value
+        if turn.side == len(sides) - 1:  # the round's last side
+            done = ", ".join(f"{s.system} {s.weights}{s.workload} {s.tok_s[-1]:.1f}" for s in sides)
+            log(f"round {turn.run + 1}/{runs}: {done}")
+
+
+def side_row(side: Side) -> dict[str, Any]:
+    """A side's result row: its system, weights (a llama-bench row's GGUF type too), the median and every run."""
+    row = {"system": side.system, "weights": side.weights, "tok_s": statistics.median(side.tok_s), "runs": side.tok_s}
+    if side.system == LLAMACPP:
+        row |= {"gguf": GGUF_TYPES[side.weights], "llama_bench": side.last}
+    return row
+
+
+def vs_llamacpp(rows: Sequence[dict[str, Any]], row: dict[str, Any], key: Callable[[dict[str, Any]], Any]) -> str:
+    """An engine row's median over llama.cpp's in the same weight format and `key` (its workload), as "0.87x";
+    "-" for other rows and where llama.cpp has no such row."""
+    if row["system"] != "engine":
+        return "-"
+    peer = next((r for r in rows if r["system"] == LLAMACPP and key(r) == key(row)), None)
+    return "-" if peer is None else f"{row['tok_s'] / peer['tok_s']:.2f}x"
+
+
+def llamacpp_line(result: dict[str, Any]) -> str:
+    """What the report says of the llama-bench it ran: the binary, its CPU and build, flash attention."""
+    row = next((r["llama_bench"] for r in result["rows"] if r["system"] == LLAMACPP), None)
+    if row is None:
+        return "llama.cpp: not run (make llamacpp-ref builds llama-bench and the GGUFs; --llama-bench PATH names one)"
+    return (
+        f"llama.cpp: {result['llama_bench']} ({row['model_type']}, {row['n_threads']} threads, flash_attn "
+        f"{row['flash_attn']}, build {row['build_commit']}) on {row['cpu_info']}; each round one llama-bench call "
+        "(its own warm-up, then one repetition), its own tok/s"
     )
-
-    def decode() -> list[int]:
-        llama.reset()
-        tokens = []
-        for token in llama.generate(prompt_ids, temp=0.0, top_k=1):
-            tokens.append(token)
-            if len(tokens) == max_tokens:
-                return tokens
-        return tokens
-
-    return Side("llama.cpp (llama-cpp-python)", label, decode, [])
-
-
-def parse_gguf(specs: Sequence[str]) -> dict[str, str]:
-    """`FORMAT=PATH` pairs (e.g. `q8_0=/models/smollm2-q8_0.gguf`), each path an existing file."""
-    named = {}
-    for spec in specs:
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not path:
-            raise SystemExit(f"bench decode: --llamacpp-gguf: expected FORMAT=PATH, got {spec!r}")
-        if not os.path.isfile(path):
-            raise SystemExit(f"bench decode: --llamacpp-gguf: no such file {path!r}")
-        named[label] = path
-    return named
 
 
 def run_decode(
@@ -114,13 +148,15 @@ def run_decode(
     runs: int = 3,
     seed: int = 0,
     baseline: bool = True,
+    llama_bench: LlamaBench | None = None,
     llamacpp_gguf: dict[str, str] | None = None,
     engine_kwargs: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Build every side, check each makes its tokens, then `runs` rounds in which every side decodes once (the
-    same order each round, so a burst of load falls on all); the median tok/s per side, and which sides made the
-    same tokens as the engine in float32."""
+    """Build every side, then measure them in alternating rounds (`measure_sides`); the median tok/s per side,
+    which sides made the same tokens as the engine in float32, and each engine format against llama.cpp's
+    (`llama_bench` on the GGUF `llamacpp_gguf` names for that format: tg `max_tokens` after a context of the
+    prompt's length)."""
     engine_kwargs = dict(engine_kwargs or {})
     sides: list[Side] = []
     path = str(resolve_model(model))
@@ -129,23 +165,16 @@ def run_decode(
         sides.append(engine_side(model, weights, prompt_ids, max_tokens, seed, engine_kwargs))
         if baseline and weights in TRANSFORMERS_DTYPES:
             sides.append(transformers_side(path, weights, prompt_ids, max_tokens))
-    for label, gguf in (llamacpp_gguf or {}).items():
-        sides.append(llamacpp_side(label, gguf, prompt_ids, max_tokens))
-    tokens = {(s.system, s.weights): s.decode() for s in sides}  # warm-up, and what each made
-    reference = tokens.get(("engine", "float32"))
+        if llama_bench is not None and weights in (llamacpp_gguf or {}):
+            gguf = (llamacpp_gguf or {})[weights]
+            sides.append(llamacpp_side(llama_bench, weights, gguf, n_prompt=0, n_gen=max_tokens, depth=len(prompt_ids)))
     load = LoadAverage()
-    for turn in alternate({i: side.decode for i, side in enumerate(sides)}, runs):
-        sides[turn.side].tok_s.append(len(turn.value) / turn.seconds)
-        if turn.side == len(sides) - 1:  # the round's last side
-            done = ", ".join(f"{s.system} {s.weights} {s.tok_s[-1]:.1f}" for s in sides)
-            log(f"round {turn.run + 1}/{runs}: {done}")
+    measure_sides(sides, runs, log)
+    reference = next((s.tokens for s in sides if (s.system, s.weights) == ("engine", "float32")), None)
     rows = [
         {
-            "system": s.system,
-            "weights": s.weights,
-            "tok_s": statistics.median(s.tok_s),
-            "runs": s.tok_s,
-            "same_tokens_as_engine_fp32": None if reference is None else tokens[(s.system, s.weights)] == reference,
+            **side_row(s),
+            "same_tokens_as_engine_fp32": None if reference is None or s.tokens is None else s.tokens == reference,
         }
         for s in sides
     ]
@@ -154,14 +183,15 @@ def run_decode(
         "prompt": PROMPT,
         "prompt_len": len(prompt_ids),
         "threads": torch.get_num_threads(),
+        "llama_bench": None if llama_bench is None else llama_bench.binary,
         "load_average": load.done(),
         "rows": rows,
-        "settings": run_settings(run_decode, locals(), omit=("llamacpp_gguf",)),
+        "settings": run_settings(run_decode, locals(), omit=("llama_bench", "llamacpp_gguf")),
     }
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    add_common_args(parser, budget=False)
+def add_weight_formats_arg(parser: argparse.ArgumentParser) -> None:
+    """--weight-formats: the engine's sides, one per format."""
     parser.add_argument(
         "--weight-formats",
         nargs="+",
@@ -169,42 +199,51 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=list(WEIGHT_FORMATS),
         help="how the engine stores its weights, a side each (default: all)",
     )
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser, budget=False)
+    add_weight_formats_arg(parser)
     parser.add_argument("--max-tokens", type=int, default=128, help="greedy tokens per decode (default: 128)")
     parser.add_argument("--no-baseline", action="store_true", help="leave out transformers generate")
-    parser.add_argument(
-        "--llamacpp-gguf",
-        nargs="+",
-        default=[],
-        metavar="FORMAT=PATH",
-        help="GGUF files of the same weights for llama.cpp (needs llama-cpp-python)",
-    )
+    add_llamacpp_args(parser)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """`workbench bench decode`: run_decode with the command line's settings."""
     if args.max_tokens < 1:
         raise SystemExit(f"bench decode: --max-tokens: must be >= 1, got {args.max_tokens}")
-    return run_with_flags(run_decode, args, baseline=not args.no_baseline, llamacpp_gguf=parse_gguf(args.llamacpp_gguf))
+    bench, ggufs = llamacpp_from_args(args, "bench decode", args.weight_formats)
+    return run_with_flags(run_decode, args, baseline=not args.no_baseline, llama_bench=bench, llamacpp_gguf=ggufs)
 
 
-_HEADERS = ("system", "weights", "tok/s (median)", "runs", "vs transformers fp32", "same tokens as engine fp32")
+_HEADERS = (
+    "system",
+    "weights",
+    "tok/s (median)",
+    "runs",
+    "vs transformers fp32",
+    "engine / llama.cpp",
+    "same tokens as engine fp32",
+)
 
 
 def _rows(result: dict[str, Any]) -> list[list[object]]:
+    rows = result["rows"]
     base = next(
-        (r["tok_s"] for r in result["rows"] if r["system"] == "transformers generate" and r["weights"] == "float32"),
-        None,
+        (r["tok_s"] for r in rows if r["system"] == "transformers generate" and r["weights"] == "float32"), None
     )
     return [
         [
             r["system"],
-            r["weights"],
+            r.get("gguf", r["weights"]),
             r["tok_s"],
             " ".join(f"{x:.1f}" for x in r["runs"]),
             "-" if base is None else f"{r['tok_s'] / base:.2f}x",
+            vs_llamacpp(rows, r, lambda row: row["weights"]),
             {True: "yes", False: "no", None: "-"}[r["same_tokens_as_engine_fp32"]],
         ]
-        for r in result["rows"]
+        for r in rows
     ]
 
 
@@ -214,13 +253,21 @@ _TEXT = (
 )
 _DOCS = _TEXT + (
     ". The engine's bfloat16 and int8 store the weights so and compute in float32 (checked against "
-    "Hugging Face in tests/model/test_fast_dtypes.py); transformers bfloat16 computes in bfloat16."
+    "Hugging Face in tests/model/test_fast_dtypes.py); transformers bfloat16 computes in bfloat16; llama.cpp's "
+    "F32, BF16 and Q8_0 GGUFs are converted from the same weights by `make llamacpp-ref`, its tg{max_tokens} runs "
+    "after a {prompt_len}-token context."
     "{note}"
 )
 
 
+def peer_parts(result: dict[str, Any], text: str, docs: str, table: Table) -> list[Part]:
+    """A report against llama.cpp: its settings (`text` in the terminal, `docs` in the docs), the table, which
+    llama-bench ran and the load average."""
+    return [described(result, text, docs), table, Line(llamacpp_line(result)), Line(load_line(result))]
+
+
 def _parts(result: dict[str, Any]) -> list[Part]:
-    return [described(result, _TEXT, _DOCS), Table(_HEADERS, _rows(result)), Line(load_line(result))]
+    return peer_parts(result, _TEXT, _DOCS, Table(_HEADERS, _rows(result)))
 
 
 format_text, format_markdown = formatters("Single-stream decode: the engine in each weight format", _parts)

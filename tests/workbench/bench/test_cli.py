@@ -84,6 +84,7 @@ def test_bench_all_runs_the_cpu_benchmarks_in_their_order() -> None:
         "spec": ["--runs", "2"],
         "pd": [],
         "decode": [],
+        "prefill": [],
     }
     listed = [b.name for b in cli.BENCHMARKS]
     assert listed[: len(cli.ALL_BENCHES)] == list(cli.ALL_BENCHES) and "gpu_kernels" in listed[len(cli.ALL_BENCHES) :]

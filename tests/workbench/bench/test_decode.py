@@ -1,5 +1,6 @@
 """`workbench bench decode`: every side decodes the same prompt to the same number of tokens, the fast weight
-formats beside float32, transformers beside the engine; bad flags name themselves."""
+formats beside float32, transformers beside the engine; bad flags name themselves (llama.cpp's rows:
+test_llamacpp.py)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ def test_each_side_decodes_and_the_float32_sides_agree_on_the_tokens():
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("q8_0", "expected FORMAT=PATH, got 'q8_0'"), ("q8_0=/nonexistent.gguf", "no such file '/nonexistent.gguf'")],
+    [
+        ("int8", "expected FORMAT=PATH, got 'int8'"),
+        ("int8=/nonexistent.gguf", "no such file '/nonexistent.gguf'"),
+        ("q8_0=/nonexistent.gguf", "FORMAT is one of float32, bfloat16, int8, got 'q8_0'"),
+    ],
 )
 def test_a_bad_gguf_flag_names_itself(spec, message):
-    with pytest.raises(SystemExit, match=f"--llamacpp-gguf: {message}"):
+    with pytest.raises(SystemExit, match=f"bench decode: --llamacpp-gguf: {message}"):
         main(["bench", "decode", "--model", "tiny-llama", "--llamacpp-gguf", spec])

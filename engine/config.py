@@ -6,10 +6,13 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 from urllib.parse import urlsplit
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.spec_decode.tree import SpecTree
 
 # The fixed sets a setting is checked against, vLLM's names: the config refuses anything else and the command line
 # offers them as choices (engine/arg_utils.py reads them off the annotations)
@@ -22,6 +25,8 @@ Executor = Literal["uniproc", "multiproc", "simulated", "scripted"]
 DataParallelRouting = Literal["load", "prefix"]
 # speculative_config.method: engine/spec_decode/'s PROPOSERS maps each to its proposer class (a test checks they agree)
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
+# the methods that draft trees: each level of the tree is one step of their network (engine/spec_decode/tree.py)
+TREE_METHODS = ("eagle", "eagle3", "medusa")
 KVEventsPublisher = Literal["null", "zmq"]
 # vLLM's ObservabilityConfig.collect_detailed_traces and ProfilerConfig.profiler (only its torch profiler here)
 DetailedTraceModules = Literal["model", "worker", "all"]
@@ -86,6 +91,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 2
     model: str | None = None
+    # vLLM's draft tree: a string of a list of node paths, breadth first (engine/spec_decode/tree.py); None: a chain
+    speculative_token_tree: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> SpeculativeConfig:
@@ -103,7 +110,24 @@ class SpeculativeConfig:
             )
         if method == "draft_model" and not cfg.model:
             raise ValueError("speculative_config.model: a draft model name or path is required for draft_model")
+        if cfg.speculative_token_tree is not None:
+            if method not in TREE_METHODS:
+                raise ValueError(
+                    f"speculative_config.speculative_token_tree: only for {', '.join(TREE_METHODS)}, not {method!r}"
+                )
+            n = len(cfg.tree or ())
+            if k != n:
+                raise ValueError(
+                    f"speculative_config.num_speculative_tokens: must be the tree's number of nodes, {n}, got {k}"
+                )
         return cfg
+
+    @property
+    def tree(self) -> SpecTree | None:
+        """The draft tree (validated), or None for a chain."""
+        from engine.spec_decode.tree import SpecTree
+
+        return None if self.speculative_token_tree is None else SpecTree.parse(self.speculative_token_tree)
 
 
 # vLLM 0.33's connector names, the name the 2025 article used (SharedStorageConnector, vLLM's before it became

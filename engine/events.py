@@ -208,7 +208,14 @@ class SpecVerified(Event):
     Only a prefix is accepted: positions after the first rejection are never judged (accepted False there).
     A greedy request's p and q are at temperature 1 (each side's confidence; only the argmax decides), a sampled
     one's after its temperature and filters. `draft_texts` and `emitted_text` are the tokens' text. Traces written
-    before a field existed read back with its default."""
+    before a field existed read back with its default.
+
+    A draft tree (speculative_token_tree) lists its nodes breadth first: `tree_parents` gives each node's parent
+    (0: the root, the request's newest token; node i is i + 1), `accepted_path` the nodes kept, root to leaf;
+    `accepted` marks them. The tree is walked from the root: a node's children are judged in order against the
+    parent's target distribution, each later sibling against what is left of it after the earlier ones were
+    rejected (the residual, SpecInfer's rule), which is the `p_target` shown; `target_argmax` is the parent's
+    argmax. Empty for a chain."""
 
     kind: ClassVar[str] = "spec.verified"
     request_id: str
@@ -224,6 +231,8 @@ class SpecVerified(Event):
     uniform_probs: tuple[float, ...] = ()  # "sampled" only
     draft_texts: tuple[str, ...] = ()
     emitted_text: str = ""
+    tree_parents: tuple[int, ...] = ()
+    accepted_path: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

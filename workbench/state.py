@@ -5,7 +5,7 @@ here; the views read this state and each record's StepDelta, never the events.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from engine.events import DPLoad, DPRouted, EngineSnapshot, RequestSummary, StepRecord
 
@@ -141,10 +141,35 @@ class Verification:
     uniform_probs: tuple[float, ...] = ()
     draft_texts: tuple[str, ...] = ()
     emitted_text: str = ""
+    tree_parents: tuple[int, ...] = ()  # a draft tree's: each node's parent (0: the root; node i is i + 1)
+    accepted_path: tuple[int, ...] = ()
+
+    def depth(self, i: int) -> int:
+        """Draft i's depth in its tree (a chain's position plus one)."""
+        if not self.tree_parents:
+            return i + 1
+        parent = self.tree_parents[i]
+        return 1 if parent == 0 else 1 + self.depth(parent - 1)
 
     def positions(self) -> list[DraftPosition]:
-        """Each draft position with its numbers and outcome."""
-        num_accepted = sum(self.accepted)  # a prefix
+        """Each draft position (a tree's node, breadth first) with its numbers and outcome."""
+        if self.tree_parents:
+            return [replace(d, outcome=self._tree_outcome(d.position)) for d in self._chain_positions(0)]
+        return self._chain_positions(sum(self.accepted))  # a prefix
+
+    def _tree_outcome(self, i: int) -> str:
+        """A node is judged when its parent was reached (the root, or on the path) and the walk did not stop at
+        an earlier sibling: rejected unless on the path."""
+        node, parent = i + 1, self.tree_parents[i]
+        if node in self.accepted_path:
+            return ACCEPTED
+        reached = (0, *self.accepted_path)
+        if parent not in reached:
+            return NOT_REACHED
+        kept = [c for c in self.accepted_path if self.tree_parents[c - 1] == parent]
+        return REJECTED if not kept or node < kept[0] else NOT_REACHED
+
+    def _chain_positions(self, num_accepted: int) -> list[DraftPosition]:
         return [
             DraftPosition(
                 i,
@@ -574,13 +599,17 @@ class EngineState:
             e.uniform_probs,
             e.draft_texts,
             e.emitted_text,
+            e.tree_parents,
+            e.accepted_path,
         )
-        for position, ok in enumerate(verification.accepted):
+        # by draft position, a tree's by depth: verified when the tree reaches it, accepted when the path does
+        depth = max((verification.depth(i) for i in range(len(e.draft_token_ids))), default=0)
+        for position in range(depth):
             if position == len(spec.proposed):
                 spec.proposed.append(0)
                 spec.accepted.append(0)
             spec.proposed[position] += 1
-            spec.accepted[position] += int(ok)
+            spec.accepted[position] += int(position < sum(verification.accepted))
             delta.spec_positions.add(position)
         spec.verifications.append(verification)
         delta.verifications.append(verification)

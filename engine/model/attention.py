@@ -25,6 +25,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor  # [S] int32: total context per sequence, new tokens included
     query_start_loc: torch.Tensor  # [S+1] int32: cumulative new-token counts, starting at 0
+    # [T] int64 where a draft tree is verified: each row's mask of the 64 keys before it (engine/spec_decode/tree.py,
+    # kernels.tree_attention); None: causal attention
+    tree_mask: torch.Tensor | None = None
 
 
 def allocate_kv_caches(

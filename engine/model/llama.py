@@ -164,7 +164,11 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         kernels.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
-        if self.sliding_window is None:
+        if attn.tree_mask is not None:  # a draft tree verified (SpecDecoder refuses trees with sliding windows)
+            out = kernels.tree_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, attn.tree_mask, self.scale
+            )
+        elif self.sliding_window is None:
             out = kernels.paged_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, self.scale
             )

@@ -138,7 +138,7 @@ class ModelRunner:
             apply_bitmask(logits, grammar_bitmask, guided_rows or [])
         t1 = time.perf_counter()
         sampled, logprobs = self._sample(logits, batch)
-        drafts = self.spec.propose(batch.sampling_rows, sampled) if self.spec is not None else {}
+        drafts = self.spec.propose(batch.sampling_rows, sampled, self.kv_caches) if self.spec is not None else {}
         t2 = time.perf_counter()
         return ModelRunnerOutput(
             sampled,
@@ -230,6 +230,9 @@ class ModelRunner:
         cu_query, cu_logits = np.cumsum(query_lens), np.cumsum(num_logits)
         positions = np.arange(cu_query[-1]) + np.repeat(starts - cu_query + query_lens, query_lens)
         slots = self.block_table.compute_slot_mapping(np.repeat(rows, query_lens), positions)
+        # a draft tree's nodes (in the slots after their root's) sit at its position plus their depth, and see only
+        # their ancestors
+        tree_mask = None if self.spec is None else self.spec.tree_inputs(output.scheduled, positions, cu_query)
         logits_indices = np.arange(cu_logits[-1]) + np.repeat(cu_query - cu_logits, num_logits)
         block_tables = self.block_table.block_table_np[rows, : num_blocks.max()]
         i64 = torch.from_numpy(np.concatenate((ids, positions, slots, logits_indices))).to(self.device)
@@ -244,6 +247,7 @@ class ModelRunner:
             block_tables=tables.view(block_tables.shape),
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
+            tree_mask=None if tree_mask is None else torch.from_numpy(tree_mask).to(self.device),
         )
         return _BatchInputs(
             input_ids=input_ids,

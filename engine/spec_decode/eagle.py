@@ -31,10 +31,14 @@ from engine.spec_decode.proposer import (
     Proposer,
     TargetBatch,
     TargetModel,
+    TreeStep,
     chain_drafts,
     decode_metadata,
     sample_drafts,
+    tree_drafts,
+    tree_level_metadata,
 )
+from engine.spec_decode.tree import SpecTree
 
 # q [N, Hq, D], k and v [N, Hkv, D] of the N tokens -> attention output [N, Hq, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -112,11 +116,16 @@ class EagleHead(nn.Module):
 
 
 def paged_attention(attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float) -> Attend:
-    """Attention over the head's paged cache: write this step's K/V at the slots, attend over each context."""
+    """Attention over the head's paged cache: write this step's K/V at the slots, attend over each context (with
+    the tree mask when drafting a tree)."""
     k_cache, v_cache = kv_cache
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kernels.store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
+        if attn.tree_mask is not None:
+            return kernels.tree_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, attn.tree_mask, scale
+            )
         return kernels.paged_attention(
             q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale
         )
@@ -145,6 +154,8 @@ class EagleProposer(Proposer):
             head, target.num_blocks, config.block_size, config.torch_dtype, target.device
         )
         self.mirrored: torch.Tensor | None = None  # the states the last mirror predicted, one per batch row
+        spec = target.config.speculative  # None where a test builds a proposer by hand
+        self.tree = None if spec is None else spec.tree  # or the draft tree each proposal expands
 
     @classmethod
     def from_config(cls, target: TargetModel) -> EagleProposer:
@@ -175,6 +186,10 @@ class EagleProposer(Proposer):
         the newest token, paired with it), each next one from the state before and the draft it made."""
         if self.mirrored is None:
             raise RuntimeError("propose before mirror: no predicted states")
+        if self.tree is not None:
+            return tree_drafts(
+                inputs, self.tree, self._tree_step(inputs, self.tree), self.vocab, self.default_generator
+            )
         states = self.mirrored[[inp.batch_row for inp in inputs]]
 
         def draft(live: list[int], tokens: list[int], step: int) -> tuple[list[int], torch.Tensor]:
@@ -197,3 +212,29 @@ class EagleProposer(Proposer):
             return self.vocab.to_target(drafted), self.vocab.to_target_probs(dist)
 
         return chain_drafts(inputs, draft)
+
+    def _tree_step(self, inputs: list[DraftRequest], tree: SpecTree) -> TreeStep:
+        """A tree's depth d: the roots' states are the mirror's; a node at depth d >= 1 pairs its token with its
+        parent's state, through the head at its parent's position plus one, seeing its ancestors' entries."""
+        states: dict[tuple[int, int], torch.Tensor] = {}
+        mirrored = self.mirrored
+        assert mirrored is not None, "propose checked it"
+
+        def step(depth: int, nodes: list[tuple[int, int]], tokens: list[list[int]]) -> torch.Tensor:
+            if depth == 0:
+                predicted = mirrored[[inputs[i].batch_row for i, _ in nodes]]
+            else:
+                predicted = self.head(
+                    self._embed(torch.tensor([tokens[i][c - 1] for i, c in nodes], device=self.device)),
+                    torch.stack([states[(i, tree.parents[c])] for i, c in nodes]),
+                    torch.tensor([len(inputs[i].token_ids) - 2 + depth for i, _ in nodes], device=self.device),
+                    paged_attention(
+                        tree_level_metadata(inputs, nodes, tree, self.block_size, self.device),
+                        self.kv_caches[0],
+                        self.scale,
+                    ),
+                )
+            states.update(zip(nodes, predicted))
+            return self.vocab.logits(predicted)
+
+        return step

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.spec_decode.draft_heads import DRAFT_IDS, DraftVocab, head_ops, head_path, load_head, narrow_matrices
-from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetModel, sample_drafts
+from engine.spec_decode.proposer import DraftRequest, Drafts, Proposer, TargetModel, sample_drafts, tree_drafts
 
 
 class ResidualBlock(nn.Module):
@@ -55,7 +55,9 @@ class MedusaProposer(Proposer):
     drafts_have_probs = True
 
     def __init__(self, heads: MedusaHeads, draft_ids: torch.Tensor, target: TargetModel) -> None:
-        k = target.speculative.num_speculative_tokens
+        self.tree = target.speculative.tree  # None, or the draft tree: head d drafts the nodes at depth d + 1
+        # a tree's drafts of one depth come from one head: it needs as many heads as it is deep
+        k = target.speculative.num_speculative_tokens if self.tree is None else self.tree.depth
         if k > len(heads.blocks):
             raise ValueError(
                 f"speculative_config.num_speculative_tokens: {k} drafts need {k} Medusa heads, the head "
@@ -79,9 +81,14 @@ class MedusaProposer(Proposer):
     def propose(self, inputs: list[DraftRequest]) -> Drafts:
         """Every head at once over the requests' states, one LM-head readout for all; head i's draft for each
         request that may take more than i drafts."""
-        k = max(inp.num_drafts for inp in inputs)
+        tree = self.tree
+        k = max(inp.num_drafts for inp in inputs) if tree is None else tree.depth
         hidden = torch.stack([inp.target_state for inp in inputs])
         logits = self.vocab.logits(self.heads(hidden, k).flatten(0, 1)).view(k, len(inputs), -1)
+        if tree is not None:  # every node at depth d draws its children from head d: each head's top-k
+            return tree_drafts(
+                inputs, tree, lambda d, nodes, _: logits[d, [i for i, _ in nodes]], self.vocab, self.default_generator
+            )
         drafts: Drafts = {}
         per_head = [sample_drafts(logits[i], inputs, self.default_generator) for i in range(k)]
         for row, inp in enumerate(inputs):

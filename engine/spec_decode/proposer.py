@@ -18,6 +18,8 @@ from engine.sample.sampler import exponential_noise, greedy_sample
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
+    from engine.spec_decode.draft_heads import DraftVocab
+    from engine.spec_decode.tree import SpecTree
 
 # drafts by request id, with their draft distributions [len(drafts), V], or None where the method has none
 # (the rejection sampler then takes the drafts as certain)
@@ -132,6 +134,12 @@ def decode_metadata(
     )
 
 
+def draft_distributions(logits: torch.Tensor, inputs: list[DraftRequest]) -> torch.Tensor:
+    """softmax(logits / temperature) per row of `logits` [N, V'] (row i for inputs[i]); a greedy row at 1."""
+    temps = [1.0 if inp.temperature < 1e-5 else inp.temperature for inp in inputs]
+    return torch.softmax(logits / torch.tensor(temps, device=logits.device)[:, None], dim=-1)
+
+
 def sample_drafts(
     logits: torch.Tensor, inputs: list[DraftRequest], default_generator: torch.Generator
 ) -> tuple[list[int], torch.Tensor]:
@@ -143,8 +151,7 @@ def sample_drafts(
     if all(flags):  # no draws: the argmaxes, and the drafts' confidence
         return greedy_sample(logits).tolist(), torch.softmax(logits, dim=-1)
     greedy = torch.tensor(flags, device=logits.device)
-    temps = torch.tensor([inp.temperature for inp in inputs], device=logits.device)
-    dist = torch.softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+    dist = draft_distributions(logits, inputs)
     generators = {i: inp.generator for i, inp in enumerate(inputs) if inp.generator is not None}
     sampled = (dist / exponential_noise(dist, generators, default_generator)).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), sampled).tolist(), dist
@@ -167,3 +174,74 @@ def chain_drafts(
             drafted[i].append(tokens[row])
             probs[i].append(dist[row])
     return {inp.request_id: (t, torch.stack(p)) for inp, t, p in zip(inputs, drafted, probs)}
+
+
+# step(depth, nodes, tokens) -> logits [len(nodes), V'] over the draft vocabulary: for each node (index into the
+# inputs, tree index) at `depth` (0: the roots), every one of each request's first num_drafts nodes there, in order,
+# the distribution its children are drawn from; `tokens`: each input's drafts so far (target ids, by tree index - 1)
+TreeStep = Callable[[int, list[tuple[int, int]], list[list[int]]], torch.Tensor]
+
+
+def tree_drafts(
+    inputs: list[DraftRequest],
+    tree: SpecTree,
+    step: TreeStep,
+    vocab: DraftVocab,
+    default_generator: torch.Generator,
+) -> Drafts:
+    """Expand a draft tree level by level, one `step` per depth for all requests: each node's children are its
+    distribution's most likely tokens for a greedy request (top-c, c its children in the tree), independent draws
+    from it for a sampled one (what the sibling-by-sibling rejection rule needs). A request's nodes are the tree's
+    first num_drafts, breadth first (still a tree); each comes with the distribution it was drawn from."""
+    tokens = [[-1] * inp.num_drafts for inp in inputs]
+    probs: list[list[torch.Tensor]] = [[] for _ in inputs]
+    for depth in range(tree.depth):
+        start, end = (0, 1) if depth == 0 else tree.levels[depth - 1]
+        nodes = [(i, c) for i, inp in enumerate(inputs) for c in range(start, min(end, inp.num_drafts + 1))]
+        kids = [[k for k in tree.children[c] if k <= inputs[i].num_drafts] for i, c in nodes]
+        if not any(kids):
+            break
+        dist = draft_distributions(step(depth, nodes, tokens), [inputs[i] for i, _ in nodes])
+        target_dist = vocab.to_target_probs(dist)
+        for row, ((i, _), children) in enumerate(zip(nodes, kids)):
+            if not children:
+                continue
+            inp = inputs[i]
+            if inp.temperature < 1e-5:
+                picks = dist[row].topk(len(children)).indices.tolist()
+            else:
+                generator = inp.generator or default_generator
+                picks = torch.multinomial(dist[row], len(children), replacement=True, generator=generator).tolist()
+            for child, token in zip(children, vocab.to_target(picks)):
+                tokens[i][child - 1] = token
+            probs[i] += [target_dist[row]] * len(children)  # children come breadth first: in this order
+    return {inp.request_id: (t, torch.stack(p)) for inp, t, p in zip(inputs, tokens, probs)}
+
+
+def tree_level_metadata(
+    inputs: list[DraftRequest], nodes: list[tuple[int, int]], tree: SpecTree, block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Attention metadata for a drafting network's pass over one depth of the tree (`nodes` as a TreeStep gets
+    them), over a cache of its own on the target's block ids: node c of a request whose newest token is at
+    position P writes its K/V at the slot of P - 1 + c (the root's state is the mirror's row, P - 1; a depth's
+    nodes come last, so each is its sequence's newest) and sees the context, its ancestors and itself."""
+    by_input: dict[int, list[int]] = {}
+    for i, c in nodes:
+        by_input.setdefault(i, []).append(c)
+    requests = [inputs[i] for i in by_input]
+    max_blocks = max(len(inp.block_ids) for inp in requests)
+    tables = np.zeros((len(requests), max_blocks), dtype=np.int32)
+    slots, seq_lens, cu = [], [], [0]
+    for row, (i, cs) in enumerate(by_input.items()):
+        tables[row, : len(inputs[i].block_ids)] = inputs[i].block_ids
+        base = len(inputs[i].token_ids) - 2
+        slots += [int(tables[row, (base + c) // block_size]) * block_size + (base + c) % block_size for c in cs]
+        seq_lens.append(base + cs[-1] + 1)
+        cu.append(cu[-1] + len(cs))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.from_numpy(tables).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(cu, dtype=torch.int32, device=device),
+        tree_mask=torch.tensor([tree.masks[c] for _, c in nodes], dtype=torch.int64, device=device),
+    )

@@ -187,20 +187,47 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return run_with_flags(run_spec, args, methods_=args.methods, workloads_=args.workloads)
 
 
-def _stats(llm: LLM) -> tuple[float, ...]:
+def _stats(llm: LLM) -> tuple:
+    """Drafts verified, draft tokens, accepted tokens, proposer seconds; drafted and accepted by depth (a chain's
+    position) and by branch (a tree node's child index under its parent)."""
     s = llm.engine.spec_stats
+    if s is None:
+        return (0, 0, 0, 0.0, [], [], [], [])
     return (
-        (0, 0, 0, 0.0) if s is None else (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.proposer_seconds)
+        s.num_drafts,
+        s.num_draft_tokens,
+        s.num_accepted_tokens,
+        s.proposer_seconds,
+        list(s.drafted_per_position),
+        list(s.accepted_per_position),
+        list(s.drafted_per_branch),
+        list(s.accepted_per_branch),
     )
 
 
-def _delta(before: tuple[float, ...], after: tuple[float, ...], seconds: float) -> dict[str, float]:
-    drafts, drafted, accepted, drafting = (a - b for a, b in zip(after, before))
+def _rates(drafted_after: list[int], drafted_before: list[int], accepted_after: list[int], accepted_before: list[int]):
+    """Acceptance at each depth (or branch) over the run: accepted / drafted there."""
+
+    def diff(after: list[int], before: list[int]) -> list[int]:
+        return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
+
+    drafted, accepted = diff(drafted_after, drafted_before), diff(accepted_after, accepted_before)
+    return [(accepted[i] if i < len(accepted) else 0) / n if n else 0.0 for i, n in enumerate(drafted)]
+
+
+def _delta(before: tuple, after: tuple, seconds: float) -> dict[str, Any]:
+    drafts, drafted, accepted, drafting = (a - b for a, b in zip(after[:4], before[:4]))
     return {
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
         "draft_share": drafting / seconds if seconds else 0.0,
+        "acceptance_by_depth": _rates(after[4], before[4], after[5], before[5]),
+        "acceptance_by_branch": _rates(after[6], before[6], after[7], before[7]),
     }
+
+
+def _rate_list(rates: list[float]) -> str:
+    return " ".join(f"{r:.0%}" for r in rates) or "-"
 
 
 def _heads(llms: dict[str, LLM]) -> dict[str, str]:
@@ -227,6 +254,8 @@ _HEADERS = (
     "acceptance",
     "tokens/verify",
     "draft share",
+    "by depth",
+    "by branch",
 )
 
 
@@ -242,6 +271,8 @@ def _table_rows(result: dict[str, Any]) -> list[list[object]]:
             f"{r['acceptance_rate']:.0%}" if r["method"] != "none" else "-",
             r["mean_acceptance_length"] if r["method"] != "none" else "-",
             f"{r.get('draft_share', 0.0):.0%}" if r["method"] != "none" else "-",
+            _rate_list(r.get("acceptance_by_depth", [])) if r["method"] != "none" else "-",
+            _rate_list(r.get("acceptance_by_branch", [])) if r["method"] != "none" else "-",
         ]
         for r in result["rows"]
     ]
@@ -255,7 +286,9 @@ _DOCS = (
     "every method before the next batch). Median of {runs} runs. Editing prompts ask to rewrite a code "
     "passage (input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and "
     "Medusa: the target's default heads ({heads}; each folder's manifest.json says how it was made). Draft "
-    "share: the proposer's time over the run's."
+    "share: the proposer's time over the run's. By depth: the acceptance at each draft position (a tree's depth: "
+    "accepted when the kept path reaches it); by branch: a tree's nodes by child index under their parent (0: "
+    "the best choice), accepted over verified (a chain has only branch 0)."
 )
 
 

@@ -53,7 +53,7 @@ def _token(text: str, token_id: int) -> str:
 def _why(v: Verification, d: DraftPosition) -> str:
     """The rule's verdict on one position, with the numbers it read."""
     if d.outcome == NOT_REACHED:
-        return "after the first rejection: never judged"
+        return "its branch was not taken: never judged" if v.tree_parents else "after the first rejection: never judged"
     if v.rule == "greedy":
         if d.outcome == ACCEPTED:
             return "the target's top token too"
@@ -65,8 +65,12 @@ def _why(v: Verification, d: DraftPosition) -> str:
 
 
 def _emitted_why(v: Verification) -> str:
+    if v.bonus and v.tree_parents:
+        return "the path reached a leaf: one more token from the target, after it"
     if v.bonus:
         return "every draft stood: one more token from the target, after them"
+    if v.rule == "sampled" and v.tree_parents:
+        return "drawn from what the rejected children left of p (max(p - q, 0), normalised, after each)"
     if v.rule == "sampled":
         return "drawn from max(p - q, 0), normalised, in place of the rejected draft"
     return "the target's own token in place of the rejected draft" if v.rule else ""
@@ -125,6 +129,11 @@ class SpecDecodeView(View):
             name="spec_tokens",
         )
         self.by_position = self.buffer(["position", "proposed", "accepted", "rate"], name="spec_acceptance")
+        # the last verified draft tree: a node per draft at (depth, rank within its depth), edges to parents
+        self.tree_nodes = self.buffer(
+            ["x", "y", "node", "token", "outcome", "p_target", "p_draft", "color"], name="spec_tree_nodes"
+        )
+        self.tree_edges = self.buffer(["x0", "y0", "x1", "y1", "color"], name="spec_tree_edges")
         self._rows = 0
         self._last: dict[str, list[dict]] = {}  # request id -> its last verification's rows (first-verified order)
         self._last_changed = False
@@ -148,6 +157,7 @@ class SpecDecodeView(View):
                 pn.pane.Bokeh(self._acceptance_figure()),
                 sizing_mode="stretch_width",
             ),
+            pn.pane.Bokeh(self._tree_figure()),
             pn.pane.Markdown(RULES, margin=(0, 10)),
             self.last,
             sizing_mode="stretch_width",
@@ -195,7 +205,7 @@ class SpecDecodeView(View):
 
     def _acceptance_figure(self):
         fig = new_figure(
-            "Acceptance rate by draft position",
+            "Acceptance rate by draft position (a tree's: by depth)",
             height=300,
             x_axis_label="draft position",
             y_axis_label="accepted / proposed",
@@ -210,6 +220,73 @@ class SpecDecodeView(View):
             )
         )
         return fig
+
+    def _tree_figure(self):
+        fig = new_figure(
+            "Last verified draft tree (speculative_token_tree): the accepted path in green",
+            height=280,
+            x_axis_label="depth",
+            y_axis_label="node at that depth",
+        )
+        fig.segment(x0="x0", y0="y0", x1="x1", y1="y1", color="color", line_width=2, source=self.tree_edges.source)
+        nodes = fig.scatter(x="x", y="y", size=16, fill_color="color", line_color=None, source=self.tree_nodes.source)
+        fig.add_tools(
+            HoverTool(
+                renderers=[nodes],
+                tooltips=[
+                    ("node", "@node"),
+                    ("token", "@token"),
+                    ("outcome", "@outcome"),
+                    ("p target / draft", "@p_target{0.000} / @p_draft{0.000}"),
+                ],
+            )
+        )
+        counts_on(fig.xaxis, fig.yaxis)
+        return fig
+
+    def _draw_tree(self, v: Verification) -> None:
+        """Root at depth 0, each node at its depth and its rank there, then the emitted token after the path."""
+        place = {0: (0, 0)}
+        ranks: dict[int, int] = {}
+        nodes = [dict(x=0, y=0, node="root", token="(newest token)", outcome="root", p_target=None, p_draft=None)]
+        nodes[0]["color"] = "#444444"
+        edges = []
+        for d in v.positions():
+            depth = v.depth(d.position)
+            ranks[depth] = ranks.get(depth, -1) + 1
+            place[d.position + 1] = (depth, ranks[depth])
+            x0, y0 = place[v.tree_parents[d.position]]
+            color = OUTCOME_COLORS[d.outcome]
+            nodes.append(
+                dict(
+                    x=depth,
+                    y=ranks[depth],
+                    node=str(d.position + 1),
+                    token=_token(d.text, d.token_id),
+                    outcome=d.outcome,
+                    p_target=d.p,
+                    p_draft=d.q,
+                    color=color,
+                )
+            )
+            edges.append(dict(x0=x0, y0=y0, x1=depth, y1=ranks[depth], color=color))
+        x0, y0 = place[v.accepted_path[-1] if v.accepted_path else 0]
+        color = BONUS_COLOR if v.bonus else RECOVERED_COLOR
+        nodes.append(
+            dict(
+                x=x0 + 1,
+                y=y0,
+                node="emitted",
+                token=_token(v.emitted_text, v.emitted_token),
+                outcome="bonus" if v.bonus else "recovered",
+                p_target=None,
+                p_draft=None,
+                color=color,
+            )
+        )
+        edges.append(dict(x0=x0, y0=y0, x1=x0 + 1, y1=y0, color=color))
+        self.tree_nodes.replace({k: [n[k] for n in nodes] for k in nodes[0]})
+        self.tree_edges.replace({k: [e[k] for e in edges] for k in edges[0]})
 
     @property
     def panel(self) -> pn.Column:
@@ -255,6 +332,8 @@ class SpecDecodeView(View):
         )
         self._last[v.request_id] = _last_rows(v)
         self._last_changed = True
+        if v.tree_parents:
+            self._draw_tree(v)
 
     def _count(self, position: int) -> None:
         spec = self.state.spec

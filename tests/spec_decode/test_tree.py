@@ -250,3 +250,37 @@ def test_greedy_with_a_tree_on_smollm2_is_identical_to_no_speculation(method):
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
     stats = llm.engine.spec_stats
     assert stats.num_accepted_tokens > 0 and len(stats.accepted_per_branch) > 1  # a second-best branch was kept
+
+
+def test_tree_drafts_take_the_top_children_of_a_greedy_request_and_independent_draws_of_a_sampled_one():
+    """What the sibling rule needs of the drafts: a sampled node's children are independent draws from the
+    distribution it reports (pairs of siblings checked against the product), mapped from the draft vocabulary to the
+    target's; a greedy node's are its best tokens, best first."""
+    from engine.model.linear import Linear
+    from engine.spec_decode.draft_heads import DraftVocab
+    from engine.spec_decode.proposer import DraftRequest, tree_drafts
+
+    tree = SpecTree.parse("[(0,), (1,), (0, 0)]")
+    draft_ids = torch.tensor([6, 1, 3, 4, 7])  # a draft vocabulary of 5 of the target's 8 tokens
+    vocab = DraftVocab(draft_ids, Linear(4, 8), 8)
+    logits = {0: torch.tensor([1.0, 0.2, -0.5, 0.8, 0.0]), 1: torch.tensor([0.0, 1.5, 0.3, -1.0, 0.4])}
+
+    def step(depth, nodes, tokens):
+        return logits[depth].repeat(len(nodes), 1)
+
+    gen = torch.Generator().manual_seed(0)
+    sampled = [DraftRequest(str(i), [1, 2], [0], 3, 0.7, None) for i in range(8_000)]
+    drafts = tree_drafts(sampled, tree, step, vocab, gen)
+    root_dist = torch.softmax(logits[0] / 0.7, -1)
+    expected = torch.zeros(8).index_copy_(0, draft_ids, root_dist)
+    tokens, probs = drafts["0"]
+    torch.testing.assert_close(probs[0], expected)  # nodes 1 and 2 were drawn from the root's distribution
+    torch.testing.assert_close(probs[1], expected)
+    to_draft = {int(t): i for i, t in enumerate(draft_ids)}
+    pairs = torch.tensor([to_draft[d[0][0]] * 5 + to_draft[d[0][1]] for d in drafts.values()])
+    observed = torch.bincount(pairs, minlength=25).double()
+    assert _tail(*_p_value(observed, torch.outer(root_dist, root_dist).flatten())) > SIGNIFICANCE
+
+    greedy = [DraftRequest("g", [1, 2], [0], 3, 0.0, None)]
+    tokens, _ = tree_drafts(greedy, tree, step, vocab, gen)["g"]
+    assert tokens == [6, 4, 1]  # the root's two best (draft ids 0 and 3), then node 1's best (draft id 1)

@@ -284,3 +284,26 @@ def test_tree_drafts_take_the_top_children_of_a_greedy_request_and_independent_d
     greedy = [DraftRequest("g", [1, 2], [0], 3, 0.0, None)]
     tokens, _ = tree_drafts(greedy, tree, step, vocab, gen)["g"]
     assert tokens == [6, 4, 1]  # the root's two best (draft ids 0 and 3), then node 1's best (draft id 1)
+
+
+def test_a_guided_request_beside_a_tree_verifies_without_drafts(heads):  # noqa: F811
+    """A grammar reads drafts as one sequence, which a tree's are not: the guided request gets none (its tokens
+    are the plain engine's), while the request beside it verifies trees."""
+    from engine import StructuredOutputsParams
+
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="(ab|abc){2,6}")
+        ),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    ]
+    base = LLM(model="tiny-llama")
+    prompts = [base.tokenizer.encode("ababcabab abcab ab"), list(_prompts("tiny-llama")[0])]
+    ref = base.generate(prompts, params, use_tqdm=False)
+    llm = LLM(model="tiny-llama", speculative_config=_tree_spec("eagle", heads["eagle"]))
+    records = []
+    llm.engine.subscribe(records.append)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    verified = {e.request_id for r in records for e in r.of_kind("spec.verified")}
+    assert verified == {outs[1].request_id}

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 TILE_SIZE = 32
-MASK_BITS = 64
+MASK_BITS = tl.constexpr(64)  # a global a kernel reads must be a constexpr
 LOG2E = 1.4426950408889634
 
 

@@ -3,12 +3,14 @@ record`): every workload must match at every step, without vLLM installed. `make
 on fresh seeded workloads of every group (FIDELITY_WORKLOADS of each)."""
 
 import copy
+from collections import Counter
 
 import pytest
 
+from engine.request import RequestStatus
 from workbench.fidelity.command import GOLDEN_DIR, RECORDED_GROUPS, golden_workloads, load_golden
 from workbench.fidelity.compare import first_divergence
-from workbench.fidelity.engine_side import run_workload
+from workbench.fidelity.engine_side import make_engine, run_workload, trace_steps
 
 
 @pytest.mark.parametrize("group", RECORDED_GROUPS)
@@ -36,3 +38,23 @@ def test_a_changed_decision_is_caught_at_its_step():
     if step["free_queue"] == case["trace"]["steps"][1]["free_queue"]:
         pytest.skip("this step's free queue reads the same reversed")
     assert divergence is not None and divergence.step == step["step"] and divergence.fields == ["free_queue"]
+
+
+def test_the_recorded_connector_workloads_reach_every_state_of_a_transfer():
+    # what the connector group's traces pin is only as wide as what its workloads do: each state at least once
+    seen = Counter()
+    for case in load_golden(GOLDEN_DIR, "connector")["cases"]:
+        workload = case["workload"]
+        seen["whole prompt loaded"] += any(
+            r.get("load_async") and r["remote_tokens"] == len(r["prompt_token_ids"]) for r in workload["requests"]
+        )
+        engine = make_engine(workload)
+        scheduler, landed = engine.scheduler, set()
+        for _ in trace_steps(workload, engine):
+            seen["loading"] += any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in scheduler.kv_holding)
+            seen["landed, not reached in a step"] += bool(landed & scheduler.finished_recving)
+            landed = set(scheduler.finished_recving)
+            seen["sending"] += any(r.status != RequestStatus.FINISHED_ABORTED for r in scheduler.held.values())
+            seen["aborted mid-load"] += any(r.status == RequestStatus.FINISHED_ABORTED for r in scheduler.held.values())
+    states = ("whole prompt loaded", "loading", "landed, not reached in a step", "sending", "aborted mid-load")
+    assert all(seen[s] for s in states), seen

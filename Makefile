@@ -160,7 +160,8 @@ fidelity: $(EDITABLE) $(VLLM_STAMP)
 # converted to F32, BF16 and Q8_0 GGUFs in .llamacpp/gguf/ by the sdist's convert_hf_to_gguf.py, with the sdist's
 # own gguf-py on the path (the workbench's venv gives torch and transformers; nothing is installed into it).
 # `workbench bench decode` and `bench prefill` find both there. pip spends minutes preparing the sdist's metadata;
-# the build takes 5-25 minutes on 2 cores (nice'd: the machine may be shared). Needs cmake and a C++ compiler.
+# a build is about 10 minutes of CPU (38 minutes of wall time, nice'd, on 2 cores at load 12; about 5 on quiet
+# ones), each conversion under a minute. Needs cmake and a C++ compiler.
 .PHONY: llamacpp-ref
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP_ISA ?= native

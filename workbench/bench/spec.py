@@ -288,7 +288,7 @@ _DOCS = (
     "Medusa: the target's default heads ({heads}; each folder's manifest.json says how it was made). Draft "
     "share: the proposer's time over the run's. By depth: the acceptance at each draft position (a tree's depth: "
     "accepted when the kept path reaches it); by branch: a tree's nodes by child index under their parent (0: "
-    "the best choice), accepted over verified (a chain has only branch 0)."
+    "the best choice), accepted over drafted (none for a chain)."
 )
 
 

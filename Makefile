@@ -118,7 +118,7 @@ $(GIT_FILTER): $(STAMP) Makefile
 # Once per change of the C++ CPU ops (about a minute): build them for this CPU into torch's extension cache, so the
 # first notebook does not wait for it. Never fails: without a compiler the torch references run (slower), as
 # kernels/cpu/build.py says; the build prints which.
-$(CPU_OPS): $(EDITABLE) kernels/cpu/ops.cpp kernels/cpu/build.py
+$(CPU_OPS): $(EDITABLE) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h) kernels/cpu/build.py
 	$(BIN)/python -m kernels.cpu.build
 	touch $@
 

@@ -325,15 +325,16 @@ class EngineConfig:
     """vLLM's: the most logprobs / prompt_logprobs a request may ask for."""
 
     # ---- model
-    dtype: DType | None = None  # on a CPU, kernels.linear converts bf16 weights to float32 as it streams them
+    dtype: DType | None = None
     """How weights and the KV cache are stored; none: float32 on a CPU, bfloat16 on CUDA. On a CPU the arithmetic
-    runs in float32 whatever the storage."""
+    runs in float32 but for the linears' products, which meet bfloat16 weights with the input rounded to bfloat16."""
     device: str | None = None
     """Where the model runs, as torch names it (cpu, cuda, cuda:1 ...); none: CUDA where present."""
     revision: str | None = None
     """A hub id's branch, tag or commit (vLLM's name); none: the default branch."""
     quantization: Quantization | None = None
-    """"int8": weight-only int8, a scale per output row (CPU only); none: the weights as stored."""
+    """"int8": int8 weights with a scale per output row, W8A8 (each linear's input quantized to int8 in blocks of 32
+    columns; CPU only); none: the weights as stored."""
     seed: int = 0
     """The seed of sampling for the requests that bring none of their own (and of the simulated executor's
     tokens)."""

@@ -13,12 +13,35 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+QBLOCK = 32  # columns of x per quantization scale (llama.cpp's Q8_0 block)
+
+
+def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., K]`` as int8-valued floats with one scale per QBLOCK columns of a row (symmetric, dynamic; the
+    last block of a row may be shorter): ``sx = max(max|x|, 1e-12) / 127``, ``xq = round-half-even(x / sx)``.
+    Returns ``(xq, sx)``, ``sx`` repeated over its block's columns, so ``xq * sx`` is the dequantized ``x``."""
+    K = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, -K % QBLOCK)).unflatten(-1, (-1, QBLOCK))
+    sx = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127
+    sx = sx.expand(blocks.shape).flatten(-2)[..., :K]
+    return torch.round(x / sx).clamp(-127, 127), sx
+
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x`` ``[M, K]`` times the stored ``weight`` ``[N, K]`` (in x's dtype, bf16 or int8 with a per-row
-    ``scale`` ``[N]``: weight-only quantization) transposed, plus ``bias``."""
+    """``x`` ``[M, K]`` times the stored ``weight`` ``[N, K]`` transposed, plus ``bias``. What each storage means:
+    float32 exact; bfloat16 weights meet the input rounded to bfloat16, products summed in x's dtype (what
+    AVX512-BF16's dot product computes); int8 with a per-row ``scale`` ``[N]`` is W8A8: the input quantized to int8
+    in blocks of QBLOCK columns (``quantize_blocks``, as llama.cpp quantizes activations for Q8_0), each block's
+    integer products scaled by its block's scale, then by the weight row's."""
+    if weight.dtype == torch.int8:
+        assert scale is not None, "int8 weights need their per-row scale"
+        xq, sx = quantize_blocks(x)
+        out = ((xq * sx) @ weight.to(x.dtype).T) * scale.to(x.dtype)
+        return out if bias is None else out + bias.to(x.dtype)
+    if weight.dtype == torch.bfloat16 and x.dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16).to(x.dtype)
     w = weight.to(x.dtype)
     if scale is not None:
         w = w * scale.to(x.dtype)[:, None]

@@ -1,6 +1,7 @@
 """Linear layers whose weights are stored as the engine is told: float32, bfloat16, or int8 with a scale per
-output row (weight-only quantization). On a CPU the arithmetic stays float32: a small batch streams the weights
-once through a C++ kernel that widens bf16 or int8 as it reads them (kernels.linear)."""
+output row. What each computes is kernels.reference.linear's: float32 exact; bfloat16 weights meet the input rounded
+to bfloat16 (AVX512-BF16's dot product); int8 is W8A8, the input quantized to int8 in blocks of 32 columns as
+llama.cpp's Q8_0 does (VNNI or AVX2 integer dot products). The C++ kernels stream the weights once per step."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class Linear(nn.Module):
         return kernels.linear(x, self.weight, self.weight_scale, self.bias)
 
     def store(self, dtype: torch.dtype, quantization: str | None = None) -> None:
-        """Keep the (loaded, full-precision) weight as `dtype`, or as int8 with a scale per output row."""
+        """Keep the (loaded, full-precision) weight as `dtype`, or as int8 with a scale per output row (W8A8)."""
         weight = self.weight.data
         if quantization == "int8":
             scale = weight.float().abs().amax(dim=1).clamp_min(1e-12) / 127.0

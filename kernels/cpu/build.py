@@ -1,7 +1,9 @@
-"""Build and load the C++ CPU ops (kernels/cpu/ops.cpp) with torch.utils.cpp_extension.
+"""Build and load the C++ CPU ops (kernels/cpu/*.cpp, sharing vec.h) with torch.utils.cpp_extension.
 
-The build is cached per machine, keyed by the source, torch's version and the CPU's instruction sets (it is
-compiled with -march=native: a build from another CPU could use instructions this one lacks). `make lab` and
+The build is cached per machine, keyed by the sources, torch's version, the CPU's instruction sets (it is
+compiled with -march=native: a build from another CPU could use instructions this one lacks) and the ISA asked for:
+WORKBENCH_CPU_ISA=avx2 builds the AVX2 kernels on an AVX-512 CPU (-mno-avx512f), so one machine tests and times
+both paths. `make lab` and
 `make test` build it at set-up (`python -m kernels.cpu.build`, about a minute); a first use builds it too. With no
 compiler, or WORKBENCH_CPU_OPS=0, `available()` is False and the torch references run.
 """
@@ -20,13 +22,39 @@ import torch
 
 from kernels.cpu.cpuinfo import cpu_info
 
-SOURCE = Path(__file__).with_name("ops.cpp")
+FOLDER = Path(__file__).parent
+# What each WORKBENCH_CPU_ISA builds with on top of -march=native: "native" all the CPU has; "avx2" no AVX-512 (what
+# an AVX2-only CPU runs: the kernels' #if __AVX512F__ / __AVX512BF16__ / __AVX512VNNI__ branches compiled out).
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
+
+
+def sources() -> list[Path]:
+    """The op sources, in a fixed order (ops.cpp declares the library; the others add to it with
+    TORCH_LIBRARY_FRAGMENT)."""
+    return sorted(FOLDER.glob("*.cpp"))
+
+
+def isa() -> str:
+    """The instruction sets asked for: WORKBENCH_CPU_ISA, "native" unless set."""
+    name = os.environ.get("WORKBENCH_CPU_ISA", "native")
+    if name not in ISA_FLAGS:
+        raise ValueError(f"WORKBENCH_CPU_ISA={name!r}: must be one of {sorted(ISA_FLAGS)}")
+    return name
+
+
+def has_isa(flag: str) -> bool:
+    """Whether the build uses `flag` (a /proc/cpuinfo name such as avx512_bf16): the CPU has it and WORKBENCH_CPU_ISA
+    does not compile it out."""
+    return flag in cpu_info().flags and not (isa() == "avx2" and flag.startswith("avx512"))
 
 
 def build_name() -> str:
-    """The build's name: a hash of the source, torch's version and the CPU's flags line (the build uses them all)."""
-    key = SOURCE.read_bytes() + torch.__version__.encode() + cpu_info().flags_line.encode()
-    return "workbench_cpu_" + hashlib.sha256(key).hexdigest()[:12]
+    """The build's name: a hash of the sources and headers, torch's version, the CPU's flags line and the ISA asked
+    for (the build uses them all)."""
+    files = sources() + sorted(FOLDER.glob("*.h"))
+    key = b"".join(f.read_bytes() for f in files) + torch.__version__.encode() + cpu_info().flags_line.encode()
+    suffix = "" if isa() == "native" else "_" + isa()
+    return "workbench_cpu_" + hashlib.sha256(key).hexdigest()[:12] + suffix
 
 
 def build_directory(name: str) -> Path:
@@ -55,8 +83,8 @@ def load_ops(name: str) -> None:
                 (folder / "lock").unlink(missing_ok=True)
                 load(
                     name=name,
-                    sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    sources=[str(f) for f in sources()],
+                    extra_cflags=["-O3", "-march=native", *ISA_FLAGS[isa()], "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
                     is_python_module=False,
                     verbose=False,
@@ -89,4 +117,4 @@ def available() -> bool:
 
 
 if __name__ == "__main__":
-    print(f"kernels.cpu: {'built' if available() else 'NOT built'} ({build_name()})")
+    print(f"kernels.cpu: {'built' if available() else 'NOT built'} ({build_name()}, ISA {isa()})")

@@ -1,14 +1,12 @@
 // CPU kernels for the engine's hot path, as torch ops (torch.ops.workbench_cpu.*), each beside a torch reference
 // in kernels/reference.py that it must equal within float32 tolerance:
-//   linear_small_m  weights streamed once for a few rows of input: fp32, bf16 or int8 (per-row scales) weights
 //   paged_attention every sequence of a step over its blocks in place: no gather, online softmax per block
 //   store_kvcache   each new token's K and V into its flat slot (-1: skipped), converted to the cache's dtype
 //   rms_norm        RMS normalisation, with the residual add fused in front of it (vLLM's fused_add_rms_norm)
 //   rotary          rotate-half RoPE of q and k read where the fused q/k/v projection left them
 //   silu_and_mul    SiLU(gate) * up of the fused gate/up projection
 // The last three replace a dozen small torch ops per layer each (what bounds a small batch after the weights).
-// Built with -march=native by kernels/cpu/build.py: AVX2/FMA everywhere, and the linear's dot products 16 wide where
-// the machine has AVX-512 (struct Vec).
+// The linear layers are in linear.cpp. Built with -march=native by kernels/cpu/build.py: AVX2/FMA everywhere.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,185 +19,11 @@
 #include <tuple>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-// ---- vector helpers (AVX2 + FMA) ------------------------------------------------------------------------------
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-
-// 8 weights of a row as floats: fp32 as is, bf16 by a 16-bit shift, int8 sign-extended (scaled after the dot).
-inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
-inline __m256 load8(const at::BFloat16* w) {
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const int8_t* w) {
-  __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-}
-inline float to_float(float w) { return w; }
-inline float to_float(at::BFloat16 w) { return static_cast<float>(w); }
-inline float to_float(int8_t w) { return static_cast<float>(w); }
-
-// exp(x) for x <= 0 (softmax after subtracting the max), Cephes' polynomial: ~2 ulp over the range used.
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  x = _mm256_max_ps(x, lo);
-  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  fx = _mm256_floor_ps(fx);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  __m256 x2 = _mm256_mul_ps(x, x);
-  y = _mm256_fmadd_ps(y, x2, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
-}
-
-// ---- linear over a few rows: out[m, n] = scale[n] * dot(x[m], w[n]) + bias[n] ------------------------------------
-// Each weight row is read once for all M input rows (up to 8 at a time in registers; more in tiles of 8 over a run
-// of weight rows that stays in L1): at a small batch a linear layer is a stream of its weights, and the point is to
-// read them at the memory's speed. A thread's rows lie end to end, so it reads them
-// one after another as one long stream, with a software prefetch PREFETCH bytes ahead (within noise of none on this
-// Zen 3: a standalone GEMV over the model's weights read 26-31 GB/s either way, the machine's read bandwidth);
-// U accumulators per input row hide the FMA latency (one accumulator: 31 GB/s, four: 34 GB/s in that test).
-constexpr int64_t PREFETCH = 2048;
-template <int M> constexpr int unroll() { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
-
-// The vector a linear's dot products run in: 16 floats where the build machine has AVX-512 (-march=native), half
-// the loads and FMAs per weight of AVX2's 8, so a tile of several input rows stays nearer the weights' streaming speed.
-#if defined(__AVX512F__)
-inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
-inline __m512 load16(const at::BFloat16* w) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const int8_t* w) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-}
-struct Vec {
-  using T = __m512;
-  static constexpr int64_t WIDTH = 16;
-  static T zero() { return _mm512_setzero_ps(); }
-  static T x(const float* p) { return _mm512_loadu_ps(p); }
-  template <typename W> static T w(const W* p) { return load16(p); }
-  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static T add(T a, T b) { return _mm512_add_ps(a, b); }
-  static float sum(T a) { return _mm512_reduce_add_ps(a); }
-};
-#else
-struct Vec {
-  using T = __m256;
-  static constexpr int64_t WIDTH = 8;
-  static T zero() { return _mm256_setzero_ps(); }
-  static T x(const float* p) { return _mm256_loadu_ps(p); }
-  template <typename W> static T w(const W* p) { return load8(p); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static T add(T a, T b) { return _mm256_add_ps(a, b); }
-  static float sum(T a) { return hsum(a); }
-};
-#endif
-
-template <typename W, int M>
-inline void linear_row(const float* x, const W* wn, float* acc_out, int64_t K) {
-  constexpr int U = unroll<M>();
-  constexpr int64_t LINE = 64 / sizeof(W), V = Vec::WIDTH;  // weights per cache line, per vector
-  typename Vec::T acc[M][U];
-  for (int m = 0; m < M; ++m)
-    for (int u = 0; u < U; ++u) acc[m][u] = Vec::zero();
-  int64_t k = 0;
-  for (; k + V * U <= K; k += V * U) {
-    if (k % LINE < V * U)
-      _mm_prefetch(reinterpret_cast<const char*>(wn + k) + PREFETCH, _MM_HINT_T0);
-    for (int u = 0; u < U; ++u) {
-      const auto wv = Vec::w(wn + k + V * u);
-      for (int m = 0; m < M; ++m) acc[m][u] = Vec::fma(wv, Vec::x(x + m * K + k + V * u), acc[m][u]);
-    }
-  }
-  for (; k + V <= K; k += V) {
-    const auto wv = Vec::w(wn + k);
-    for (int m = 0; m < M; ++m) acc[m][0] = Vec::fma(wv, Vec::x(x + m * K + k), acc[m][0]);
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int u = 1; u < U; ++u) acc[m][0] = Vec::add(acc[m][0], acc[m][u]);
-    float s = Vec::sum(acc[m][0]);
-    for (int64_t t = k; t < K; ++t) s += to_float(wn[t]) * x[m * K + t];
-    acc_out[m] = s;
-  }
-}
-
-template <typename W, int M>
-void linear_rows(const float* x, const W* w, const float* scale, const float* bias, float* out, int64_t K,
-                 int64_t N, int64_t n0, int64_t n1) {
-  float s[M];
-  for (int64_t n = n0; n < n1; ++n) {
-    linear_row<W, M>(x, w + n * K, s, K);
-    for (int m = 0; m < M; ++m) out[m * N + n] = (scale ? s[m] * scale[n] : s[m]) + (bias ? bias[n] : 0.f);
-  }
-}
-
-constexpr int64_t TILE_BYTES = 16 << 10;  // weight rows per run: half of Zen 3's 32 KiB L1d
-
-template <typename W>
-void linear_dispatch(int64_t M, const float* x, const W* w, const float* scale, const float* bias, float* out,
-                     int64_t K, int64_t N) {
-  // grain: whole cache lines of output rows per task; threads split the weight rows
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    // tiles of up to 8 input rows, each over a run of weight rows short enough to stay in L1 (TILE_BYTES): the
-    // first tile reads the weights from memory, the others from L1, so the weights stream once whatever M is
-    const int64_t run = std::max<int64_t>(1, TILE_BYTES / (K * static_cast<int64_t>(sizeof(W))));
-    for (int64_t r0 = n0; r0 < n1; r0 += run) {
-      const int64_t r1 = std::min(n1, r0 + run);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const float* xt = x + m0 * K;
-        float* ot = out + m0 * N;
-        switch (std::min<int64_t>(8, M - m0)) {
-#define CASE(m) case m: linear_rows<W, m>(xt, w, scale, bias, ot, K, N, r0, r1); break;
-          CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-#undef CASE
-        }
-      }
-    }
-  });
-}
-
-at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                          const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_small_m: x must be [M, K] float32");
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "linear_small_m: weight must be [N, K]");
-  auto xc = x.contiguous();
-  auto wc = weight.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
-  auto out = at::empty({M, N}, xc.options());
-  const float* s = scale.has_value() ? scale->contiguous().data_ptr<float>() : nullptr;
-  at::Tensor bias_c = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* b = bias.has_value() ? bias_c.data_ptr<float>() : nullptr;
-  switch (wc.scalar_type()) {
-    case at::kFloat:
-      linear_dispatch(M, xc.data_ptr<float>(), wc.data_ptr<float>(), s, b, out.data_ptr<float>(), K, N);
-      break;
-    case at::kBFloat16:
-      linear_dispatch(M, xc.data_ptr<float>(), wc.data_ptr<at::BFloat16>(), s, b, out.data_ptr<float>(), K, N);
-      break;
-    case at::kChar:
-      TORCH_CHECK(s != nullptr, "linear_small_m: int8 weights need their per-row scale");
-      linear_dispatch(M, xc.data_ptr<float>(), wc.data_ptr<int8_t>(), s, b, out.data_ptr<float>(), K, N);
-      break;
-    default:
-      TORCH_CHECK(false, "linear_small_m: weight dtype must be float32, bfloat16 or int8");
-  }
-  return out;
-}
+using namespace wbcpu;
 
 // ---- paged attention -------------------------------------------------------------------------------------------
 // One task per (sequence, kv head): its query heads (a GQA group) and its new tokens, up to ROWS query rows at a
@@ -207,16 +31,6 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
 // per block, the scores of its tokens, then one online-softmax update (rescale by exp(old max - new max)). New
 // token i of a sequence with q_len new tokens sees the keys at positions < seq_len - q_len + i + 1.
 constexpr int ROWS = 8;
-
-template <typename C>
-inline float dot_row(const float* q, const C* k, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
-  float s = hsum(acc);
-  for (; d < D; ++d) s += q[d] * to_float(k[d]);
-  return s;
-}
 
 // The sums of 8 vectors at once, [sum(a[0]), ..., sum(a[7])]: one reduction for 8 keys' dot products instead of a
 // horizontal sum per key (which cost as much as the dot product itself at head_dim 64).
@@ -242,7 +56,7 @@ inline void block_scores(const float* q, const C* kb, int64_t stride, int64_t n,
       _mm256_storeu_ps(p + t, _mm256_mul_ps(hsum8(acc), sv));
     }
   }
-  for (; t < n; ++t) p[t] = dot_row(q, kb + t * stride, D) * scale;
+  for (; t < n; ++t) p[t] = dot(q, kb + t * stride, D) * scale;
 }
 
 // acc = acc * corr + sum_u p[u] v_u over the n values of a block: each 8-wide slice of acc stays in a register
@@ -610,7 +424,6 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY(workbench_cpu, m) {
-  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale) -> Tensor");
   m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
@@ -621,7 +434,6 @@ TORCH_LIBRARY(workbench_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
-  m.impl("linear_small_m", &linear_small_m);
   m.impl("paged_attention", &paged_attention);
   m.impl("store_kvcache", &store_kvcache);
   m.impl("rms_norm", &rms_norm);

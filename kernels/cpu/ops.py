@@ -1,13 +1,14 @@
 """The C++ CPU ops with the signatures of ``kernels.reference``, each falling back to the reference for what it
-does not cover (a linear of more rows than ROW_LIMITS gives its weight's dtype, float16 or bfloat16 activations,
-groups of more than 8 query heads per kv head); a float32 linear of more rows than SMALL_M is oneDNN's."""
+does not cover (float16 or bfloat16 activations, groups of more than 8 query heads per kv head); a float32 linear of
+more rows than SMALL_M is oneDNN's, a bfloat16 one of more than BF16_ROW_LIMIT rows on a CPU without AVX512-BF16 the
+reference's."""
 
 from __future__ import annotations
 
 import torch
 
 from kernels import reference
-from kernels.cpu.cpuinfo import cpu_info
+from kernels.cpu.build import has_isa
 
 # Rows of input up to which a float32 linear streams its weights once through our op (above: oneDNN's GEMM). The op
 # takes any number of rows (tiles of 8 over weight rows held in L1), 8 floats wide (AVX2); where the CPU has AVX-512,
@@ -15,12 +16,13 @@ from kernels.cpu.cpuinfo import cpu_info
 # alternating: on an AVX2-only EPYC (1 thread, CPU time, at load 10) ours took 62 / 74 / 99 / 145 / 169 ms at
 # 9 / 12 / 16 / 24 / 32 rows where oneDNN took 105 / 105 / 131 / 151 / 165; on an AVX-512 EPYC (2 threads, other work
 # paused) 8.8 / 13.4 / 18.7 / 19.3 / 23.2 ms at 1 / 8 / 11 / 12 / 16 rows against 14.0 / 17.3 / 18.8 / 18.9 / 20.4.
-SMALL_M = 11 if "avx512f" in cpu_info().flags else 16
-# bfloat16 and int8 weights have no GEMM of their own: the reference converts the whole weight to float32 on every
-# call. Against it (same machine and method, 2 threads, paused: 120 linears) our op took 18 / 38 / 70 / 275 / 577 ms
-# at 16 / 32 / 64 / 256 / 512 rows with bf16 weights where the reference took 33 / 48 / 117 / 307 / 532, and with
-# int8 17 / 65 / 270 / 533 ms at 16 / 64 / 256 / 512 where it took 158 / 212 / 363 / 652: our op up to these rows.
-ROW_LIMITS = {torch.float32: SMALL_M, torch.bfloat16: 256, torch.int8: 1 << 62}
+SMALL_M = 11 if has_isa("avx512f") else 16
+# bfloat16 weights without AVX512-BF16 are widened to float32 as they are read; against the reference (which widens
+# the whole weight on every call; same machine and method, 2 threads, paused: 120 linears) that took 18 / 38 / 70 /
+# 275 / 577 ms at 16 / 32 / 64 / 256 / 512 rows where the reference took 33 / 48 / 117 / 307 / 532: ours up to 256.
+# With AVX512-BF16 (vdpbf16ps, 32 products per instruction) and int8 (W8A8 on VNNI or AVX2's vpmaddubsw) our op
+# takes every size.
+BF16_ROW_LIMIT = 1 << 62 if has_isa("avx512_bf16") else 256
 # Above SMALL_M rows a float32 linear is a GEMM, on oneDNN with the weight as is: over a 3072x576 layer it ran 1.5-2x
 # torch's default (MKL) at 16 and 64 rows and level at 256 (same process, alternating, on a loaded machine); the
 # roofline benchmark reports both rates at 2048^3.
@@ -30,10 +32,17 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 def linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    if x.dtype == torch.float32 and x.shape[0] <= ROW_LIMITS.get(weight.dtype, -1):
-        return torch.ops.workbench_cpu.linear_small_m(x, weight, scale, bias)
-    if _ONEDNN and x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and scale is None:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    if x.dtype == torch.float32 and x.dim() == 2:
+        if weight.dtype == torch.int8 and scale is not None:
+            return torch.ops.workbench_cpu.linear_w8a8(x, weight, scale, bias)
+        if weight.dtype == torch.bfloat16 and scale is None and x.shape[0] <= BF16_ROW_LIMIT:
+            return torch.ops.workbench_cpu.linear_bf16(x, weight, bias)
+        if weight.dtype == torch.float32 and scale is None:
+            if x.shape[0] <= SMALL_M:
+                return torch.ops.workbench_cpu.linear_small_m(x, weight, None, bias)
+            # Inductor cannot lower the oneDNN op on an unpacked weight: under torch.compile the reference's F.linear
+            if _ONEDNN and not torch.compiler.is_compiling():
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return reference.linear(x, weight, scale, bias)
 
 

@@ -1,7 +1,7 @@
-"""The C++ CPU ops (kernels/cpu/ops.cpp) against their torch references in kernels.reference, on every shape
+"""The C++ CPU ops (kernels/cpu/*.cpp) against their torch references in kernels.reference, on every shape
 class the engine sends them: decodes at block boundaries, prefill chunks over cached context, verification
 batches, grouped-query heads (SmolLM2's 9/3, Llama's 32/8, Qwen2's 14/2, none), float32 and bfloat16 caches;
-linear layers over float32, bfloat16 and int8 weights for 1 to 8 rows, and the fallback beyond."""
+linear layers over float32, bfloat16 and int8 (W8A8) weights for 1 to 8 rows, tiles past 8, and the fallbacks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from kernels import reference
+from kernels.cpu import ops
 from kernels.cpu.build import available
+from kernels.cpu.cpuinfo import cpu_info
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,16 +94,15 @@ def test_linear_equals_the_reference_for_each_stored_dtype(rows, out_features, i
     bias = torch.randn(out_features, generator=gen)
     tolerance = dict(atol=1e-4 * in_features**0.5, rtol=1e-5)
     for stored, scale in ((weight, None), (weight.to(torch.bfloat16), None), quantized(weight)):
-        got = torch.ops.workbench_cpu.linear_small_m(x, stored, scale, bias)
-        torch.testing.assert_close(got, reference.linear(x, stored, scale, bias), **tolerance)
+        torch.testing.assert_close(
+            ops.linear(x, stored, scale, bias), reference.linear(x, stored, scale, bias), **tolerance
+        )
 
 
 @pytest.mark.parametrize("rows", [17, 64, 300])
 def test_linear_past_small_m_rows_equals_the_reference_for_each_stored_dtype(rows):
     """Float32 weights go to oneDNN's GEMM past SMALL_M rows; bf16 stays on our op to 256 rows (300: the reference),
     int8 at every size: each equals the reference."""
-    from kernels.cpu import ops
-
     gen = torch.Generator().manual_seed(rows)
     x, weight, bias = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen), torch.randn(960)
     for stored, scale in ((weight, None), (weight.to(torch.bfloat16), None), quantized(weight)):
@@ -113,8 +114,6 @@ def test_linear_past_small_m_rows_equals_the_reference_for_each_stored_dtype(row
 
 
 def test_a_float16_weight_falls_back_to_the_reference():
-    from kernels.cpu import ops
-
     x, half = torch.randn(2, 64), torch.randn(32, 64).to(torch.float16)
     torch.testing.assert_close(ops.linear(x, half), reference.linear(x, half))
 
@@ -196,3 +195,38 @@ def test_a_lock_left_by_a_killed_process_blocks_no_later_one(tmp_path, finished)
     )
     assert run.returncode == 0 and run.stdout.startswith("True"), run.stderr
     assert (folder / "built").is_file() and (folder / "lock").exists() == finished  # a build clears a dead lock
+
+
+@pytest.mark.skipif("avx512f" not in cpu_info().flags, reason="an AVX2-only CPU runs the AVX2 kernels in every test")
+def test_the_avx2_kernels_equal_the_reference_on_this_avx512_cpu():
+    """WORKBENCH_CPU_ISA=avx2 builds the ops without AVX-512 (what an AVX2-only CPU runs: the linears' 8-wide float
+    dots, bf16 widened to float32, int8 through vpmaddubsw); the linear tests above pass on that build too."""
+    import subprocess
+    import sys
+
+    from kernels.cpu import build
+
+    here = Path(__file__).relative_to(ROOT)
+    code = (
+        "from kernels.cpu import build; assert build.available() and build.has_isa('avx2'); print(build.build_name())"
+    )
+    env = {**os.environ, "WORKBENCH_CPU_ISA": "avx2"}
+    name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert name.returncode == 0 and name.stdout.strip().endswith("_avx2"), name.stderr
+    assert (
+        "zmm"
+        not in subprocess.run(
+            ["objdump", "-d", str(build.build_directory(name.stdout.strip()) / f"{name.stdout.strip()}.so")],
+            capture_output=True,
+            text=True,
+        ).stdout
+    ), "the AVX2 build holds AVX-512 instructions"
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(here), "-k", "linear"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert tests.returncode == 0 and " passed" in tests.stdout, tests.stdout[-3000:]

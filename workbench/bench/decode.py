@@ -252,8 +252,9 @@ _TEXT = (
     "alternating rounds"
 )
 _DOCS = _TEXT + (
-    ". The engine's bfloat16 and int8 store the weights so and compute in float32 (checked against "
-    "Hugging Face in tests/model/test_fast_dtypes.py); transformers bfloat16 computes in bfloat16; llama.cpp's "
+    ". The engine's bfloat16 weights meet activations rounded to bfloat16, its int8 ones activations quantized "
+    "in blocks of 32 (W8A8, as llama.cpp's Q8_0), sums in float32 (checked against Hugging Face in "
+    "tests/model/test_fast_dtypes.py); transformers bfloat16 computes in bfloat16; llama.cpp's "
     "F32, BF16 and Q8_0 GGUFs are converted from the same weights by `make llamacpp-ref`, its tg{max_tokens} runs "
     "after a {prompt_len}-token context."
     "{note}"

@@ -1,0 +1,325 @@
+// The linear layers, out[m, n] = dot(x[m], w[n]) scaled + bias[n], for the three ways a weight is stored:
+//   linear_small_m  float32 weights (or bf16 on a CPU without AVX512-BF16) in float32 arithmetic, exact; for a few
+//                   rows (kernels/cpu/ops.py sends more to oneDNN's GEMM)
+//   linear_bf16     bfloat16 weights times the input rounded to bfloat16, products summed in float32: AVX512-BF16's
+//                   dot product (vdpbf16ps) where the CPU has it, the weights widened to float32 where not
+//   linear_w8a8     int8 weights (a scale per row) times the input quantized to int8 in blocks of 32 columns (a
+//                   scale per block, as llama.cpp quantizes activations for Q8_0), each block's products summed
+//                   exactly in int32 (AVX512-VNNI's vpdpbusd, or AVX2's vpmaddubsw), then scaled into float32
+// All three stream each weight row once for all rows of x: up to 8 rows at a time in registers, more in tiles of 8
+// over a run of weight rows that stays in L1. At a small batch a linear layer is a stream of its weights, and the
+// point is to read them at the memory's speed; at a large one, to keep the vector units busy.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "vec.h"
+
+namespace {
+
+using namespace wbcpu;
+
+// A thread's weight rows lie end to end, so it reads them as one long stream, with a software prefetch PREFETCH bytes
+// ahead (within noise of none on a Zen 3: a standalone GEMV over the model's weights read 26-31 GB/s either way, the
+// machine's read bandwidth); U accumulators per input row hide the dot product's latency (one accumulator: 31 GB/s,
+// four: 34 GB/s in that test).
+constexpr int64_t PREFETCH = 2048;
+template <int M> constexpr int unroll() { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+constexpr int64_t TILE_BYTES = 16 << 10;  // weight rows per run: half of Zen 3's 32 KiB L1d
+
+// ---- the dot kinds: how a vector of one weight row meets the same columns of a row of x ------------------------
+// Each kind has: X (x's elements as prepared), W (the weight's), V (elements per vector step), Acc, zero(), w(p)
+// (load weights), step(acc, w, x, lane_scales) (multiply-add), add, reduce, and tail() for columns past the last
+// whole vector. lane_scales: Int8Dot's per-lane block scales of x (one float per 4 columns); the others ignore it.
+
+// float32 arithmetic over float32 x: 16 floats where the build has AVX-512 (-march=native), 8 under AVX2.
+template <typename W_>
+struct FloatDot {
+  using X = float;
+  using W = W_;
+#if defined(__AVX512F__)
+  using Acc = __m512;
+  static constexpr int64_t V = 16;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc w(const float* p) { return _mm512_loadu_ps(p); }
+  static Acc w(const at::BFloat16* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  static Acc step(Acc a, Acc wv, const float* x, const float*) { return _mm512_fmadd_ps(wv, _mm512_loadu_ps(x), a); }
+  static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static float reduce(Acc a) { return _mm512_reduce_add_ps(a); }
+#else
+  using Acc = __m256;
+  static constexpr int64_t V = 8;
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static Acc w(const W* p) { return load8(p); }
+  static Acc step(Acc a, Acc wv, const float* x, const float*) { return _mm256_fmadd_ps(wv, _mm256_loadu_ps(x), a); }
+  static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
+  static float reduce(Acc a) { return hsum(a); }
+#endif
+  static float tail(const W* w, const float* x, int64_t k, int64_t K, const float*) {
+    float s = 0.f;
+    for (; k < K; ++k) s += to_float(w[k]) * x[k];
+    return s;
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bf16 x bf16 pairs summed into float32 lanes (vdpbf16ps): 32 weights per instruction, x already rounded to bf16.
+struct Bf16Dot {
+  using X = at::BFloat16;
+  using W = at::BFloat16;
+  using Acc = __m512;
+  static constexpr int64_t V = 32;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static __m512i w(const W* p) { return _mm512_loadu_si512(p); }
+  static Acc step(Acc a, __m512i wv, const X* x, const float*) {
+    return _mm512_dpbf16_ps(a, (__m512bh)wv, (__m512bh)_mm512_loadu_si512(x));
+  }
+  static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static float reduce(Acc a) { return _mm512_reduce_add_ps(a); }
+  static float tail(const W* w, const X* x, int64_t k, int64_t K, const float*) {
+    float s = 0.f;
+    for (; k < K; ++k) s += static_cast<float>(w[k]) * static_cast<float>(x[k]);
+    return s;
+  }
+};
+#endif
+
+// int8 x int8: each 4 columns' products summed exactly in an int32 lane, which is then scaled by its block's scale
+// of x (lane_scales) into a float32 accumulator. OFFSET: what the kind adds to every weight (vpdpbusd multiplies an
+// unsigned byte by a signed one, so the weight goes in as w + 128, and the block scales times 128 * sum(x) come off
+// after: linear_w8a8's correction).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+struct Int8Dot {
+  using X = int8_t;
+  using W = int8_t;
+  using Acc = __m512;
+  static constexpr int64_t V = 64;
+  static constexpr int32_t OFFSET = 128;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static __m512i w(const W* p) { return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(char(0x80))); }
+  static Acc step(Acc a, __m512i wv, const X* x, const float* lane_scales) {
+    const __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(x));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_loadu_ps(lane_scales), a);
+  }
+  static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static float reduce(Acc a) { return _mm512_reduce_add_ps(a); }
+#else
+// AVX2: vpmaddubsw on |x| and w with x's sign (|x|, |w| <= 127, so a pair's sum fits int16), then pairs to int32.
+struct Int8Dot {
+  using X = int8_t;
+  using W = int8_t;
+  using Acc = __m256;
+  static constexpr int64_t V = 32;
+  static constexpr int32_t OFFSET = 0;
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static __m256i w(const W* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static Acc step(Acc a, __m256i wv, const X* x, const float* lane_scales) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+    const __m256i lanes = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_loadu_ps(lane_scales), a);
+  }
+  static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
+  static float reduce(Acc a) { return hsum(a); }
+#endif
+  static float tail(const W* w, const X* x, int64_t k, int64_t K, const float* lane_scales) {
+    float s = 0.f;
+    for (; k < K; ++k) s += static_cast<float>((static_cast<int32_t>(w[k]) + OFFSET) * x[k]) * lane_scales[k / 4];
+    return s;
+  }
+};
+
+// ---- one weight row against M rows of x, then the tiles ------------------------------------------------------
+// ls: the rows' lane scales ([M, LS] floats, LS = lane_stride(K)), or null for the kinds that take none.
+constexpr int64_t lane_stride(int64_t K) { return (K + 3) / 4; }
+
+template <typename D, int M>
+inline void dot_rows(const typename D::X* x, const float* ls, const typename D::W* wn, float* out, int64_t K) {
+  const int64_t LS = lane_stride(K);
+  const auto lanes = [&](int m, int64_t k) { return ls ? ls + m * LS + k / 4 : nullptr; };
+  constexpr int U = unroll<M>();
+  constexpr int64_t LINE = 64 / sizeof(typename D::W), V = D::V;  // weights per cache line, per vector
+  typename D::Acc acc[M][U];
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < U; ++u) acc[m][u] = D::zero();
+  int64_t k = 0;
+  for (; k + V * U <= K; k += V * U) {
+    if (k % LINE < V * U) _mm_prefetch(reinterpret_cast<const char*>(wn + k) + PREFETCH, _MM_HINT_T0);
+    for (int u = 0; u < U; ++u) {
+      const auto wv = D::w(wn + k + V * u);
+      for (int m = 0; m < M; ++m) acc[m][u] = D::step(acc[m][u], wv, x + m * K + k + V * u, lanes(m, k + V * u));
+    }
+  }
+  for (; k + V <= K; k += V) {
+    const auto wv = D::w(wn + k);
+    for (int m = 0; m < M; ++m) acc[m][0] = D::step(acc[m][0], wv, x + m * K + k, lanes(m, k));
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int u = 1; u < U; ++u) acc[m][0] = D::add(acc[m][0], acc[m][u]);
+    out[m] = D::reduce(acc[m][0]) + D::tail(wn, x + m * K, k, K, lanes(m, 0));
+  }
+}
+
+// out[m, n] = epilogue(m, n, dot(x[m], w[n])) over weight rows [n0, n1) of M <= 8 rows of x.
+template <typename D, int M, typename E>
+void tile_rows(const typename D::X* x, const float* ls, const typename D::W* w, const E& epilogue, int64_t m0,
+               int64_t K, int64_t n0, int64_t n1) {
+  float s[M];
+  for (int64_t n = n0; n < n1; ++n) {
+    dot_rows<D, M>(x, ls, w + n * K, s, K);
+    for (int m = 0; m < M; ++m) epilogue(m0 + m, n, s[m]);
+  }
+}
+
+// Threads split the weight rows (whole cache lines of output rows per task); within a thread, tiles of up to 8 rows
+// of x over a run of weight rows short enough to stay in L1 (TILE_BYTES): the first tile reads the weights from
+// memory, the others from L1, so the weights stream once whatever M is.
+template <typename D, typename E>
+void linear_tiles(int64_t M, const typename D::X* x, const float* ls, const typename D::W* w, const E& epilogue,
+                  int64_t K, int64_t N) {
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    const int64_t run = std::max<int64_t>(1, TILE_BYTES / (K * static_cast<int64_t>(sizeof(typename D::W))));
+    for (int64_t r0 = n0; r0 < n1; r0 += run) {
+      const int64_t r1 = std::min(n1, r0 + run);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const auto* xt = x + m0 * K;
+        const float* lt = ls ? ls + m0 * lane_stride(K) : nullptr;
+        switch (std::min<int64_t>(8, M - m0)) {
+#define CASE(m) case m: tile_rows<D, m>(xt, lt, w, epilogue, m0, K, r0, r1); break;
+          CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+#undef CASE
+        }
+      }
+    }
+  });
+}
+
+void check_linear(const char* name, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be [M, K] float32");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), name, ": weight must be [N, K]");
+}
+
+const float* optional_data(const c10::optional<at::Tensor>& t, at::Tensor& keep) {
+  if (!t.has_value()) return nullptr;
+  keep = t->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+// float32 arithmetic, exact: float32 weights, or bfloat16 ones widened (the bf16 path of a CPU without AVX512-BF16,
+// x then already rounded to bf16 by linear_bf16).
+template <typename W>
+void float_linear(const at::Tensor& x, const W* w, const float* scale, const float* bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  float* o = out.data_ptr<float>();
+  const auto epilogue = [&](int64_t m, int64_t n, float s) {
+    o[m * N + n] = (scale ? s * scale[n] : s) + (bias ? bias[n] : 0.f);
+  };
+  linear_tiles<FloatDot<W>>(M, x.data_ptr<float>(), nullptr, w, epilogue, K, N);
+}
+
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                          const c10::optional<at::Tensor>& bias) {
+  check_linear("linear_small_m", x, weight);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "linear_small_m: weight must be float32");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto out = at::empty({xc.size(0), wc.size(0)}, xc.options());
+  at::Tensor keep_scale, keep_bias;
+  float_linear(xc, wc.data_ptr<float>(), optional_data(scale, keep_scale), optional_data(bias, keep_bias), out);
+  return out;
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  check_linear("linear_bf16", x, weight);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: weight must be bfloat16");
+  auto wc = weight.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = wc.size(0);
+  auto out = at::empty({M, N}, x.options());
+  at::Tensor keep_bias;
+  const float* b = optional_data(bias, keep_bias);
+  const auto* w = wc.data_ptr<at::BFloat16>();
+  const auto xb = x.to(at::kBFloat16).contiguous();  // round to nearest even, as torch does
+#if defined(__AVX512BF16__)
+  float* o = out.data_ptr<float>();
+  const auto epilogue = [&](int64_t m, int64_t n, float s) { o[m * N + n] = s + (b ? b[n] : 0.f); };
+  linear_tiles<Bf16Dot>(M, xb.data_ptr<at::BFloat16>(), nullptr, w, epilogue, K, N);
+#else
+  float_linear(xb.to(at::kFloat), w, nullptr, b, out);
+#endif
+  return out;
+}
+
+// x quantized in blocks of 32 columns, symmetric: per block sx = max(max|x|, 1e-12) / 127 and xq = round-half-even(
+// x / sx) in [-127, 127], the arithmetic of kernels.reference.quantize_blocks. Per row, each lane of 4 columns gets
+// its block's scale (ls), and offset[m] = OFFSET * sum over blocks of sx * sum(xq): Int8Dot's correction. Per token
+// (one scale per row) was tried first: on smollm2-135m greedy against int8 weights alone it kept 11 of 96 tokens
+// (blocks of 32: 61; of 64: 24), the model's outlier columns crushing the rest of a row to a few levels.
+constexpr int64_t QBLOCK = 32;
+
+void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* xq, float* ls, float* offset) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = x + m * K;
+      float correction = 0.f;
+      for (int64_t b = 0; b < K; b += QBLOCK) {
+        const int64_t e = std::min(K, b + QBLOCK);
+        float amax = 0.f;
+        for (int64_t k = b; k < e; ++k) amax = std::max(amax, std::fabs(row[k]));
+        const float s = std::max(amax, 1e-12f) / 127.f;
+        int32_t sum = 0;
+        for (int64_t k = b; k < e; ++k) {
+          const float q = std::min(127.f, std::max(-127.f, std::nearbyint(row[k] / s)));
+          xq[m * K + k] = static_cast<int8_t>(q);
+          sum += static_cast<int32_t>(q);
+        }
+        for (int64_t l = b / 4; l < (e + 3) / 4; ++l) ls[m * lane_stride(K) + l] = s;
+        correction += s * static_cast<float>(Int8Dot::OFFSET * sum);
+      }
+      offset[m] = correction;
+    }
+  });
+}
+
+at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  check_linear("linear_w8a8", x, weight);
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "linear_w8a8: weight must be int8");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto out = at::empty({M, N}, xc.options());
+  auto xq = at::empty({M, K}, xc.options().dtype(at::kChar));
+  // one lane past the row's last so a vector of lane scales never reads beyond the allocation
+  auto ls = at::empty({M * lane_stride(K) + 16}, xc.options());
+  auto offset = at::empty({M}, xc.options());
+  quantize_blocks(xc.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), ls.data_ptr<float>(), offset.data_ptr<float>());
+  at::Tensor keep_scale, keep_bias;
+  const float* sw = optional_data(scale, keep_scale);
+  const float* b = optional_data(bias, keep_bias);
+  const float* off = offset.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const auto epilogue = [&](int64_t m, int64_t n, float s) { o[m * N + n] = (s - off[m]) * sw[n] + (b ? b[n] : 0.f); };
+  linear_tiles<Int8Dot>(M, xq.data_ptr<int8_t>(), ls.data_ptr<float>(), wc.data_ptr<int8_t>(), epilogue, K, N);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
+  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_w8a8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
+  m.impl("linear_small_m", &linear_small_m);
+  m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_w8a8", &linear_w8a8);
+}

@@ -24,7 +24,7 @@ Quantization = Literal["int8"]
 Executor = Literal["uniproc", "multiproc", "simulated", "scripted"]
 DataParallelRouting = Literal["load", "prefix"]
 # speculative_config.method: engine/spec_decode/'s PROPOSERS maps each to its proposer class (a test checks they agree)
-SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "medusa"]
+SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "medusa", "eagle3"]
 # the methods that draft trees: each level of the tree is one step of their network (engine/spec_decode/tree.py)
 TREE_METHODS = ("eagle", "eagle3", "medusa")
 KVEventsPublisher = Literal["null", "zmq"]

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FILE_BYTES = 5 * 1024 * 1024
-DRAFT_HEADS, MAX_DRAFT_HEADS_BYTES = "engine/spec_decode/heads/", 10 * 1000 * 1000
+DRAFT_HEADS, MAX_DRAFT_HEADS_BYTES = "engine/spec_decode/heads/", 16 * 1000 * 1000
 # workbench -> engine -> kernels: a package may not import what sits above it. vLLM is a reference only, run in its
 # own venv by tests/fidelity/vllm_driver.py: none of the three imports it.
 FORBIDDEN_IMPORTS = {
@@ -283,7 +283,7 @@ def test_git_filter_commits_a_notebook_saved_with_outputs_stripped(tmp_path):
 def test_no_large_files():
     # is_file: a deleted file is still listed until the deletion is staged.
     sizes = {p.relative_to(ROOT).as_posix(): p.stat().st_size for p in repository_files() if p.is_file()}
-    # the one exception: default draft heads made by `workbench train-draft` (issue #21), under 10 MB in all
+    # the one exception: default draft heads made by `workbench train-draft` (issues #21, #38), under 16 MB in all
     heads = {name: size for name, size in sizes.items() if name.startswith(DRAFT_HEADS)}
     assert sum(heads.values()) < MAX_DRAFT_HEADS_BYTES, f"draft heads over {MAX_DRAFT_HEADS_BYTES} bytes: {heads}"
     large = {name: size for name, size in sizes.items() if size > MAX_FILE_BYTES}  # heads too: they are sharded

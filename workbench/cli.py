@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands.add_parser(
         "train-draft",
-        help="self-distil an EAGLE or Medusa draft head for a target, on a CPU",
+        help="self-distil an EAGLE, EAGLE-3 or Medusa draft head for a target, on a CPU",
         add_flags=_add_train_draft_args,
     )
     # `workbench fidelity run|record|check`: this engine against vLLM 0.33.0's own scheduler (workbench/fidelity/)
@@ -227,7 +227,7 @@ def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
     # the flags live here: workbench/train_draft.py imports torch, which the CLI does not until a command runs
     from engine.arg_utils import add_engine_args
 
-    p.add_argument("--method", required=True, choices=("eagle", "medusa"))
+    p.add_argument("--method", required=True, choices=("eagle", "medusa", "eagle3"))
     add_engine_args(p, include=["model"], title="the target")
     p.add_argument("--out", help="the head folder to write (default: the cache's draft_heads/MODEL/METHOD)")
     for flag, kind, default, what in (
@@ -239,10 +239,10 @@ def _add_train_draft_args(p: argparse.ArgumentParser) -> None:
         ("--lr", float, 2e-3, "peak learning rate"),
         ("--seed", int, 0, "seed of the answers and the training"),
         ("--draft-vocab-size", positive_int, 4096, "tokens the head may draft"),
-        ("--intermediate-size", positive_int, 768, "EAGLE's MLP width"),
+        ("--intermediate-size", positive_int, 768, "EAGLE and EAGLE-3's MLP width"),
         ("--num-heads", positive_int, 4, "Medusa's heads"),
         ("--num-hidden-layers", positive_int, 1, "Medusa's residual layers per head"),
-        ("--unroll", positive_int, 3, "EAGLE draft steps unrolled in training, each reading the head's own state"),
+        ("--unroll", positive_int, 3, "EAGLE(-3) steps unrolled in training, each reading the head's own state"),
         ("--ce-weight", float, 0.1, "EAGLE's weight of the token cross-entropy beside feature regression"),
         ("--check-prompts", non_negative_int, 8, "held-out prompts run through the engine with the head (0: skip)"),
     ):

@@ -1,22 +1,28 @@
-"""`workbench train-draft`: an EAGLE or Medusa head for a target model, self-distilled on a CPU, no outside data.
+"""`workbench train-draft`: an EAGLE, EAGLE-3 or Medusa head for a target model, self-distilled on a CPU, no
+outside data.
 
 1. The target writes the data: it answers a bundled, varied prompt set (topics x kinds of request, through its
    chat template), greedily by default (the spec benchmark decodes greedily: the head learns the distribution it
    will see; `temperature` samples, seeded). The answers are kept in the cache by prompt and reused by later runs
    (a longer prompt set generates only its new prompts' answers).
 2. The engine's own model reads each answer once more and gives its final hidden state at every position (exactly
-   what the runner hands a proposer) and its greedy next token there, both kept beside the answers.
+   what the runner hands a proposer) and its greedy next token there, both kept beside the answers (for EAGLE-3,
+   in a file of their own, also the residual stream entering the three layers its proposer reads).
 3. The draft vocabulary is the tokens the target wrote most (the head reads out only those rows of the LM head).
 4. Training, with a progress bar. EAGLE: the head reads (h_t, x_{t+1}) and learns h_{t+1} (smooth L1) and the
    target's next-token distribution read from its prediction (cross-entropy, weight `ce_weight`: 0.1 by
    default, as EAGLE's paper),
    unrolled over `unroll` draft steps as drafting chains it (EAGLE-3's training-time test): step j reads step
    j-1's predicted state and the next token, attending as the paged cache would. Medusa: head i reads h_t and
-   learns the target's distribution at t+1+i, i.e. of token x_{t+2+i} (weights 0.8^i).
+   learns the target's distribution at t+1+i, i.e. of token x_{t+2+i} (weights 0.8^i). EAGLE-3: the head
+   reads fc(the three layers' states at t) and x_{t+1} and learns only the target's distribution at t+1 through
+   its own LM head (started as the target's rows), unrolled as EAGLE's, each step reading the step before's
+   pre-norm state (weights 0.8^j).
    After each epoch, the held-out acceptance estimate per draft position: how often the draft (argmax) equals the
    target's greedy token on held-out prompts' answers, the features being the target's own.
-5. The head folder (fp16 safetensors, config, manifest with the command, seed, data, steps, loss and held-out
-   acceptance), then the acceptance the engine really gets with it on held-out prompts (greedy).
+5. The head folder (fp16 safetensors, EAGLE-3's in vLLM's checkpoint layout; config, manifest with the command,
+   seed, data, steps, loss and held-out acceptance), then the acceptance the engine really gets with it on held-out
+   prompts (greedy).
 """
 
 from __future__ import annotations
@@ -43,9 +49,10 @@ from engine.model.loader import resolve_model
 from engine.model.registry import load_model
 from engine.spec_decode.draft_heads import DRAFT_IDS, save_head, trained_heads_dir
 from engine.spec_decode.eagle import EagleHead
+from engine.spec_decode.eagle3 import Eagle3Head, checkpoint_tensors
 from engine.spec_decode.medusa import MedusaHeads
 
-METHODS = ("eagle", "medusa")
+METHODS = ("eagle", "medusa", "eagle3")
 
 # The bundled prompt set: every kind of request about every topic. Held out for the acceptance estimate: every
 # tenth prompt. The spec benchmark's chat prompts, and their topics, are not among them.
@@ -394,6 +401,12 @@ class Sample:
     prompt_len: int
     hidden: torch.Tensor
     greedy: torch.Tensor
+    aux: torch.Tensor | None = None  # EAGLE-3's: the three target layers' states [T, 3H] (fp16 to halve the memory)
+
+    @property
+    def features(self) -> torch.Tensor:
+        """What a trainer reads at each position: the final state, then the aux states where kept [T, H (+3H)]."""
+        return self.hidden if self.aux is None else torch.cat((self.hidden, self.aux.float()), dim=-1)
 
 
 def generate_answers(
@@ -446,11 +459,13 @@ def cached_answers(
 
 @torch.inference_mode()
 def target_features(
-    model: str, sequences: list[tuple[list[int], int]], batch_tokens: int = 4096
+    model: str, sequences: list[tuple[list[int], int]], batch_tokens: int = 4096, aux: bool = False
 ) -> tuple[list[Sample], LlamaForCausalLM]:
     """The engine's model over each whole sequence (prefill, several per forward): the final hidden states the
     runner would hand a proposer, and the greedy token at each position."""
     net, _ = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
+    if aux:  # EAGLE-3's: the layers its proposer asks the engine's target for
+        net.set_aux_hidden_state_layers(net.get_eagle3_aux_hidden_state_layers())
     block = 16
     longest = max(len(t) for t, _ in sequences)
     caches = allocate_kv_caches(
@@ -482,22 +497,24 @@ def target_features(
         positions = torch.cat([torch.arange(n) for n in lens])
         hidden = net(ids, positions, attn, caches)
         greedy = torch.cat([net.compute_logits(rows).argmax(-1) for rows in hidden.split(512)])
-        for (toks, plen), h, g in zip(group, hidden.split(lens), greedy.split(lens)):
-            samples.append(Sample(toks, plen, h.clone(), g.clone()))
+        kept = net.model.aux_hidden_states if aux else None
+        aux_rows = kept.half().split(lens) if kept is not None else [None] * len(lens)
+        for (toks, plen), h, g, a in zip(group, hidden.split(lens), greedy.split(lens), aux_rows):
+            samples.append(Sample(toks, plen, h.clone(), g.clone(), None if a is None else a.clone()))
         i += len(group)
     return samples, net
 
 
 def cached_features(
-    model: str, sequences: list[tuple[list[int], int]], keys: list[str], path: Path
+    model: str, sequences: list[tuple[list[int], int]], keys: list[str], path: Path, aux: bool = False
 ) -> tuple[list[Sample], LlamaForCausalLM]:
     """`target_features`, kept by answer key beside the cached answers they were read from: they cost minutes on
     smollm2, and a second method's run (or another training setting, or a longer prompt set) reads the same ones."""
     known = torch.load(path) if path.is_file() else {}
     missing = [i for i, key in enumerate(keys) if key not in known]
     if missing:
-        samples, net = target_features(model, [sequences[i] for i in missing])
-        known.update({keys[i]: (s.hidden, s.greedy) for i, s in zip(missing, samples)})
+        samples, net = target_features(model, [sequences[i] for i in missing], aux=aux)
+        known.update({keys[i]: (s.hidden, s.greedy, s.aux) for i, s in zip(missing, samples)})
         torch.save(known, path)
     else:
         net, _ = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
@@ -539,6 +556,25 @@ def eagle_config(target_config: Any, intermediate_size: int, draft_vocab_size: i
     }
 
 
+def eagle3_config(target_config: Any, intermediate_size: int, draft_vocab_size: int, target: str) -> dict:
+    """An EAGLE-3 head's config.json as vLLM reads one (a Llama config with ``LlamaForCausalLMEagle3``,
+    ``draft_vocab_size`` and ``target_hidden_size``; rope_theta beside rope_parameters for older transformers),
+    with our method and target."""
+    config = eagle_config(target_config, intermediate_size, draft_vocab_size, target)
+    return {
+        **config,
+        "method": "eagle3",
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "target_hidden_size": target_config.hidden_size,
+        "tie_word_embeddings": False,
+        "rope_theta": config["rope_parameters"].get("rope_theta"),
+        "torch_dtype": "float16",
+    }
+
+
 def medusa_config(
     target_config: Any, num_heads: int, draft_vocab_size: int, target: str, num_hidden_layers: int = 1
 ) -> dict:
@@ -554,12 +590,14 @@ def medusa_config(
     }
 
 
-def new_head(config: dict, seed: int) -> EagleHead | MedusaHeads:
+def new_head(config: dict, seed: int) -> EagleHead | MedusaHeads | Eagle3Head:
     """A freshly initialised head of the config's method (seeded): EAGLE's linear weights ~ N(0, 1/fan_in) with
     fc starting near the target's own state, Medusa's blocks at zero (each head starts as the LM head's guess)."""
     torch.manual_seed(seed)
     if config["method"] == "medusa":
         return MedusaHeads(config["hidden_size"], config["num_heads"], config["num_hidden_layers"])
+    if config["method"] == "eagle3":
+        return _new_eagle3_head(config)
     head = EagleHead(EagleHead.llama_config(config))
     for name, p in head.named_parameters():
         if "layernorm" in name:
@@ -571,7 +609,33 @@ def new_head(config: dict, seed: int) -> EagleHead | MedusaHeads:
     return head
 
 
+def _new_eagle3_head(config: dict) -> Eagle3Head:
+    """fc starts as "the last aux layer's state" (the residual stream three layers before the end, close to what
+    the target reads out) and the layer adds little to it at first; `init_readout` starts the readout as the
+    target's."""
+    head = Eagle3Head(Eagle3Head.llama_config(config), config["draft_vocab_size"])
+    small = ("fc", "layers.0.o_proj", "layers.0.down_proj")  # what writes the residual stream
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=p.shape[1] ** -0.5 * (0.1 if name in small else 0.5))
+    with torch.no_grad():
+        hidden = config["hidden_size"]
+        head.fc[:, -hidden:] += torch.eye(hidden)
+    return head
+
+
+def init_readout(head: Eagle3Head, net: LlamaForCausalLM, draft_ids: torch.Tensor) -> Eagle3Head:
+    """An EAGLE-3 head's final norm and LM head start as the target's (its rows of the draft vocabulary)."""
+    with torch.no_grad():
+        head.norm.copy_(net.model.norm.weight.float())
+        head.lm_head.copy_(net.lm_head.weight[draft_ids].float())
+    return head
+
+
 def head_tensors(head: torch.nn.Module, draft_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a head folder holds: its weights and its draft vocabulary (EAGLE-3: under vLLM's names)."""
+    if isinstance(head, Eagle3Head):
+        return checkpoint_tensors(head, draft_ids, head.config.vocab_size)
     return {**{k: v.detach().clone() for k, v in head.state_dict().items()}, DRAFT_IDS: draft_ids}
 
 
@@ -585,12 +649,12 @@ def _batches(samples: list[Sample], batch_size: int, max_len: int, rng: random.R
         group = [samples[j] for j in order[i : i + batch_size]]
         t = min(max_len, max(len(s.token_ids) for s in group))
         tokens = torch.zeros(len(group), t, dtype=torch.long)
-        hidden = torch.zeros(len(group), t, group[0].hidden.shape[1])
+        hidden = torch.zeros(len(group), t, group[0].features.shape[1])
         mask = torch.zeros(len(group), t, dtype=torch.bool)
         for b, s in enumerate(group):
             n = min(t, len(s.token_ids))
             tokens[b, :n] = torch.tensor(s.token_ids[:n])
-            hidden[b, :n] = s.hidden[:n]
+            hidden[b, :n] = s.features[:n]
             mask[b, :n] = True
         yield tokens, hidden, mask
 
@@ -631,7 +695,7 @@ class Trainer:
 
     def __init__(
         self,
-        head: EagleHead | MedusaHeads,
+        head: EagleHead | MedusaHeads | Eagle3Head,
         method: str,
         embed: torch.Tensor,
         lm_head: torch.Tensor,
@@ -648,6 +712,14 @@ class Trainer:
         self.readout = lm_head[draft_ids].float()  # [V_draft, H]
         self.draft_ids = draft_ids
         self.steps, self.ce_weight = steps, ce_weight
+
+    def logits(self, pred: torch.Tensor) -> torch.Tensor:
+        """A predicted state's logits over the draft vocabulary: read by the target's LM head."""
+        return pred @ self.readout.T
+
+    def final_states(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's final states among a batch's features (whose distribution the head learns)."""
+        return features
 
     def _eagle(self, head: EagleHead, tokens: torch.Tensor, hidden: torch.Tensor, noise: float) -> list[torch.Tensor]:
         """Predicted states of each unrolled draft step j, [B, T-1, H] each: entry t reads the step before's
@@ -670,14 +742,15 @@ class Trainer:
     def predictions(self, tokens: torch.Tensor, hidden: torch.Tensor, noise: float = 0.0) -> list[torch.Tensor]:
         """Per draft position i, the head's predicted states aligned so that entry t should match target's state
         at t+1+i: EAGLE one per unrolled step; Medusa one per head."""
-        if isinstance(self.head, EagleHead):  # new_head builds the head of the config's method
-            return self._eagle(self.head, tokens, hidden, noise)
-        return list(self.head(hidden.flatten(0, 1)).view(len(self.head.blocks), *hidden.shape))
+        if isinstance(self.head, MedusaHeads):  # new_head builds the head of the config's method
+            return list(self.head(hidden.flatten(0, 1)).view(len(self.head.blocks), *hidden.shape))
+        assert isinstance(self.head, EagleHead), "EAGLE-3's trainer makes its own predictions"
+        return self._eagle(self.head, tokens, hidden, noise)
 
     def loss(self, tokens: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor, noise: float) -> torch.Tensor:
         total = torch.zeros(())
         with torch.no_grad():  # the target's distribution at every position, once for all draft positions
-            target_probs = F.softmax(hidden[:, 1:] @ self.readout.T, dim=-1)
+            target_probs = F.softmax(self.final_states(hidden)[:, 1:] @ self.readout.T, dim=-1)
         for i, pred in enumerate(self.predictions(tokens, hidden, noise)):
             t = hidden.shape[1] - 1 - i  # positions whose target state t+1+i exists
             if t < 1:
@@ -685,7 +758,7 @@ class Trainer:
             pred, want = pred[:, :t], hidden[:, 1 + i : 1 + i + t]
             valid = mask[:, 1 + i : 1 + i + t]
             soft = target_probs[:, i : i + t]
-            ce = -(soft * F.log_softmax(pred @ self.readout.T, dim=-1)).sum(-1)
+            ce = -(soft * F.log_softmax(self.logits(pred), dim=-1)).sum(-1)
             if self.method == "eagle":
                 reg = F.smooth_l1_loss(pred, want, reduction="none").mean(-1)
                 total = total + ((reg + self.ce_weight * ce) * valid).sum() / valid.sum()
@@ -701,13 +774,13 @@ class Trainer:
         seen: list[int] = []
         for s in samples:
             tokens = torch.tensor(s.token_ids[:max_len])[None]
-            hidden = s.hidden[:max_len][None]
+            hidden = s.features[:max_len][None]
             for i, pred in enumerate(self.predictions(tokens, hidden)):
                 # the state at t predicts the token the target writes after position t+1+i
                 lo, hi = s.prompt_len - 1, tokens.shape[1] - 1 - i
                 if hi <= lo:
                     continue
-                drafted = self.draft_ids[(pred[0, lo:hi] @ self.readout.T).argmax(-1)]
+                drafted = self.draft_ids[self.logits(pred[0, lo:hi]).argmax(-1)]
                 want = s.greedy[1 + i + lo : 1 + i + hi]
                 while len(hits) <= i:
                     hits.append(0)
@@ -715,6 +788,43 @@ class Trainer:
                 hits[i] += int((drafted == want).sum())
                 seen[i] += hi - lo
         return [h / n for h, n in zip(hits, seen)]
+
+
+class Eagle3Trainer(Trainer):
+    """Trains an EAGLE-3 head (EAGLE-3's recipe): it reads the target's fused aux states and learns only the
+    target's next-token distribution over the draft vocabulary, through its own LM head (no state to imitate),
+    unrolled over `steps` draft steps that each read the step before's pre-norm state (training-time test), the
+    loss of step j weighted 0.8^j. A batch's features are the final states, then the aux states."""
+
+    def __init__(
+        self, head: Eagle3Head, embed: torch.Tensor, lm_head: torch.Tensor, draft_ids: torch.Tensor, steps: int = 1
+    ) -> None:
+        super().__init__(head, "eagle3", embed, lm_head, draft_ids, steps)
+        self.eagle3 = head
+        self.hidden_size = head.config.hidden_size
+
+    def logits(self, pred: torch.Tensor) -> torch.Tensor:
+        return pred @ self.eagle3.lm_head.T
+
+    def final_states(self, features: torch.Tensor) -> torch.Tensor:
+        return features[..., : self.hidden_size]
+
+    def predictions(self, tokens: torch.Tensor, hidden: torch.Tensor, noise: float = 0.0) -> list[torch.Tensor]:
+        """The normed states of each unrolled draft step j, [B, T-1, H] each: entry t reads token x_{t+1+j} at
+        position t+j and (step 0) the fused aux states at t, (later) step j-1's pre-norm state at t; its readout
+        should match the target's distribution at t+1+j."""
+        head, b, t = self.eagle3, tokens.shape[0], tokens.shape[1] - 1
+        state = head.combine(hidden[:, :-1, self.hidden_size :].reshape(b * t, -1))
+        if noise:  # as EAGLE's feature noise: later draft steps read the head's own, imperfect states
+            state = state + noise * torch.randn_like(state) * state.pow(2).mean(-1, keepdim=True).sqrt()
+        padded = F.pad(tokens, (0, self.steps - 1))
+        attend = UnrolledAttention(b, t, head.shape.head_dim**-0.5)
+        preds = []
+        for j in range(self.steps):
+            embeds = F.embedding(padded[:, 1 + j : 1 + j + t], self.embed).reshape(b * t, -1)
+            normed, state = head(embeds, state, (torch.arange(t) + j).repeat(b), attend)
+            preds.append(normed.view(b, t, -1))
+        return preds
 
 
 def train(
@@ -839,7 +949,10 @@ def train_draft(
     sequences, keys, cached = cached_answers(model, prompts, max_tokens, temperature, seed, log)
     gen_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    samples, net = cached_features(model, sequences, keys, cached.with_suffix(".pt"))
+    eagle3 = method == "eagle3"  # its features keep the three aux layers' states too, in a file of their own
+    samples, net = cached_features(
+        model, sequences, keys, cached.with_suffix(".eagle3.pt" if eagle3 else ".pt"), eagle3
+    )
     feat_s = time.perf_counter() - t0
     train_set = [s for i, s in enumerate(samples) if i % 10 != 9]
     held_set = [s for i, s in enumerate(samples) if i % 10 == 9]
@@ -848,21 +961,17 @@ def train_draft(
         f"{sum(len(s.token_ids) - s.prompt_len for s in samples)} answer tokens ({gen_s:.0f} s), features "
         f"({feat_s:.0f} s); draft vocabulary {len(draft_ids)} tokens covering {coverage:.1%} of greedy tokens"
     )
-    config = (
-        eagle_config(net.config, intermediate_size, len(draft_ids), model)
-        if method == "eagle"
-        else medusa_config(net.config, num_heads, len(draft_ids), model, num_hidden_layers)
-    )
+    if method == "medusa":
+        config = medusa_config(net.config, num_heads, len(draft_ids), model, num_hidden_layers)
+    else:
+        make_config = eagle3_config if eagle3 else eagle_config
+        config = make_config(net.config, intermediate_size, len(draft_ids), model)
     head = new_head(config, seed)
-    trainer = Trainer(
-        head,
-        method,
-        net.model.embed_tokens.weight.detach().float(),
-        net.lm_head.weight.detach().float(),
-        draft_ids,
-        unroll if method == "eagle" else 1,
-        ce_weight,
-    )
+    embed, lm_head = net.model.embed_tokens.weight.detach().float(), net.lm_head.weight.detach().float()
+    if isinstance(head, Eagle3Head):
+        trainer: Trainer = Eagle3Trainer(init_readout(head, net, draft_ids), embed, lm_head, draft_ids, unroll)
+    else:
+        trainer = Trainer(head, method, embed, lm_head, draft_ids, unroll if method == "eagle" else 1, ce_weight)
     history = train(
         trainer, train_set, held_set or train_set[:4], epochs, batch_size, max_len, lr, seed, log=log, progress=progress
     )
@@ -889,6 +998,7 @@ def train_draft(
             "max_len": max_len,
             "lr": lr,
             **({"unroll": unroll, "ce_weight": ce_weight} if method == "eagle" else {}),
+            **({"unroll": unroll} if eagle3 else {}),
             "final_loss": history["epochs"][-1]["loss"] if history["epochs"] else None,
         },
         "held_out_acceptance": {"untrained": history["untrained"], "per_epoch": history["epochs"]},

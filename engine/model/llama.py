@@ -255,6 +255,10 @@ class LlamaModel(nn.Module):
             self.attention(i).sliding_window = layer_sliding_window(config, i)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        # EAGLE-3 (vLLM's aux_hidden_state_layers): the residual stream entering these layers, concatenated into
+        # aux_hidden_states [T, len(layers) * H] by each forward; none unless a proposer asks, so nothing to pay
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def attention(self, index: int) -> LlamaAttention:
         """Layer `index`'s attention (its head counts and sizes are this rank's)."""
@@ -274,8 +278,13 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # the embedding may be stored narrower
         rope = self.rotary_emb(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        aux: dict[int, torch.Tensor] = {}
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if index in self.aux_hidden_state_layers:
+                aux[index] = hidden if residual is None else hidden + residual
             hidden, residual = layer(hidden, rope, attn, kv_cache, residual)
+        if aux:  # in the order asked (a small model's default may name a layer twice)
+            self.aux_hidden_states = torch.cat([aux[i] for i in self.aux_hidden_state_layers], dim=-1)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
@@ -313,6 +322,15 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """``input_ids``/``positions`` ``[T]`` of all scheduled tokens -> final-normed hidden ``[T, H]``."""
         return self.model(input_ids, positions, attn, kv_caches)
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """Keep the residual stream entering `layers` at every forward, in ``model.aux_hidden_states`` (EAGLE-3)."""
+        self.model.aux_hidden_state_layers = layers
+
+    def get_eagle3_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """vLLM's default EAGLE-3 layers (llama.py): an early, the middle and a late one."""
+        num_layers = len(self.model.layers)
+        return (2, num_layers // 2, num_layers - 3)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[N, hidden]`` (only rows that sample) -> float32 logits ``[N, vocab]``."""

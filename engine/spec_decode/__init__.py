@@ -12,6 +12,7 @@ PROPOSERS: dict[str, str] = {
     "draft_model": "engine.spec_decode.draft_model:DraftModelProposer",
     "eagle": "engine.spec_decode.eagle:EagleProposer",
     "medusa": "engine.spec_decode.medusa:MedusaProposer",
+    "eagle3": "engine.spec_decode.eagle3:Eagle3Proposer",
 }
 
 

@@ -25,7 +25,7 @@ from engine.model.loader import cache_dir
 BUNDLED_HEADS = Path(__file__).resolve().parent / "heads"
 WEIGHTS, CONFIG, MANIFEST = "model.safetensors", "config.json", "manifest.json"
 # A head is written in shards of at most this many bytes (model-0000i-of-0000n.safetensors, as HF shards): no file
-# of a committed head passes the repository's 5 MB limit on a tracked file; all of a target's heads stay under 10 MB.
+# of a committed head passes the repository's 5 MB limit on a tracked file; all of a target's heads stay under 16 MB.
 SHARD_BYTES = 4 << 20
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import LLM, RequestOutput, SamplingParams
+from engine.spec_decode.tree import SpecTree
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import BenchRequest, chat_prompt_ids, editing_requests
 from workbench.bench.report import Line, Part, Table, describe, docs_only, formatters
@@ -45,7 +46,11 @@ def chat_requests(tokenizer, num_requests: int, output_len: int) -> list[BenchRe
     ]
 
 
-METHODS = ("none", "ngram", "draft_model", "eagle", "medusa")
+METHODS = ("none", "ngram", "draft_model", "eagle", "medusa", "eagle_tree", "medusa_tree")
+# the draft tree of the *_tree methods (vLLM's speculative_token_tree): three children of the root, two of the first,
+# one of the second, one below the best path's second node: 7 nodes, depth 3
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
+TREE_NODES = len(SpecTree.parse(TREE))
 
 
 def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[str, dict | None]:
@@ -56,6 +61,10 @@ def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[st
         # no "model": the target's default head
         "eagle": {"method": "eagle", "num_speculative_tokens": k},
         "medusa": {"method": "medusa", "num_speculative_tokens": k},
+        **{
+            f"{method}_tree": {"method": method, "num_speculative_tokens": TREE_NODES, "speculative_token_tree": TREE}
+            for method in ("eagle", "medusa")
+        },
     }
     return {name: configs[name] for name in ("none", *names) if name in configs}
 

@@ -27,7 +27,7 @@ def test_spec_bench_reports_every_configuration(tmp_path, monkeypatch) -> None:
     result = run_spec(
         model="tiny-llama", k=3, batch_sizes=(1, 4), num_requests=4, output_len=12, runs=1, log=lambda line: None
     )
-    methods = ("none", "ngram", "draft_model", "eagle", "medusa")
+    methods = ("none", "ngram", "draft_model", "eagle", "medusa", "eagle_tree", "medusa_tree")
     keys = {(r["workload"], r["batch"], r["method"]) for r in result["rows"]}
     assert keys == {(w, b, m) for w in ("editing", "chat") for b in (1, 4) for m in methods}
     for r in result["rows"]:

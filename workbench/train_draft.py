@@ -401,7 +401,7 @@ class Sample:
     prompt_len: int
     hidden: torch.Tensor
     greedy: torch.Tensor
-    aux: torch.Tensor | None = None  # EAGLE-3's: the three target layers' states [T, 3H] (fp16 to halve the memory)
+    aux: torch.Tensor | None = None  # EAGLE-3's: the three target layers' states [T, 3H] (bf16 to halve the memory)
 
     @property
     def features(self) -> torch.Tensor:
@@ -498,7 +498,11 @@ def target_features(
         hidden = net(ids, positions, attn, caches)
         greedy = torch.cat([net.compute_logits(rows).argmax(-1) for rows in hidden.split(512)])
         kept = net.model.aux_hidden_states if aux else None
-        aux_rows = kept.half().split(lens) if kept is not None else [None] * len(lens)
+        # bfloat16, not float16: the states entering deep layers pass 65,504 (float16's largest; 24,896 already in
+        # the first 50 answers), and an overflow made every loss of the first EAGLE-3 training NaN
+        if kept is not None and not torch.isfinite(kept).all():
+            raise ValueError(f"the target's hidden states for EAGLE-3 are not finite at prompts {i}..{i + len(group)}")
+        aux_rows = kept.bfloat16().split(lens) if kept is not None else [None] * len(lens)
         for (toks, plen), h, g, a in zip(group, hidden.split(lens), greedy.split(lens), aux_rows):
             samples.append(Sample(toks, plen, h.clone(), g.clone(), None if a is None else a.clone()))
         i += len(group)

@@ -110,7 +110,9 @@ def test_the_target_keeps_the_three_layers_inputs_only_when_asked() -> None:
         states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [i]: what enters layer i
     assert kept.aux is not None and kept.aux.shape == (len(ids), 3 * H)
     for j, layer in enumerate((2, 2, 1)):
-        torch.testing.assert_close(kept.aux[:, j * H : (j + 1) * H].float(), states[layer][0], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(
+            kept.aux[:, j * H : (j + 1) * H].float(), states[layer][0], atol=2e-3, rtol=8e-3
+        )  # stored bf16
 
 
 # ---- exactness ----------------------------------------------------------------------------------------------------

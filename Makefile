@@ -139,9 +139,9 @@ $(VLLM_STAMP): tests/fidelity/requirements-vllm.txt
 # workloads per coverage group, from seed FIDELITY_START. Exits non-zero on any divergence. The KV events too: vLLM's
 # scheduler and publisher re-record their bytes (tests/fidelity/golden/kv_events.json), the engine is checked against
 # them, then each side's stream is read by the other's classes, live (tests/fidelity/test_kv_events_vllm.py).
-# 1,000 workloads for each of the six groups, as issue #32 asks: about 40 minutes on 2 quiet cores, extrapolated from
-# the 500 of five groups that took 16.4 minutes there (0.35 s a workload with both sides pipelined, and about 2
-# minutes of recording and checks; the connector group's 1,000 took 414 s of CPU, both sides); not yet timed whole.
+# 1,000 workloads for each of the six groups, as issue #32 asks: about 28 minutes on 2 quiet cores, extrapolated from
+# `make fidelity FIDELITY_WORKLOADS=300` there (643 s in all, 2026-12-02, AVX-512 EPYC: 63-85 s a group of 300, the
+# rest recording and checks); not yet timed whole at 1,000.
 # CI has 90 with make test's 14.
 FIDELITY_WORKLOADS ?= 1000
 FIDELITY_START ?= 1000

@@ -125,7 +125,14 @@ class ModelRunner:
         if self.moe_blocks:
             self._emit_routing(output, batch)
         if self.spec is not None:
-            self.spec.mirror(output.scheduled, batch.input_ids, batch.positions, batch.attn, hidden)
+            self.spec.mirror(
+                output.scheduled,
+                batch.input_ids,
+                batch.positions,
+                batch.attn,
+                hidden,
+                self.model.model.aux_hidden_states,
+            )
         prompt_logprobs = self._prompt_logprobs(output, batch, hidden)
         if not batch.sampling_rows:
             return ModelRunnerOutput(

@@ -62,12 +62,14 @@ class SpecDecoder:
         positions: torch.Tensor,
         attn: AttentionMetadata,
         hidden_states: torch.Tensor,
+        aux_hidden_states: torch.Tensor | None = None,
     ) -> None:
-        """Keep the step's batch as the target ran it (with the target's final hidden states) for the proposer. It
+        """Keep the step's batch as the target ran it (with the target's final hidden states, and the aux layers'
+        where EAGLE-3 asked for them) for the proposer. It
         sees the batch once the step's tokens are drawn (in `propose`), so that each position is paired with the
         token really after it; a step where no request samples shows it now."""
         t0 = time.perf_counter()
-        self._keep_batch(scheduled, input_ids, positions, attn, hidden_states)
+        self._keep_batch(scheduled, input_ids, positions, attn, hidden_states, aux_hidden_states)
         if not any(s.samples for s in scheduled):
             self.proposer.mirror(self._kept_batch())
         self.stats.proposer_seconds += time.perf_counter() - t0
@@ -79,6 +81,7 @@ class SpecDecoder:
         positions: torch.Tensor,
         attn: AttentionMetadata,
         hidden_states: torch.Tensor,
+        aux_hidden_states: torch.Tensor | None,
     ) -> None:
         starts = attn.query_start_loc.tolist()
         next_ids = input_ids.roll(-1)
@@ -88,7 +91,7 @@ class SpecDecoder:
             -1 if s.samples else s.request.all_token_ids[s.num_computed_tokens + s.num_new_tokens] for s in scheduled
         ]
         next_ids[ends] = torch.tensor(following, dtype=next_ids.dtype, device=next_ids.device)
-        self._batch = TargetBatch(input_ids, positions, attn, hidden_states, next_ids)
+        self._batch = TargetBatch(input_ids, positions, attn, hidden_states, next_ids, aux_hidden_states)
         self._scheduled = scheduled
         self._first_rows = {s.request_id: start for s, start in zip(scheduled, starts)}
 
@@ -147,7 +150,10 @@ class SpecDecoder:
             seq_lens=lens,
             query_start_loc=torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=device),
         )
-        self._keep_batch(self._scheduled, batch.input_ids[kept], batch.positions[kept], attn, batch.hidden_states[kept])
+        aux = None if batch.aux_hidden_states is None else batch.aux_hidden_states[kept]
+        self._keep_batch(
+            self._scheduled, batch.input_ids[kept], batch.positions[kept], attn, batch.hidden_states[kept], aux
+        )
 
     def propose(
         self,

@@ -134,17 +134,23 @@ def paged_attention(attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch
 
 
 class EagleProposer(Proposer):
-    """Owns an EAGLE head, its KV cache (the target's block ids), its draft vocabulary and the states its last
-    mirror pass predicted; reads the target's embedding and LM head."""
+    """Owns an EAGLE head, its KV cache (the target's block ids), its draft vocabulary and what its last mirror
+    pass made; reads the target's embedding and LM head. EAGLE-3's proposer is this one with another head."""
 
     method = "eagle"
     drafts_have_probs = True
 
     def __init__(self, head: EagleHead, draft_ids: torch.Tensor, target: TargetModel) -> None:
-        model, config = target.causal_lm, target.config
+        model = target.causal_lm
+        self._init_drafting(head, DraftVocab(draft_ids, model.lm_head, target.vocab_size), target)
+
+    def _init_drafting(self, head: nn.Module, vocab: DraftVocab, target: TargetModel) -> None:
+        """What every EAGLE proposer keeps: the head, its draft vocabulary, its own cache on the target's block ids,
+        the target's embedding, and the tree each proposal expands (None: a chain)."""
+        config = target.config
         self.head = head
-        self.embed_tokens = model.model.embed_tokens
-        self.vocab = DraftVocab(draft_ids, model.lm_head, target.vocab_size)
+        self.vocab = vocab
+        self.embed: Callable[[torch.Tensor], torch.Tensor] = target.causal_lm.model.embed_tokens
         self.block_size = config.block_size
         self.device = target.device
         self.default_generator = target.default_generator
@@ -153,9 +159,11 @@ class EagleProposer(Proposer):
         self.kv_caches = allocate_kv_caches(
             head, target.num_blocks, config.block_size, config.torch_dtype, target.device
         )
-        self.mirrored: torch.Tensor | None = None  # the states the last mirror predicted, one per batch row
-        spec = target.config.speculative  # None where a test builds a proposer by hand
-        self.tree = None if spec is None else spec.tree  # or the draft tree each proposal expands
+        # what the last mirror made, one row per batch row: the states read out, and the states the next draft
+        # step reads (EAGLE-1's are the same: its head predicts the target's final state, which both are)
+        self.mirrored: tuple[torch.Tensor, torch.Tensor] | None = None
+        spec = config.speculative  # None where a test builds a proposer by hand
+        self.tree = None if spec is None else spec.tree
 
     @classmethod
     def from_config(cls, target: TargetModel) -> EagleProposer:
@@ -169,46 +177,54 @@ class EagleProposer(Proposer):
         return cls(narrow_matrices(head.to(device=target.device, dtype=config.torch_dtype)), draft_ids, target)
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(token_ids).to(self.dtype)  # the embedding may be stored narrower
+        return self.embed(token_ids).to(self.dtype)  # the embedding may be stored narrower
+
+    def _run_head(
+        self, token_ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over tokens and the states before them -> (the states read out, the states the next step
+        reads)."""
+        predicted = self.head(
+            self._embed(token_ids), states, positions, paged_attention(attn, self.kv_caches[0], self.scale)
+        )
+        return predicted, predicted
+
+    def _target_states(self, batch: TargetBatch) -> torch.Tensor:
+        """The head's input states where the target ran: its final hidden states."""
+        return batch.hidden_states.to(self.dtype)
 
     def mirror(self, batch: TargetBatch) -> None:
-        """Pair each position of the target's batch with the token after it, into the head's cache; keep the
-        predicted states: at the rows that drew the newest tokens they are the first drafts' states."""
-        self.mirrored = self.head(
-            self._embed(batch.next_token_ids.clamp(min=0)),
-            batch.hidden_states.to(self.dtype),
-            batch.positions,
-            paged_attention(batch.attn, self.kv_caches[0], self.scale),
+        """Pair each position of the target's batch with the token after it, into the head's cache; keep what the
+        head made: at the rows that drew the newest tokens, the first drafts' states."""
+        self.mirrored = self._run_head(
+            batch.next_token_ids.clamp(min=0), self._target_states(batch), batch.positions, batch.attn
         )
 
     def propose(self, inputs: list[DraftRequest]) -> Drafts:
-        """Chain the head `num_drafts` times per request: the first from `mirror`'s pass (the target's state before
-        the newest token, paired with it), each next one from the state before and the draft it made."""
+        """Chain the head `num_drafts` times per request (or expand the tree): the first draft read from `mirror`'s
+        pass (the target's state before the newest token, paired with it), each next one from the state before and
+        the draft just made, one position on."""
         if self.mirrored is None:
             raise RuntimeError("propose before mirror: no predicted states")
         if self.tree is not None:
             return tree_drafts(
                 inputs, self.tree, self._tree_step(inputs, self.tree), self.vocab, self.default_generator
             )
-        states = self.mirrored[[inp.batch_row for inp in inputs]]
+        batch_rows = [inp.batch_row for inp in inputs]
+        readout, states = self.mirrored[0][batch_rows], self.mirrored[1][batch_rows]
 
         def draft(live: list[int], tokens: list[int], step: int) -> tuple[list[int], torch.Tensor]:
             live_inputs = [inputs[i] for i in live]
             rows = torch.tensor(live, device=self.device)
-            if step:  # each later step pairs the state before with the draft just made, one position on
+            if step:
                 positions = [len(inp.token_ids) - 2 + step for inp in live_inputs]
-                states[rows] = self.head(
-                    self._embed(torch.tensor(tokens, device=self.device)),
+                readout[rows], states[rows] = self._run_head(
+                    torch.tensor(tokens, device=self.device),
                     states[rows],
                     torch.tensor(positions, device=self.device),
-                    paged_attention(
-                        decode_metadata(live_inputs, positions, self.block_size, self.device),
-                        self.kv_caches[0],
-                        self.scale,
-                    ),
+                    decode_metadata(live_inputs, positions, self.block_size, self.device),
                 )
-            predicted = states[rows]
-            drafted, dist = sample_drafts(self.vocab.logits(predicted), live_inputs, self.default_generator)
+            drafted, dist = sample_drafts(self.vocab.logits(readout[rows]), live_inputs, self.default_generator)
             return self.vocab.to_target(drafted), self.vocab.to_target_probs(dist)
 
         return chain_drafts(inputs, draft)
@@ -222,19 +238,16 @@ class EagleProposer(Proposer):
 
         def step(depth: int, nodes: list[tuple[int, int]], tokens: list[list[int]]) -> torch.Tensor:
             if depth == 0:
-                predicted = mirrored[[inputs[i].batch_row for i, _ in nodes]]
+                rows = [inputs[i].batch_row for i, _ in nodes]
+                readout, carried = mirrored[0][rows], mirrored[1][rows]
             else:
-                predicted = self.head(
-                    self._embed(torch.tensor([tokens[i][c - 1] for i, c in nodes], device=self.device)),
+                readout, carried = self._run_head(
+                    torch.tensor([tokens[i][c - 1] for i, c in nodes], device=self.device),
                     torch.stack([states[(i, tree.parents[c])] for i, c in nodes]),
                     torch.tensor([len(inputs[i].token_ids) - 2 + depth for i, _ in nodes], device=self.device),
-                    paged_attention(
-                        tree_level_metadata(inputs, nodes, tree, self.block_size, self.device),
-                        self.kv_caches[0],
-                        self.scale,
-                    ),
+                    tree_level_metadata(inputs, nodes, tree, self.block_size, self.device),
                 )
-            states.update(zip(nodes, predicted))
-            return self.vocab.logits(predicted)
+            states.update(zip(nodes, carried))
+            return self.vocab.logits(readout)
 
         return step

@@ -7,9 +7,10 @@ head's one decoder layer attends over ``[input_layernorm(embed(x_{t+1})); hidden
 id back to the target's (``target_id = draft_id + d2t[draft_id]``). Unlike EAGLE-1 it does not imitate the target's
 final state: it only has to predict the next token, so it may use any features the three layers offer.
 
-Drafting is EAGLE-1's (engine/spec_decode/eagle.py): ``mirror`` runs the head over the step's whole batch into its
-own paged cache (that pass is the first draft step), and each later step of a chain feeds the head's own pre-norm
-state back in, as vLLM does (no ``fc`` then: the fused target features exist only where the target ran).
+Drafting is EAGLE-1's (engine/spec_decode/eagle.py, whose proposer this one extends): ``mirror`` runs the head over
+the step's whole batch into its own paged cache (that pass is the first draft step), and each later step of a chain
+or depth of a tree feeds the head's own pre-norm state back in, as vLLM does (no ``fc`` then: the fused target
+features exist only where the target ran).
 
 A head folder is vLLM's EAGLE-3 checkpoint layout: ``config.json`` (``architectures: ["LlamaForCausalLMEagle3"]``,
 ``draft_vocab_size``, ``target_hidden_size``, Llama's keys) and safetensors named ``midlayer.*``, ``fc.weight``,
@@ -19,6 +20,7 @@ vLLM. ``workbench train-draft --method eagle3`` writes one, with its manifest.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import cast
@@ -27,20 +29,11 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from engine.model.attention import allocate_kv_caches
+from engine.model.attention import AttentionMetadata
 from engine.model.llama import ModelShape, RotaryEmbedding
 from engine.spec_decode.draft_heads import CONFIG, DraftVocab, head_ops, head_path, narrow_matrices, weight_files
-from engine.spec_decode.eagle import Attend, EagleLayer, paged_attention
-from engine.spec_decode.proposer import (
-    DraftRequest,
-    Drafts,
-    Proposer,
-    TargetBatch,
-    TargetModel,
-    chain_drafts,
-    decode_metadata,
-    sample_drafts,
-)
+from engine.spec_decode.eagle import Attend, EagleLayer, EagleProposer, paged_attention
+from engine.spec_decode.proposer import TargetBatch, TargetModel
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # config.json's (vLLM reads either)
 
@@ -207,14 +200,14 @@ class HeadVocab(DraftVocab):
         self.weight, self.weight_scale = lm_head, None
 
 
-class Eagle3Proposer(Proposer):
-    """Owns an EAGLE-3 head, its KV cache (the target's block ids), its draft vocabulary and the states its last
-    mirror pass made; reads the target's embedding (unless the head has its own) and its aux hidden states."""
+class Eagle3Proposer(EagleProposer):
+    """Owns an EAGLE-3 head, its KV cache (the target's block ids), its draft vocabulary and what its last mirror
+    pass made; reads the target's embedding (unless the head has its own) and its aux hidden states. Drafting,
+    chains and trees, is EAGLE-1's; only the head's inputs and outputs differ."""
 
     method = "eagle3"
-    drafts_have_probs = True
 
-    def __init__(
+    def __init__(  # the base's __init__ builds EAGLE-1's vocabulary: this one sets up its own
         self,
         head: Eagle3Head,
         token_ids: torch.Tensor,
@@ -222,10 +215,7 @@ class Eagle3Proposer(Proposer):
         aux_layers: tuple[int, ...] | None = None,
         embed_tokens: torch.Tensor | None = None,
     ) -> None:
-        model, config = target.causal_lm, target.config
-        spec = config.speculative
-        if spec is not None and spec.tree is not None:  # chains only, so far (EAGLE's _tree_step is the pattern)
-            raise ValueError("speculative_config.speculative_token_tree: eagle3 drafts chains only, not trees yet")
+        model = target.causal_lm
         layers = aux_layers or model.get_eagle3_aux_hidden_state_layers()
         num_layers = model.shape.num_layers
         if head.fc.shape[1] != len(layers) * model.shape.hidden_size or not all(0 <= i < num_layers for i in layers):
@@ -234,20 +224,9 @@ class Eagle3Proposer(Proposer):
                 f"layers {layers} of {num_layers} (hidden size {model.shape.hidden_size})"
             )
         model.set_aux_hidden_state_layers(tuple(layers))
-        self.model = model
-        self.head = head
-        self.embed_weight = model.model.embed_tokens.weight if embed_tokens is None else embed_tokens
-        self.vocab = HeadVocab(token_ids, head.lm_head, target.vocab_size)
-        self.block_size = config.block_size
-        self.device = target.device
-        self.default_generator = target.default_generator
-        self.scale = cast(Eagle3Layer, head.layers[0]).head_dim ** -0.5
-        self.dtype = config.torch_dtype  # of the states and the head's cache (its matrices may be narrower)
-        self.kv_caches = allocate_kv_caches(
-            head, target.num_blocks, config.block_size, config.torch_dtype, target.device
-        )
-        # what the last mirror made, one row per batch row: the normed states (read out) and the pre-norm states
-        self.mirrored: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._init_drafting(head, HeadVocab(token_ids, head.lm_head, target.vocab_size), target)
+        if embed_tokens is not None:  # the checkpoint's own embedding
+            self.embed = functools.partial(nn.functional.embedding, weight=embed_tokens)
 
     @classmethod
     def from_config(cls, target: TargetModel) -> Eagle3Proposer:
@@ -265,46 +244,17 @@ class Eagle3Proposer(Proposer):
             None if embed is None else embed.to(device=target.device, dtype=config.torch_dtype),
         )
 
-    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(token_ids, self.embed_weight).to(self.dtype)
-
-    def mirror(self, batch: TargetBatch) -> None:
-        """Fuse the target's aux states of this step's batch and pair each position with the token after it, into
-        the head's cache; keep what it made: at the rows that drew the newest tokens, the first drafts."""
-        aux = self.model.model.aux_hidden_states
-        if aux is None or aux.shape[0] != batch.input_ids.shape[0]:
-            raise RuntimeError("EAGLE-3 mirror: the target kept no aux hidden states for this batch")
-        self.mirrored = self.head(
-            self._embed(batch.next_token_ids.clamp(min=0)),
-            self.head.combine(aux.to(self.dtype)),
-            batch.positions,
-            paged_attention(batch.attn, self.kv_caches[0], self.scale),
+    def _run_head(
+        self, token_ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the normed states its LM head reads, the pre-norm states the next step reads, as vLLM feeds back)."""
+        return self.head(
+            self._embed(token_ids), states, positions, paged_attention(attn, self.kv_caches[0], self.scale)
         )
 
-    def propose(self, inputs: list[DraftRequest]) -> Drafts:
-        """Chain the head `num_drafts` times per request: the first draft read from `mirror`'s pass, each next one
-        from the pre-norm state before and the draft just made, one position on."""
-        if self.mirrored is None:
-            raise RuntimeError("propose before mirror: no states")
-        batch_rows = [inp.batch_row for inp in inputs]
-        normed, states = self.mirrored[0][batch_rows], self.mirrored[1][batch_rows]
-
-        def draft(live: list[int], tokens: list[int], step: int) -> tuple[list[int], torch.Tensor]:
-            live_inputs = [inputs[i] for i in live]
-            rows = torch.tensor(live, device=self.device)
-            if step:
-                positions = [len(inp.token_ids) - 2 + step for inp in live_inputs]
-                normed[rows], states[rows] = self.head(
-                    self._embed(torch.tensor(tokens, device=self.device)),
-                    states[rows],
-                    torch.tensor(positions, device=self.device),
-                    paged_attention(
-                        decode_metadata(live_inputs, positions, self.block_size, self.device),
-                        self.kv_caches[0],
-                        self.scale,
-                    ),
-                )
-            drafted, dist = sample_drafts(self.vocab.logits(normed[rows]), live_inputs, self.default_generator)
-            return self.vocab.to_target(drafted), self.vocab.to_target_probs(dist)
-
-        return chain_drafts(inputs, draft)
+    def _target_states(self, batch: TargetBatch) -> torch.Tensor:
+        """The head's input states where the target ran: the three aux layers' states, fused by ``fc``."""
+        aux = batch.aux_hidden_states
+        if aux is None or aux.shape[0] != batch.input_ids.shape[0]:
+            raise RuntimeError("EAGLE-3 mirror: the target kept no aux hidden states for this batch")
+        return cast(Eagle3Head, self.head).combine(aux.to(self.dtype))

@@ -67,6 +67,7 @@ class TargetBatch:
     attn: AttentionMetadata
     hidden_states: torch.Tensor
     next_token_ids: torch.Tensor
+    aux_hidden_states: torch.Tensor | None = None  # the residual streams EAGLE-3 reads, where it asked for them
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """EAGLE-3: the target's aux hidden states, greedy output identical to no speculation, sampled drafts keeping the
 target's distribution, the head folder in vLLM's checkpoint layout (ours loads there, one made elsewhere loads here),
-training that raises acceptance and trains what drafting runs, the CLI.
+training that raises acceptance and trains what drafting runs, draft trees, the CLI.
 
 Heads here are made for tiny-llama (4 layers: vLLM's default aux layers are then 2, 2 and 1) by
 `workbench.train_draft`: randomly initialised, or trained a few seconds on tiny-llama's own greedy answers.
@@ -25,6 +25,7 @@ from engine.spec_decode.proposer import DraftRequest, TargetBatch, TargetModel, 
 from tests.spec_decode.test_eagle_medusa import NUM_DRAWS, SIGNIFICANCE, VOCAB, _first_token_p_value, _target_config
 from tests.spec_decode.test_eagle_medusa import test_greedy_is_identical_with_learned_drafts as greedy_is_identical
 from tests.spec_decode.test_spec_decoding import PARAMS, SETTINGS, _prompts, _reference
+from tests.spec_decode.test_tree import test_greedy_with_a_tree_is_identical_to_no_speculation as tree_is_identical
 from workbench import train_draft as td
 
 K = 3
@@ -151,11 +152,13 @@ def _eagle3_first_drafts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         for p in head.parameters():
             p.mul_(3.0)  # a peaked draft distribution
     proposer = Eagle3Proposer(head.requires_grad_(False), torch.arange(VOCAB).flip(0), target)
-    net.model.aux_hidden_states = torch.randn(1, 3 * H, generator=torch.Generator().manual_seed(seed))
+    aux = torch.randn(1, 3 * H, generator=torch.Generator().manual_seed(seed))
     requests = [DraftRequest(str(i), [5, 7], [0], 1, 1.0, None, None, 0) for i in range(NUM_DRAWS)]
     with torch.inference_mode():
         attn = decode_metadata(requests[:1], [0], 4, torch.device("cpu"))
-        proposer.mirror(TargetBatch(torch.tensor([5]), torch.tensor([0]), attn, torch.zeros(1, H), torch.tensor([7])))
+        proposer.mirror(
+            TargetBatch(torch.tensor([5]), torch.tensor([0]), attn, torch.zeros(1, H), torch.tensor([7]), aux)
+        )
         drafts = proposer.propose(requests)
     tokens = torch.tensor([drafts[str(i)][0][0] for i in range(NUM_DRAWS)])
     return tokens, drafts["0"][1][0]
@@ -238,10 +241,11 @@ def test_heads_that_do_not_fit_the_target_are_refused(tmp_path, head) -> None:
             LLM(model="tiny-llama", speculative_config=_spec(str(folder)))
 
 
-def test_a_draft_tree_is_refused_for_eagle3(head) -> None:
-    tree = {"speculative_token_tree": "[(0,), (1,), (0, 0)]"}
-    with pytest.raises(ValueError, match="speculative_config.speculative_token_tree: eagle3 drafts chains only"):
-        LLM(model="tiny-llama", speculative_config={**_spec(head), **tree})
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_greedy_with_an_eagle3_tree_is_identical_to_no_speculation(head, setting) -> None:
+    """EAGLE's tree test with this head: each depth is one pass of the head from its parents' pre-norm states,
+    a second-best branch kept somewhere, a rejection before a leaf, every block freed."""
+    tree_is_identical({"eagle3": head}, "eagle3", setting)
 
 
 def test_load_reads_back_what_was_written(head) -> None:

@@ -93,6 +93,9 @@ class SpeculativeConfig:
     model: str | None = None
     # vLLM's draft tree: a string of a list of node paths, breadth first (engine/spec_decode/tree.py); None: a chain
     speculative_token_tree: str | None = None
+    # vLLM's dynamic speculative decoding: [(range_start, range_end, K), ...], the drafts a step takes by its batch
+    # size (engine/spec_decode/dynamic.py); None: num_speculative_tokens at every batch size
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> SpeculativeConfig:
@@ -102,6 +105,11 @@ class SpeculativeConfig:
         k = d.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens: must be an int >= 1, got {k!r}")
+        schedule = d.get("num_speculative_tokens_per_batch_size")
+        if schedule is not None:
+            from engine.spec_decode.dynamic import parse_schedule
+
+            d = {**d, "num_speculative_tokens_per_batch_size": tuple(parse_schedule(schedule))}
         cfg = cls(**d)
         if method == "ngram" and not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
             raise ValueError(

@@ -198,6 +198,18 @@ class SpecProposed(Event):
 
 
 @dataclass(frozen=True)
+class SpecScheduled(Event):
+    """Dynamic speculative decoding (speculative_config.num_speculative_tokens_per_batch_size): this step's batch of
+    `batch_size` requests takes `num_spec_tokens` drafts per request for the next step, out of `max_spec_tokens`
+    (num_speculative_tokens); 0: no drafts. Emitted each step only where a schedule is set."""
+
+    kind: ClassVar[str] = "spec.scheduled"
+    batch_size: int
+    num_spec_tokens: int
+    max_spec_tokens: int
+
+
+@dataclass(frozen=True)
 class SpecVerified(Event):
     """One verification of a request's drafts. Per draft position: the draft token, accepted or not, the target's
     probability of it (`p_target`, p) and the draft's own (`p_draft`, q; None for a proposer without a draft

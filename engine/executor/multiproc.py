@@ -107,6 +107,7 @@ class StepMessage:
     finished_req_ids: set[str]
     grammar_bitmask: torch.Tensor | None = None
     guided_rows: list[int] | None = None
+    num_spec_tokens_to_schedule: int = 0
 
 
 @dataclass
@@ -185,7 +186,12 @@ class _Worker:
                     request, s.num_new_tokens, s.num_computed_tokens, s.block_ids, s.samples, s.spec_token_ids
                 )
             )
-        out = SchedulerOutput(scheduled, msg.preempted_req_ids, msg.finished_req_ids)
+        out = SchedulerOutput(
+            scheduled,
+            msg.preempted_req_ids,
+            msg.finished_req_ids,
+            num_spec_tokens_to_schedule=msg.num_spec_tokens_to_schedule,
+        )
         self.tp.take_stats()
         self.events.begin(0)
         result = self.runner.execute_model(out, msg.grammar_bitmask, msg.guided_rows)
@@ -397,7 +403,15 @@ class MultiProcExecutor(Executor):
                     s.spec_token_ids,
                 )
             )
-        return StepMessage(new, scheduled, list(out.preempted_req_ids), set(out.finished_req_ids), bitmask, guided_rows)
+        return StepMessage(
+            new,
+            scheduled,
+            list(out.preempted_req_ids),
+            set(out.finished_req_ids),
+            bitmask,
+            guided_rows,
+            out.num_spec_tokens_to_schedule,
+        )
 
     def _gather(self, expected: str, timeout_s: float) -> list:
         """One reply per rank, in rank order, within `timeout_s`. A death, an error or the timeout stops every

@@ -145,7 +145,11 @@ class ModelRunner:
             apply_bitmask(logits, grammar_bitmask, guided_rows or [])
         t1 = time.perf_counter()
         sampled, logprobs = self._sample(logits, batch)
-        drafts = self.spec.propose(batch.sampling_rows, sampled, self.kv_caches) if self.spec is not None else {}
+        drafts = (
+            self.spec.propose(batch.sampling_rows, sampled, self.kv_caches, output.num_spec_tokens_to_schedule)
+            if self.spec is not None
+            else {}
+        )
         t2 = time.perf_counter()
         return ModelRunnerOutput(
             sampled,

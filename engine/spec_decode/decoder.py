@@ -160,6 +160,7 @@ class SpecDecoder:
         rows: list[ScheduledRequest],
         sampled: dict[str, list[int]],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        num_spec_tokens: int | None = None,
     ) -> Drafts:
         """Show the proposer the step's batch with the drawn tokens, then drafts for every request that just
         sampled, capped so that drafts plus the bonus token stay within max_tokens and max_model_len. After a
@@ -177,7 +178,8 @@ class SpecDecoder:
             [t for _, t in drew], dtype=next_ids.dtype, device=next_ids.device
         )
         self.proposer.mirror(batch)
-        requests = [r for s in rows if (r := self._draft_request(batch, s, sampled[s.request_id])) is not None]
+        k = self.k if num_spec_tokens is None else min(self.k, num_spec_tokens)  # the step's, by its batch size
+        requests = [r for s in rows if (r := self._draft_request(batch, s, sampled[s.request_id], k)) is not None]
         drafts = self.proposer.propose(requests) if requests else {}
         self.stats.proposer_seconds += time.perf_counter() - t0
         return drafts
@@ -191,13 +193,13 @@ class SpecDecoder:
         """The batch row whose position precedes this step's j-th drawn token of `s` (the row that drew it)."""
         return self._first_rows[s.request_id] + len(s.request.all_token_ids) - 1 - s.num_computed_tokens + j
 
-    def _draft_request(self, batch: TargetBatch, s: ScheduledRequest, new: list[int]) -> DraftRequest | None:
+    def _draft_request(self, batch: TargetBatch, s: ScheduledRequest, new: list[int], k: int) -> DraftRequest | None:
         request = s.request
         tokens = request.all_token_ids + new
         left = request.sampling_params.max_tokens - request.num_output_tokens - len(new)
         max_len = self.config.max_model_len
         assert max_len is not None, "resolved from the model when the runner is built"
-        k = min(self.k, left - 1, max_len - len(tokens) - 1)
+        k = min(k, left - 1, max_len - len(tokens) - 1)
         # a guided request's grammar reads drafts as one sequence, which a tree's are not: it verifies alone
         if k < 1 or (self.tree is not None and request.sampling_params.structured_outputs is not None):
             return None

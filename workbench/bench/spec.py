@@ -4,8 +4,9 @@ input-grounded editing workload (the answer repeats the prompt: n-gram lookup he
 Greedy decoding: with or without drafts the tokens are identical, so every configuration does the same useful
 work and the speedup is a plain ratio of times. Methods: n-gram lookup, a draft model (by default the target
 drafting for itself: every greedy draft is accepted, so it shows the mechanism's ceiling and the drafting cost), and
-the learned heads EAGLE and Medusa (the target's default heads, made by `workbench train-draft`). Each row also
-gives the draft's share of the run's time, and the load average around the runs (the machine may be shared).
+the learned heads EAGLE, EAGLE-3 and Medusa (the target's default heads, made by `workbench train-draft`), each as a
+chain, as a draft tree and with a dynamic schedule (drafts only while the batch is small). Each row also gives the
+draft's share of the run's time, and the load average around the runs (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -46,11 +47,22 @@ def chat_requests(tokenizer, num_requests: int, output_len: int) -> list[BenchRe
     ]
 
 
-METHODS = ("none", "ngram", "draft_model", "eagle", "medusa", "eagle_tree", "medusa_tree")
+LEARNED = ("eagle", "eagle3", "medusa")  # the methods whose default heads are committed
+METHODS = (
+    "none",
+    "ngram",
+    "draft_model",
+    *LEARNED,
+    *(f"{m}_tree" for m in LEARNED),
+    *(f"{m}_dynamic" for m in LEARNED),
+)
 # the draft tree of the *_tree methods (vLLM's speculative_token_tree): three children of the root, two of the first,
 # one of the second, one below the best path's second node: 7 nodes, depth 3
 TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 TREE_NODES = len(SpecTree.parse(TREE))
+# the *_dynamic methods' num_speculative_tokens_per_batch_size: k drafts while one or two requests run, none from
+# three on, where verifying k more rows per request costs more than the accepted drafts save (docs/BENCHMARKS.md)
+DYNAMIC = ((1, 2, -1), (3, 1 << 20, 0))  # -1: the run's k
 
 
 def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[str, dict | None]:
@@ -59,11 +71,18 @@ def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[st
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2},
         "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k},
         # no "model": the target's default head
-        "eagle": {"method": "eagle", "num_speculative_tokens": k},
-        "medusa": {"method": "medusa", "num_speculative_tokens": k},
+        **{method: {"method": method, "num_speculative_tokens": k} for method in LEARNED},
         **{
             f"{method}_tree": {"method": method, "num_speculative_tokens": TREE_NODES, "speculative_token_tree": TREE}
-            for method in ("eagle", "medusa")
+            for method in LEARNED
+        },
+        **{
+            f"{method}_dynamic": {
+                "method": method,
+                "num_speculative_tokens": k,
+                "num_speculative_tokens_per_batch_size": [(a, b, k if n < 0 else n) for a, b, n in DYNAMIC],
+            }
+            for method in LEARNED
         },
     }
     return {name: configs[name] for name in ("none", *names) if name in configs}
@@ -246,9 +265,9 @@ def _heads(llms: dict[str, LLM]) -> dict[str, str]:
 
     root = Path(__file__).resolve().parents[2]
     heads: dict[str, str] = {}
-    for name in ("eagle", "medusa"):
-        if name in llms:
-            folder = head_path(None, llms[name].engine.config.model, name).resolve()
+    for name in LEARNED:
+        if any(run.split("_")[0] == name for run in llms):
+            folder = head_path(None, next(iter(llms.values())).engine.config.model, name).resolve()
             heads[name] = str(folder.relative_to(root) if folder.is_relative_to(root) else folder)
     return heads
 
@@ -290,7 +309,9 @@ def _table_rows(result: dict[str, Any]) -> list[list[object]]:
 _DOCS = (
     "Model {model}, fp32, greedy (identical tokens with and without drafts: checked), k={k} draft tokens; n-gram "
     "lookup windows 5..2; draft model {draft_model} (drafting for itself accepts every greedy draft: the ceiling "
-    "of the mechanism, paying a full draft forward per token). Batch 1: every request alone, one after "
+    "of the mechanism, paying a full draft forward per token); *_tree: a 7-node tree of depth 3 ({tree}); "
+    "*_dynamic: k drafts while a step runs 1 or 2 requests, none from 3 on (num_speculative_tokens_per_batch_size). "
+    "Batch 1: every request alone, one after "
     "another; batch 8: eight together. The methods take turns batch by batch (each batch runs through "
     "every method before the next batch). Median of {runs} runs. Editing prompts ask to rewrite a code "
     "passage (input-grounded); chat prompts are free questions. Speedup below 1x is a slowdown. EAGLE and "
@@ -304,6 +325,7 @@ _DOCS = (
 def _parts(result: dict[str, Any]) -> list[Part]:
     values = {
         "heads": ", ".join(f"{m}: {p}" for m, p in result.get("heads", {}).items()) or "none run",
+        "tree": TREE,
     }
     return [docs_only(describe(_DOCS, result, **values)), Table(_HEADERS, _table_rows(result)), Line(load_line(result))]
 

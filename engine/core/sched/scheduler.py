@@ -23,7 +23,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.sched.output import ScheduledRequest, SchedulerOutput
 from engine.core.sched.request_queue import RequestQueue, create_request_queue
 from engine.core.sched.utils import check_stop
-from engine.events import EventLog, RequestDeferred, RequestFinished, RequestPreempted, SpecProposed
+from engine.events import EventLog, RequestDeferred, RequestFinished, RequestPreempted, SpecProposed, SpecScheduled
 from engine.kv_transfer.base import KVLoadError
 from engine.reasons import (
     BudgetLeft,
@@ -43,6 +43,7 @@ from engine.reasons import (
     WaitingForRemoteKV,
 )
 from engine.request import Request, RequestStatus
+from engine.spec_decode.dynamic import schedule_lookup
 
 if TYPE_CHECKING:
     from engine.kv_transfer.base import KVConnectorBase
@@ -133,6 +134,11 @@ class Scheduler:
         # n-gram and Medusa write none (vLLM 0.33's VllmConfig.num_lookahead_tokens)
         self.num_lookahead_tokens = spec.num_speculative_tokens if spec and spec.method in _DRAFTS_WRITE_KV else 0
         self.num_spec_tokens = spec.num_speculative_tokens if spec else 0
+        # dynamic speculative decoding: the drafts a step takes by its number of requests (vLLM's dynamic_sd_lookup)
+        schedule = spec.num_speculative_tokens_per_batch_size if spec else None
+        self.dynamic_sd_lookup = (
+            None if schedule is None else schedule_lookup(schedule, config.max_num_seqs, self.num_spec_tokens)
+        )
         self.spec_method = spec.method if spec else None
         # vLLM's AsyncScheduler: step N+1 is scheduled before step N's tokens are known, one placeholder per token
         # a decode will sample (engine/llm_engine.py keeps one step in flight)
@@ -220,7 +226,15 @@ class Scheduler:
                 self.events.emit(RequestDeferred, request_ids=held, reason=MemoryPressure(preempted=victims))
         for s in scheduled:
             self._update_after_schedule(s)
-        out = SchedulerOutput(scheduled, [r.request_id for r in preempted], self.finished_req_ids)
+        k = self.num_spec_tokens
+        if self.dynamic_sd_lookup is not None and scheduled:
+            k = self.dynamic_sd_lookup[len(scheduled)]
+            self.events.emit(
+                SpecScheduled, batch_size=len(scheduled), num_spec_tokens=k, max_spec_tokens=self.num_spec_tokens
+            )
+        out = SchedulerOutput(
+            scheduled, [r.request_id for r in preempted], self.finished_req_ids, num_spec_tokens_to_schedule=k
+        )
         self.finished_req_ids = set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)

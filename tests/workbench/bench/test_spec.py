@@ -9,7 +9,7 @@ from engine.model.loader import resolve_model
 from engine.spec_decode import draft_heads
 from engine.spec_decode.draft_heads import save_head
 from workbench import train_draft as td
-from workbench.bench.spec import format_markdown, format_text, run_spec
+from workbench.bench.spec import METHODS, format_markdown, format_text, run_spec
 
 
 def _default_heads(tmp_path, monkeypatch) -> None:
@@ -18,7 +18,11 @@ def _default_heads(tmp_path, monkeypatch) -> None:
     target = AutoConfig.from_pretrained(resolve_model("tiny-llama"))
     monkeypatch.setattr(draft_heads, "trained_heads_dir", lambda: tmp_path)
     ids = torch.arange(256)
-    for config in (td.eagle_config(target, 64, 256, "tiny-llama"), td.medusa_config(target, 3, 256, "tiny-llama")):
+    for config in (
+        td.eagle_config(target, 64, 256, "tiny-llama"),
+        td.eagle3_config(target, 64, 256, "tiny-llama"),
+        td.medusa_config(target, 3, 256, "tiny-llama"),
+    ):
         save_head(tmp_path / "tiny-llama" / config["method"], config, td.head_tensors(td.new_head(config, 0), ids), {})
 
 
@@ -27,7 +31,8 @@ def test_spec_bench_reports_every_configuration(tmp_path, monkeypatch) -> None:
     result = run_spec(
         model="tiny-llama", k=3, batch_sizes=(1, 4), num_requests=4, output_len=12, runs=1, log=lambda line: None
     )
-    methods = ("none", "ngram", "draft_model", "eagle", "medusa", "eagle_tree", "medusa_tree")
+    methods = METHODS  # chains, trees and dynamic schedules of every learned head
+    assert {"eagle3_tree", "medusa_dynamic"} <= set(methods)
     keys = {(r["workload"], r["batch"], r["method"]) for r in result["rows"]}
     assert keys == {(w, b, m) for w in ("editing", "chat") for b in (1, 4) for m in methods}
     for r in result["rows"]:
@@ -38,7 +43,7 @@ def test_spec_bench_reports_every_configuration(tmp_path, monkeypatch) -> None:
             assert r["speedup"] == 1.0 and r["draft_share"] == 0.0
         else:
             assert 0 < r["draft_share"] < 1
-    assert set(result["load_average"]) == {"before", "after"} and set(result["heads"]) == {"eagle", "medusa"}
+    assert set(result["load_average"]) == {"before", "after"} and set(result["heads"]) == {"eagle", "eagle3", "medusa"}
     assert "## Speculative decoding" in format_markdown(result, "workbench bench spec")
     assert "Load average" in format_text(result)
 

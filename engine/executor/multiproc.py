@@ -107,7 +107,7 @@ class StepMessage:
     finished_req_ids: set[str]
     grammar_bitmask: torch.Tensor | None = None
     guided_rows: list[int] | None = None
-    num_spec_tokens_to_schedule: int = 0
+    num_spec_tokens_to_schedule: int | None = None
 
 
 @dataclass

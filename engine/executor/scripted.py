@@ -76,18 +76,19 @@ class TokenScript:
         sampled: dict[str, list[int]],
         spec: SpeculativeConfig,
         events: EventLog,
+        num_spec_tokens: int | None = None,
     ) -> dict[str, tuple[list[int], None]]:
         """A step's verifications and proposals: each sampling request's drafts verified (its tokens in `sampled`
-        replaced by what the verification emits, a spec.verified event each), then its next drafts, by request id."""
+        replaced by what the verification emits, a spec.verified event each), then its next drafts (at most
+        `num_spec_tokens`, the step's by a dynamic schedule; None: num_speculative_tokens), by request id."""
+        k = spec.num_speculative_tokens if num_spec_tokens is None else num_spec_tokens
         proposed: dict[str, tuple[list[int], None]] = {}
         for s in scheduled:
             if not s.samples:
                 continue
             if s.spec_token_ids:
                 sampled[s.request_id] = self._verify(s, spec.method, events)
-            drafts = self.propose(
-                s.request_id, s.request.num_output_tokens + len(sampled[s.request_id]), spec.num_speculative_tokens
-            )
+            drafts = self.propose(s.request_id, s.request.num_output_tokens + len(sampled[s.request_id]), k)
             if drafts:
                 proposed[s.request_id] = (drafts, None)
         return proposed

@@ -98,7 +98,8 @@ class SimulatedExecutor(Executor):
         sampled = {s.request_id: [self._token(s.request)] for s in scheduled if s.samples}
         drafts = {}
         if self.script is not None and self.config.speculative is not None:  # a scripted proposer (ScriptedModel)
-            drafts = self.script.speculate(scheduled, sampled, self.config.speculative, self.events)
+            k = scheduler_output.num_spec_tokens_to_schedule
+            drafts = self.script.speculate(scheduled, sampled, self.config.speculative, self.events, k)
         return ModelRunnerOutput(
             sampled, {}, dict(drafts), forward_ms=cost.forward_s * 1e3, sample_ms=cost.sampling_s * 1e3
         )

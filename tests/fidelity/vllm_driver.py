@@ -17,9 +17,10 @@ lookahead slots and no extra input budget. The runner's part is scripted as the 
 each scheduled request's `scheduled_spec_decode_tokens` are verified greedily against its script (the accepted
 prefix plus one token in `sampled_token_ids`), then, as `EngineCore.post_step` does, `update_draft_token_ids` gets
 the batch's next drafts (the workload's, after the request's outputs; none for a request that did not sample).
-A dynamic speculative decoding schedule of K at every batch size turns off one thing only: the padding of a newly
-admitted one-token decode to 1 + K rows with -1 drafts, kept for CUDA graphs (a deliberate difference,
-docs/FIDELITY.md).
+The runner drafts at most the step's `num_spec_tokens_to_schedule`. A workload's dynamic speculative decoding
+schedule (`num_speculative_tokens_per_batch_size`) sets it by batch size, and the trace records it (`spec_k`);
+without one, a schedule of K at every batch size turns off one thing only: the padding of a newly admitted one-token
+decode to 1 + K rows with -1 drafts, kept for CUDA graphs (a deliberate difference, docs/FIDELITY.md).
 
 Guided requests (`grammar_ready_step`): structured-output params (a JSON object), so vLLM's Request waits in
 WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR; no grammar is compiled (EngineCore's grammar_init is never called, and
@@ -201,7 +202,7 @@ def make_scheduler(workload: dict, kv_events_config: dict | None = None):
             num_speculative_tokens=k,
             prompt_lookup_max=k,
             prompt_lookup_min=1,
-            num_speculative_tokens_per_batch_size=[(1, 1, k)],
+            num_speculative_tokens_per_batch_size=c.get("num_speculative_tokens_per_batch_size", [(1, 1, k)]),
         )
     vllm_config = VllmConfig(
         speculative_config=speculative_config,
@@ -330,7 +331,7 @@ def _draft_token_ids(out, samples: set, requests: dict, workload: dict):
     from vllm.v1.outputs import DraftTokenIds
 
     drafts = {r["request_id"]: r["draft_token_ids"] for r in workload["requests"]}
-    k = workload["config"]["num_speculative_tokens"]
+    k = out.num_spec_tokens_to_schedule  # the step's, by the dynamic schedule
     req_ids = list(out.num_scheduled_tokens)
     proposed = []
     for rid in req_ids:
@@ -388,6 +389,8 @@ def run_workload(workload: dict, kv_events_config: dict | None = None) -> dict:
             record.update(_schedule_record(out, requests))
             if "num_speculative_tokens" in c:  # the drafts each request verifies in this batch
                 record["spec"] = {rid: list(d) for rid, d in out.scheduled_spec_decode_tokens.items()}
+            if "num_speculative_tokens_per_batch_size" in c:
+                record["spec_k"] = out.num_spec_tokens_to_schedule if out.num_scheduled_tokens else None
             # a request samples when its scheduled tokens reached its sequence's end (no prompt left)
             samples = {rid for rid in out.num_scheduled_tokens if not scheduler.requests[rid].is_prefill_chunk}
             queue.append((out, samples))

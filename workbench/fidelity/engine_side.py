@@ -101,7 +101,7 @@ def make_engine(workload: dict[str, Any], kv_events_config: dict[str, Any] | Non
         executor="scripted",
         # vLLM's side runs the "ngram" method, whose drafts need no lookahead slots: so does this engine's
         token_script=ScriptedModel(scripts, drafts) if k else scripts,
-        speculative_config={"method": "ngram", "num_speculative_tokens": k} if k else None,
+        speculative_config={"method": "ngram", "num_speculative_tokens": k, **_schedule(c)} if k else None,
         num_kv_blocks=c["num_blocks"],
         block_size=c["block_size"],
         max_num_batched_tokens=c["max_num_batched_tokens"],
@@ -119,6 +119,11 @@ def make_engine(workload: dict[str, Any], kv_events_config: dict[str, Any] | Non
     if c.get("kv_connector") == "scripted":  # the scheduler's connector only: the runner has no KV to move
         engine.scheduler.connector = ScriptedConnector(workload)
     return engine
+
+
+def _schedule(config: dict[str, Any]) -> dict[str, Any]:
+    key = "num_speculative_tokens_per_batch_size"
+    return {key: config[key]} if key in config else {}
 
 
 def _add(engine: LLMEngine, spec: dict[str, Any], index: int) -> None:
@@ -186,6 +191,8 @@ def trace_steps(workload: dict[str, Any], engine: LLMEngine) -> Iterator[dict[st
         events = [e for e in record.events if e.step == record.step]
         admitted = [e for e in events if e.kind == "request.scheduled" and e.request_id not in was_running]
         spec = {"spec": {e.request_id: list(e.draft_token_ids) for e in events if e.kind == "spec.verified"}}
+        if "num_speculative_tokens_per_batch_size" in workload["config"]:  # the drafts this step's batch may take
+            spec["spec_k"] = next((e.num_spec_tokens for e in events if e.kind == "spec.scheduled"), None)
         yield {
             "step": step,
             "scheduled": [[rid, n] for rid, n in record.scheduled.items()],

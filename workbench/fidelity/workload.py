@@ -12,6 +12,8 @@ Each coverage group draws what it covers and keeps the rest at defaults that can
 - spec: the lifecycle group (min_tokens aside: the engine refuses it with drafts) under speculative decoding, 1 to 4
   speculative tokens (vLLM's "ngram" method: no lookahead slots), each request with scripted drafts after each of
   its outputs, some equal to the tokens it will sample and some not, so that verifications accept all, some or none;
+  half of them with a dynamic schedule (num_speculative_tokens_per_batch_size: the drafts a step takes by its batch
+  size, some ranges 0), drawn from a generator of its own so the other workloads stay as they were;
 - guided: the lifecycle group with structured output: some requests are guided and wait for their grammar
   (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR) until a given step, when it is ready (a stand-in that allows every token)
   or fails to compile;
@@ -113,6 +115,19 @@ def _drafts(rng: random.Random, script: list[int], k: int) -> list[list[int]]:
     return drafts
 
 
+def _spec_schedule(rng: random.Random, k: int) -> list[list[int]] | None:
+    """Half the time, a dynamic schedule: ranges from batch size 1 over the workloads' up to 12 requests, sometimes
+    with gaps and a last range ending short (both carry the K before them), each K in 0..k + 1 (above k: capped)."""
+    if rng.random() < 0.5:
+        return None
+    schedule, start = [], 1
+    while start <= 12:
+        end = start + rng.randint(0, 2)
+        schedule.append([start, end, rng.randint(0, k + 1)])
+        start = end + 1 + (rng.randint(1, 3) if rng.random() < 0.2 else 0)
+    return schedule
+
+
 def _remote(rng: random.Random, request: dict, block_size: int) -> None:
     """What the scripted connector says of a request: `remote_tokens` of its prompt stored elsewhere, loaded
     synchronously or not (`load_async`, landing `load_steps` steps after its blocks are allocated), and
@@ -151,6 +166,9 @@ def make_workload(group: str, seed: int) -> dict[str, Any]:
     lifecycle = group in ("lifecycle", "async", "spec", "guided", "connector")
     if group == "spec":
         config["num_speculative_tokens"] = rng.randint(1, 4)
+        schedule = _spec_schedule(random.Random(f"{group}-{seed}-schedule"), config["num_speculative_tokens"])
+        if schedule:
+            config["num_speculative_tokens_per_batch_size"] = schedule
     prefixes = [[rng.choice(VOCAB) for _ in range(config["max_model_len"])] for _ in range(rng.randint(0, 3))]
     requests = [_request(rng, i, config, prefixes, lifecycle) for i in range(rng.randint(1, 12))]
     for request in requests if group == "spec" else ():

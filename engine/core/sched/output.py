@@ -35,9 +35,9 @@ class SchedulerOutput:
     preempted_req_ids: list[str]
     finished_req_ids: set[str]
     kv_connector_metadata: Any = None  # the connector's KVConnectorMetadata (typed there: no import back)
-    # the drafts each request that samples may propose for the next step (vLLM's, set by the batch-size schedule
-    # of dynamic speculative decoding; num_speculative_tokens without one)
-    num_spec_tokens_to_schedule: int = 0
+    # the drafts each request that samples may propose for the next step, set by the batch-size schedule of dynamic
+    # speculative decoding (vLLM's); None without one: num_speculative_tokens
+    num_spec_tokens_to_schedule: int | None = None
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

@@ -226,7 +226,7 @@ class Scheduler:
                 self.events.emit(RequestDeferred, request_ids=held, reason=MemoryPressure(preempted=victims))
         for s in scheduled:
             self._update_after_schedule(s)
-        k = self.num_spec_tokens
+        k = None
         if self.dynamic_sd_lookup is not None and scheduled:
             k = self.dynamic_sd_lookup[len(scheduled)]
             self.events.emit(

@@ -24,10 +24,13 @@ namespace {
 using namespace wbcpu;
 
 // A thread's weight rows lie end to end, so it reads them as one long stream, with a software prefetch PREFETCH bytes
-// ahead (within noise of none on a Zen 3: a standalone GEMV over the model's weights read 26-31 GB/s either way, the
-// machine's read bandwidth); U accumulators per input row hide the dot product's latency (one accumulator: 31 GB/s,
-// four: 34 GB/s in that test).
-constexpr int64_t PREFETCH = 2048;
+// ahead of every cache line (within noise of none on a Zen 3: a standalone GEMV over the model's weights read
+// 26-31 GB/s either way, the machine's read bandwidth). Not of some lines only: on a Zen 4 (AVX-512 EPYC, 2 threads,
+// the 121 linears of smollm2-135m at one row, alternating) one prefetch per 4 lines read 26 GB/s where none read
+// 33-41 and one per line 34-39 (1 thread: 12.5, 19-21 and 20 GB/s): the partial prefetches hold the hardware's
+// stream back. U accumulators per input row hide the dot product's latency (one accumulator: 31 GB/s, four: 34 GB/s
+// in the Zen 3 test).
+constexpr int64_t PREFETCH = 4096;
 template <int M> constexpr int unroll() { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
 constexpr int64_t TILE_BYTES = 16 << 10;  // weight rows per run: half of Zen 3's 32 KiB L1d
 
@@ -151,8 +154,9 @@ inline void dot_rows(const typename D::X* x, const float* ls, const typename D::
     for (int u = 0; u < U; ++u) acc[m][u] = D::zero();
   int64_t k = 0;
   for (; k + V * U <= K; k += V * U) {
-    if (k % LINE < V * U) _mm_prefetch(reinterpret_cast<const char*>(wn + k) + PREFETCH, _MM_HINT_T0);
     for (int u = 0; u < U; ++u) {
+      // a vector is a cache line of weights under AVX-512, half of one under AVX2: one prefetch per line
+      if ((k + V * u) % LINE < V) _mm_prefetch(reinterpret_cast<const char*>(wn + k + V * u) + PREFETCH, _MM_HINT_T0);
       const auto wv = D::w(wn + k + V * u);
       for (int m = 0; m < M; ++m) acc[m][u] = D::step(acc[m][u], wv, x + m * K + k + V * u, lanes(m, k + V * u));
     }

@@ -15,7 +15,7 @@ Slots written past a rejection are overwritten later, as the draft model's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -39,9 +39,6 @@ from engine.spec_decode.proposer import (
     tree_level_metadata,
 )
 from engine.spec_decode.tree import SpecTree
-
-if TYPE_CHECKING:
-    from engine.spec_decode.eagle3 import Eagle3Head
 
 # q [N, Hq, D], k and v [N, Hkv, D] of the N tokens -> attention output [N, Hq, D]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -147,7 +144,7 @@ class EagleProposer(Proposer):
         model = target.causal_lm
         self._init_drafting(head, DraftVocab(draft_ids, model.lm_head, target.vocab_size), target)
 
-    def _init_drafting(self, head: EagleHead | Eagle3Head, vocab: DraftVocab, target: TargetModel) -> None:
+    def _init_drafting(self, head: nn.Module, vocab: DraftVocab, target: TargetModel) -> None:
         """What every EAGLE proposer keeps: the head, its draft vocabulary, its own cache on the target's block ids,
         the target's embedding, and the tree each proposal expands (None: a chain)."""
         config = target.config
@@ -157,7 +154,7 @@ class EagleProposer(Proposer):
         self.block_size = config.block_size
         self.device = target.device
         self.default_generator = target.default_generator
-        self.scale = cast(EagleLayer, head.layers[0]).head_dim ** -0.5  # ModuleList items are typed as Module
+        self.scale = cast(EagleLayer, cast(nn.ModuleList, head.layers)[0]).head_dim ** -0.5  # items typed Module
         self.dtype = config.torch_dtype  # of the states and the head's cache (its matrices may be narrower)
         self.kv_caches = allocate_kv_caches(
             head, target.num_blocks, config.block_size, config.torch_dtype, target.device

@@ -820,7 +820,9 @@ class Eagle3Trainer(Trainer):
         head, b, t = self.eagle3, tokens.shape[0], tokens.shape[1] - 1
         state = head.combine(hidden[:, :-1, self.hidden_size :].reshape(b * t, -1))
         if noise:  # as EAGLE's feature noise: later draft steps read the head's own, imperfect states
-            state = state + noise * torch.randn_like(state) * state.pow(2).mean(-1, keepdim=True).sqrt()
+            # its scale is a constant: through sqrt, a padded row's zero state had an infinite gradient (0 * inf: NaN,
+            # the NaN loss of every EAGLE-3 training on real answers, whose batches are padded)
+            state = state + noise * torch.randn_like(state) * state.detach().pow(2).mean(-1, keepdim=True).sqrt()
         padded = F.pad(tokens, (0, self.steps - 1))
         attend = UnrolledAttention(b, t, head.shape.head_dim**-0.5)
         preds = []

@@ -315,3 +315,15 @@ def test_train_draft_command_writes_an_eagle3_head_the_engine_loads(tmp_path, mo
         64,
         32,
     )
+
+
+def test_feature_noise_keeps_the_gradients_of_a_padded_batch_finite() -> None:
+    """The noise's scale is the state's RMS, which is 0 on a padded row: through sqrt its gradient was infinite and
+    every loss of a training on real (padded) batches went NaN; the scale is held constant now."""
+    trainer = _trainer(steps=K)
+    samples, _ = _samples()
+    tokens, hidden, mask = next(td._batches(samples, 8, 256, None))
+    assert not mask.all()  # rows of different lengths: padded
+    trainer.loss(tokens, hidden, mask, noise=0.1).backward()
+    grads = [p.grad for p in trainer.head.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)

@@ -240,7 +240,7 @@ def test_a_trees_verifications_their_statistics_and_the_drawn_tree(heads, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
 def test_greedy_with_a_tree_on_smollm2_is_identical_to_no_speculation(method):
     """The real model with its committed heads, several prompts: the tree keeps more than a chain's first branch."""
     prompts = [list(p) for p in _prompts("smollm2-135m")][:4]

@@ -178,7 +178,7 @@ class SpecDecoder:
             [t for _, t in drew], dtype=next_ids.dtype, device=next_ids.device
         )
         self.proposer.mirror(batch)
-        k = self.k if num_spec_tokens is None else min(self.k, num_spec_tokens)  # the step's, by its batch size
+        k = self.k if num_spec_tokens is None else num_spec_tokens  # the step's, by its batch size (at most self.k)
         requests = [r for s in rows if (r := self._draft_request(batch, s, sampled[s.request_id], k)) is not None]
         drafts = self.proposer.propose(requests) if requests else {}
         self.stats.proposer_seconds += time.perf_counter() - t0

@@ -183,11 +183,9 @@ class EagleProposer(Proposer):
         self, token_ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over tokens and the states before them -> (the states read out, the states the next step
-        reads)."""
-        predicted = self.head(
-            self._embed(token_ids), states, positions, paged_attention(attn, self.kv_caches[0], self.scale)
-        )
-        return predicted, predicted
+        reads): EAGLE-3's head returns both (normed, pre-norm), EAGLE-1's one state that serves as both."""
+        out = self.head(self._embed(token_ids), states, positions, paged_attention(attn, self.kv_caches[0], self.scale))
+        return out if isinstance(out, tuple) else (out, out)
 
     def _target_states(self, batch: TargetBatch) -> torch.Tensor:
         """The head's input states where the target ran: its final hidden states."""

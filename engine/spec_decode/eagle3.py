@@ -29,10 +29,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from engine.model.attention import AttentionMetadata
 from engine.model.llama import ModelShape, RotaryEmbedding
 from engine.spec_decode.draft_heads import CONFIG, DraftVocab, head_ops, head_path, narrow_matrices, weight_files
-from engine.spec_decode.eagle import Attend, EagleLayer, EagleProposer, paged_attention
+from engine.spec_decode.eagle import Attend, EagleLayer, EagleProposer
 from engine.spec_decode.proposer import TargetBatch, TargetModel
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # config.json's (vLLM reads either)
@@ -242,14 +241,6 @@ class Eagle3Proposer(EagleProposer):
             target,
             None if layers is None else tuple(layers),
             None if embed is None else embed.to(device=target.device, dtype=config.torch_dtype),
-        )
-
-    def _run_head(
-        self, token_ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (the normed states its LM head reads, the pre-norm states the next step reads, as vLLM feeds back)."""
-        return self.head(
-            self._embed(token_ids), states, positions, paged_attention(attn, self.kv_caches[0], self.scale)
         )
 
     def _target_states(self, batch: TargetBatch) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Dynamic speculative decoding (speculative_config.num_speculative_tokens_per_batch_size, vLLM 0.33's): the schedule's
 checks name the field, its lookup is vLLM's (gaps and the tail carry the K before them), and an engine drafts the
 step's K by its batch size: none while the batch is large, the full K once it is small, the greedy output unchanged
-(n-gram and the draft model; EAGLE, whose head keeps mirroring the target while it does not draft)."""
+(the draft model; EAGLE, whose head keeps mirroring the target while it does not draft)."""
 
 from __future__ import annotations
 

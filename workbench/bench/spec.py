@@ -60,9 +60,12 @@ METHODS = (
 # one of the second, one below the best path's second node: 7 nodes, depth 3
 TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 TREE_NODES = len(SpecTree.parse(TREE))
+
+
 # the *_dynamic methods' num_speculative_tokens_per_batch_size: k drafts while one or two requests run, none from
 # three on, where verifying k more rows per request costs more than the accepted drafts save (docs/BENCHMARKS.md)
-DYNAMIC = ((1, 2, -1), (3, 1 << 20, 0))  # -1: the run's k
+def dynamic_schedule(k: int) -> list[tuple[int, int, int]]:
+    return [(1, 2, k), (3, 1 << 20, 0)]  # the last range reaches any max_num_seqs
 
 
 def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[str, dict | None]:
@@ -80,7 +83,7 @@ def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[st
             f"{method}_dynamic": {
                 "method": method,
                 "num_speculative_tokens": k,
-                "num_speculative_tokens_per_batch_size": [(a, b, k if n < 0 else n) for a, b, n in DYNAMIC],
+                "num_speculative_tokens_per_batch_size": dynamic_schedule(k),
             }
             for method in LEARNED
         },

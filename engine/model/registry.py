@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from engine.model.hugepages import move_to_hugepages
 from engine.model.llama import LlamaForCausalLM, iter_safetensors
 from engine.model.qwen3 import Qwen3ForCausalLM
 from engine.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -56,7 +57,7 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Build the model from an HF folder's config and safetensors on ``device``. On CUDA it computes and stores
     in ``dtype``; on a CPU it computes in float32 and stores the weights as ``dtype`` (or int8 with
-    ``quantization="int8"``)."""
+    ``quantization="int8"``), the weights on huge pages (engine/model/hugepages.py)."""
     config = AutoConfig.from_pretrained(path)
     cls = model_class(config)
     check_weights_format(path)
@@ -70,4 +71,6 @@ def load_model(
     model.load_weights(iter_safetensors(Path(path)))
     if dtype != compute or quantization is not None:
         model.store_weights(dtype, quantization)
+    if device.type == "cpu":
+        move_to_hugepages(model)
     return model.eval().requires_grad_(False), config

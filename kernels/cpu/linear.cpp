@@ -23,15 +23,13 @@ namespace {
 
 using namespace wbcpu;
 
-// A thread's weight rows lie end to end, so it reads them as one long stream, with a software prefetch PREFETCH bytes
-// ahead of every cache line (within noise of none on a Zen 3: a standalone GEMV over the model's weights read
-// 26-31 GB/s either way, the machine's read bandwidth). Not of some lines only: on a Zen 4 (AVX-512 EPYC, 2 threads,
-// the 121 linears of smollm2-135m at one row, alternating) one prefetch per 4 lines read 26 GB/s where none read
-// 33-41 and one per line 34-39 (1 thread: 12.5, 19-21 and 20 GB/s): the partial prefetches hold the hardware's
-// stream back. U accumulators per input row hide the dot product's latency (one accumulator: 31 GB/s, four: 34 GB/s
-// in the Zen 3 test).
-constexpr int64_t PREFETCH = 4096;
-template <int M> constexpr int unroll() { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+// A thread's weight rows lie end to end, so it reads them as one long stream, and the hardware prefetcher is left to
+// follow it: on the AVX-512 EPYC (Zen 4; the model's 121 bf16 linears at one row, 2 threads, same process,
+// alternating, 2026-12-03) a software prefetch 4 KiB ahead of every line read 24-25 GB/s, none 33 GB/s, and 42-46 GB/s
+// with the weights on huge pages (engine/model/hugepages.py); one prefetch per 4 lines had read slower still. U
+// accumulators per input row hide the dot product's latency: at one row two read 35 GB/s where four read 33 and
+// eight 31 (same test).
+template <int M> constexpr int unroll() { return M <= 4 ? 2 : 1; }
 constexpr int64_t TILE_BYTES = 16 << 10;  // weight rows per run: half of Zen 3's 32 KiB L1d
 
 // ---- the dot kinds: how a vector of one weight row meets the same columns of a row of x ------------------------
@@ -148,15 +146,13 @@ inline void dot_rows(const typename D::X* x, const float* ls, const typename D::
   const int64_t LS = lane_stride(K);
   const auto lanes = [&](int m, int64_t k) { return ls ? ls + m * LS + k / 4 : nullptr; };
   constexpr int U = unroll<M>();
-  constexpr int64_t LINE = 64 / sizeof(typename D::W), V = D::V;  // weights per cache line, per vector
+  constexpr int64_t V = D::V;
   typename D::Acc acc[M][U];
   for (int m = 0; m < M; ++m)
     for (int u = 0; u < U; ++u) acc[m][u] = D::zero();
   int64_t k = 0;
   for (; k + V * U <= K; k += V * U) {
     for (int u = 0; u < U; ++u) {
-      // a vector is a cache line of weights under AVX-512, half of one under AVX2: one prefetch per line
-      if ((k + V * u) % LINE < V) _mm_prefetch(reinterpret_cast<const char*>(wn + k + V * u) + PREFETCH, _MM_HINT_T0);
       const auto wv = D::w(wn + k + V * u);
       for (int m = 0; m < M; ++m) acc[m][u] = D::step(acc[m][u], wv, x + m * K + k + V * u, lanes(m, k + V * u));
     }

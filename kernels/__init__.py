@@ -118,6 +118,51 @@ def tree_attention(
     )
 
 
+# Where the CPU op exists, a step of a few rows runs each Llama decoder layer as one C++ call (llama_decoder_layer);
+# `workbench bench profile` turns it off to time the layer's ops one by one.
+FUSED_LAYERS = True
+
+
+def llama_decoder_layer(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    params: list[torch.Tensor | None],
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A whole Llama decoder layer (norms, q/k/v, RoPE, KV write, paged attention, o_proj, the SiLU MLP) in one
+    call, bit for bit the layer's ops one by one, where the device has such an op for these inputs (the C++ CPU op:
+    float32 activations, a few rows; `params` in ``LlamaDecoderLayer.fused_params``'s order). Returns the layer's
+    (hidden, residual), or None where it does not apply: the caller then runs the ops one by one."""
+    if not (FUSED_LAYERS and hidden.device.type == "cpu" and _impl("rms_norm", "cpu") is not reference.rms_norm):
+        return None  # not the CPU, or its C++ ops are not built
+    from kernels.cpu import ops
+
+    return ops.llama_decoder_layer(
+        hidden,
+        residual,
+        params,
+        rope,
+        kv_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_heads,
+        num_kv_heads,
+        scale,
+        eps,
+    )
+
+
 def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> int:
     """Compile now what paged attention will compile while requests run (on CUDA: one Triton variant per split
     count); returns how many variants ran, 0 where nothing is compiled (the CPU ops are built ahead)."""

@@ -79,7 +79,12 @@ def triton_beside_torch(num_sms: int, dtype: torch.dtype = CUDA_DTYPE) -> Iterat
 
         return both
 
-    with mock.patch.object(kernels, "_impl", impl), mock.patch.object(kt.attention, "_num_sms", lambda _: num_sms):
+    # on CUDA each layer runs op by op: no whole-layer CPU op may take the launches this is here to see
+    with (
+        mock.patch.object(kernels, "_impl", impl),
+        mock.patch.object(kt.attention, "_num_sms", lambda _: num_sms),
+        mock.patch.object(kernels, "FUSED_LAYERS", False),
+    ):
         yield
 
 

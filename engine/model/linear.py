@@ -24,6 +24,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.weight_scale, self.bias)
 
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The weight as stored, its per-row scale (int8) and its bias: what a kernel given the whole layer takes."""
+        return self.weight, self.weight_scale, self.bias
+
     def store(self, dtype: torch.dtype, quantization: str | None = None) -> None:
         """Keep the (loaded, full-precision) weight as `dtype`, or as int8 with a scale per output row (W8A8)."""
         weight = self.weight.data

@@ -212,6 +212,34 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Llama's own attention and SiLU MLP over plain linears (no q/k norm, no tensor-parallel all-reduce):
+        # kernels.llama_decoder_layer can run the layer in one call
+        self.fusable = (
+            type(self.self_attn) is LlamaAttention
+            and type(self.mlp) is LlamaMLP
+            and self.mlp.silu
+            and all(
+                type(linear) is Linear
+                for linear in (
+                    self.self_attn.qkv_proj,
+                    self.self_attn.o_proj,
+                    self.mlp.gate_up_proj,
+                    self.mlp.down_proj,
+                )
+            )
+        )
+
+    def fused_params(self) -> list[torch.Tensor | None]:
+        """The layer's tensors in the order kernels.llama_decoder_layer takes them."""
+        attn, mlp = self.self_attn, cast(LlamaMLP, self.mlp)
+        return [
+            self.input_layernorm.weight,
+            *attn.qkv_proj.parts(),
+            *attn.o_proj.parts(),
+            self.post_attention_layernorm.weight,
+            *mlp.gate_up_proj.parts(),
+            *mlp.down_proj.parts(),
+        ]
 
     def forward(
         self,
@@ -221,6 +249,25 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        attention = self.self_attn
+        if self.fusable and attn.tree_mask is None and attention.sliding_window is None:
+            fused = kernels.llama_decoder_layer(
+                hidden,
+                residual,
+                self.fused_params(),
+                rope,
+                kv_cache,
+                attn.slot_mapping,
+                attn.block_tables,
+                attn.seq_lens,
+                attn.query_start_loc,
+                attention.num_heads,
+                attention.num_kv_heads,
+                attention.scale,
+                self.input_layernorm.eps,
+            )
+            if fused is not None:
+                return fused
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:

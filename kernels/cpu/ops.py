@@ -122,3 +122,61 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float32 and x.dim() == 2:
         return torch.ops.workbench_cpu.silu_and_mul(x)
     return reference.silu_and_mul(x)
+
+
+def _linear_op_applies(weight: torch.Tensor | None, scale: torch.Tensor | None) -> bool:
+    """Whether `linear` above sends a few rows of float32 input on this weight to one of the C++ linear ops."""
+    if weight is None:
+        return False
+    if weight.dtype == torch.int8:
+        return scale is not None
+    return weight.dtype in (torch.bfloat16, torch.float32) and scale is None
+
+
+def llama_decoder_layer(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    params: list[torch.Tensor | None],
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    # the op calls the ops the functions above would pick for these inputs; where any of them would fall back to
+    # the reference (or to oneDNN: more than SMALL_M rows), the layer is left to run op by op
+    k_cache, v_cache = kv_cache
+    cos, sin = rope
+    applies = (
+        hidden.dtype == cos.dtype == torch.float32
+        and hidden.dim() == 2
+        and hidden.shape[0] <= SMALL_M
+        and k_cache.dtype in (torch.float32, torch.bfloat16)
+        and num_heads // num_kv_heads <= 8
+        and all(norm is not None and norm.dtype == torch.float32 for norm in (params[0], params[7]))
+        and all(_linear_op_applies(params[i], params[i + 1]) for i in (1, 4, 8, 11))
+    )
+    if not applies:
+        return None
+    return torch.ops.workbench_cpu.llama_decoder_layer.default(
+        hidden,
+        residual,
+        params,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_heads,
+        num_kv_heads,
+        scale,
+        eps,
+    )

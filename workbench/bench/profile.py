@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -395,7 +396,9 @@ def run_profile(
     ids = _start_decode_workload(llm, num_requests, prompt_len, prefill_steps + warmup + 3 * steps + 2, seed)
     plain, batches = _plain_steps_publishing(eng, steps, warmup) if drain else (_plain_steps(eng, steps, warmup), {})
     log(f"plain decode step: {_median_step_ms(plain):.1f} ms")
-    ms = _cprofile_ms(eng, steps)
+    # the split reads the layers' ops one by one: a step of a few rows would otherwise run each layer as one call
+    with mock.patch.object(kernels, "FUSED_LAYERS", False):
+        ms = _cprofile_ms(eng, steps)
     ops, inside_ops_ms = _torch_ops(eng, steps, top_ops) if top_ops else ([], None)
     input_prep = _input_prep(llm, ids, chunked_prompt_len, seed, log)
     if drain is not None:

@@ -1,0 +1,89 @@
+// One Llama-family decoder layer for a step of a few tokens, in one call from Python: the input norm (with the
+// residual add), q/k/v, RoPE, the paged KV write, paged attention, o_proj, the post-attention norm, gate/up, SiLU
+// and down. It computes nothing itself: it calls this library's own ops, in the order and with the arguments that
+// engine/model/llama.py's LlamaDecoderLayer gives them one by one, so its result is bit for bit that path's
+// (tests/kernels/test_decoder_layer.py). What it saves is Python: at one token a step of smollm2-135m made some 300
+// op calls from Python, each through a module, a dispatching function and torch's op lookup, several microseconds
+// apiece against a kernel of tens; here each layer is one call and the ops meet through the C++ dispatcher.
+// kernels/cpu/ops.py says when it applies (float32 activations, a few rows, no tree mask, sliding window or TP).
+#include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> workbench_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// the linear op kernels/cpu/ops.py's linear picks for a few rows of float32 input, by how the weight is stored
+at::Tensor linear(const at::Tensor& x, const OptTensor& weight, const OptTensor& scale, const OptTensor& bias) {
+  static const auto w8a8 = workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const OptTensor&)>("workbench_cpu::linear_w8a8");
+  static const auto bf16 =
+      workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>("workbench_cpu::linear_bf16");
+  static const auto small_m = workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                                      const OptTensor&)>("workbench_cpu::linear_small_m");
+  const at::Tensor& w = *weight;
+  if (w.scalar_type() == at::kChar) return w8a8.call(x, w, *scale, bias);
+  if (w.scalar_type() == at::kBFloat16) return bf16.call(x, w, bias);
+  return small_m.call(x, w, scale, bias);
+}
+
+// params: input_layernorm, then q/k/v's weight, scale, bias, o_proj's three, post_attention_layernorm, gate/up's
+// three, down's three (None where a linear has no scale or bias): LlamaDecoderLayer.fused_params's order.
+std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
+    const at::Tensor& hidden, const OptTensor& residual, const c10::List<OptTensor>& params, const at::Tensor& cos,
+    const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
+    int64_t num_kv_heads, double scale, double eps) {
+  using Pair = std::tuple<at::Tensor, at::Tensor>;
+  static const auto rms_norm =
+      workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("workbench_cpu::rms_norm");
+  static const auto add_rms_norm = workbench_op<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+      "workbench_cpu::fused_add_rms_norm");
+  static const auto rotary = workbench_op<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&)>("workbench_cpu::rotary");
+  static const auto store = workbench_op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                                              const at::Tensor&)>("workbench_cpu::store_kvcache");
+  static const auto attention =
+      workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, double)>("workbench_cpu::paged_attention");
+  static const auto silu_and_mul = workbench_op<at::Tensor(const at::Tensor&)>("workbench_cpu::silu_and_mul");
+  TORCH_CHECK(params.size() == 14, "llama_decoder_layer: params must hold 14 entries, got ", params.size());
+  const auto p = [&](size_t i) { return params.get(i); };
+  const int64_t T = hidden.size(0), D = cos.size(1), q_size = num_heads * D, kv_size = num_kv_heads * D;
+
+  at::Tensor h, res;
+  if (residual.has_value()) {
+    std::tie(h, res) = add_rms_norm.call(hidden, *residual, *p(0), eps);
+  } else {
+    h = rms_norm.call(hidden, *p(0), eps);
+    res = hidden;
+  }
+  const at::Tensor qkv = linear(h, p(1), p(2), p(3));
+  const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
+  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
+  const auto [q_rot, k_rot] = rotary.call(q, k, cos, sin);
+  store.call(k_rot, v, k_cache, v_cache, slot_mapping);
+  const at::Tensor out = attention.call(q_rot, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+  const at::Tensor attn_out = linear(out.reshape({T, q_size}), p(4), p(5), p(6));
+  std::tie(h, res) = add_rms_norm.call(attn_out, res, *p(7), eps);
+  const at::Tensor gate_up = linear(h, p(8), p(9), p(10));
+  return {linear(silu_and_mul.call(gate_up), p(11), p(12), p(13)), res};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
+  m.def(
+      "llama_decoder_layer(Tensor hidden, Tensor? residual, Tensor?[] params, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start_loc, int num_heads, int num_kv_heads, float scale, float eps) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) { m.impl("llama_decoder_layer", &llama_decoder_layer); }

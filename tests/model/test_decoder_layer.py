@@ -1,0 +1,83 @@
+"""kernels.llama_decoder_layer: each Llama decoder layer of a step of a few rows as one C++ call. It calls the same
+ops in the same order as the layer's modules do one by one, so everything it makes must be bit for bit theirs: the
+logprobs of every sampled token, in every weight format, for decodes and short prefills of several sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from engine import LLM, SamplingParams
+from kernels.cpu import ops
+from kernels.cpu.build import available
+
+pytestmark = pytest.mark.skipif(not available(), reason="the C++ CPU ops are not built here (no compiler?)")
+
+FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+# three prompts of three tokens: a first step of 9 rows (<= SMALL_M) from three sequences, then decodes of 3 rows;
+# the fourth prompt is longer than SMALL_M: its prefill runs op by op in both settings
+PROMPTS = [[11, 12, 13], [21, 22, 23], [31, 32, 33], list(range(100, 120))]
+
+
+def _generate(llm: LLM, fused: bool, monkeypatch) -> list[list[dict[int, float]]]:
+    monkeypatch.setattr(kernels, "FUSED_LAYERS", fused)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    outputs = llm.generate([list(p) for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].logprobs for o in outputs]
+
+
+@pytest.mark.parametrize("weights", FORMATS)
+def test_fused_layers_are_bit_for_bit_the_ops_one_by_one(tiny_model_path, weights, monkeypatch):
+    llm = LLM(model=str(tiny_model_path), seed=0, enable_prefix_caching=False, **FORMATS[weights])
+    calls = []
+    fused_op = ops.llama_decoder_layer
+
+    def counted(*args):
+        out = fused_op(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ops, "llama_decoder_layer", counted)
+    fused = _generate(llm, True, monkeypatch)
+    assert any(calls) and not all(calls)  # the short steps fused, the 20-token prefill did not
+    calls.clear()
+    by_op = _generate(llm, False, monkeypatch)
+    assert not calls
+    assert fused == by_op  # exact floats, not close ones
+
+
+def test_fused_layer_is_left_to_the_ops_where_they_would_not_all_run(tiny_model_path):
+    llm = LLM(model=str(tiny_model_path), seed=0)
+    model = llm.engine.runner.model
+    layer = model.model.layers[0]
+    assert layer.fusable
+    k_cache, v_cache = llm.engine.runner.kv_caches[0]
+    params = layer.fused_params()
+    attention = layer.self_attn
+    hidden_size = model.config.hidden_size
+
+    def call(rows: int, params=params, k_cache=k_cache, hidden_dtype=torch.float32):
+        hidden = torch.randn(rows, hidden_size, dtype=hidden_dtype)
+        rope = model.model.rotary_emb(torch.arange(rows), torch.float32)
+        return ops.llama_decoder_layer(
+            hidden,
+            None,
+            params,
+            rope,
+            (k_cache, v_cache),
+            torch.full((rows,), -1),
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([rows], dtype=torch.int32),
+            torch.tensor([0, rows], dtype=torch.int32),
+            attention.num_heads,
+            attention.num_kv_heads,
+            attention.scale,
+            1e-5,
+        )
+
+    assert call(1) is not None
+    assert call(ops.SMALL_M + 1) is None  # oneDNN's GEMM takes a float32 linear of more rows
+    assert call(1, hidden_dtype=torch.bfloat16) is None
+    assert call(1, params=[*params[:1], params[1].to(torch.float16), *params[2:]]) is None
+    assert call(1, k_cache=k_cache.to(torch.float16)) is None

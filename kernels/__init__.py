@@ -118,17 +118,17 @@ def tree_attention(
     )
 
 
-# Where the CPU op exists, a step of a few rows runs each Llama decoder layer as one C++ call (llama_decoder_layer);
-# `workbench bench profile` turns it off to time the layer's ops one by one.
+# Where the CPU op exists, a step of a few rows runs its Llama decoder layers in one C++ call (llama_decoder_layers);
+# `workbench bench profile` turns it off to time the layers' ops one by one.
 FUSED_LAYERS = True
 
 
-def llama_decoder_layer(
+def llama_decoder_layers(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     params: list[torch.Tensor | None],
+    kv_caches: list[torch.Tensor],
     rope: tuple[torch.Tensor, torch.Tensor],
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -138,20 +138,21 @@ def llama_decoder_layer(
     scale: float,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A whole Llama decoder layer (norms, q/k/v, RoPE, KV write, paged attention, o_proj, the SiLU MLP) in one
-    call, bit for bit the layer's ops one by one, where the device has such an op for these inputs (the C++ CPU op:
-    float32 activations, a few rows; `params` in ``LlamaDecoderLayer.fused_params``'s order). Returns the layer's
-    (hidden, residual), or None where it does not apply: the caller then runs the ops one by one."""
+    """A run of Llama decoder layers (in each: norms, q/k/v, RoPE, KV write, paged attention, o_proj, the SiLU MLP)
+    in one call, bit for bit the layers' ops one by one, where the device has such an op for these inputs (the C++
+    CPU op: float32 activations, a few rows). `params`: each layer's ``LlamaDecoderLayer.fused_params``, end to end;
+    `kv_caches`: each layer's K and V. Returns the last layer's (hidden, residual), or None where it does not
+    apply: the caller then runs the layers' ops one by one."""
     if not (FUSED_LAYERS and hidden.device.type == "cpu" and _impl("rms_norm", "cpu") is not reference.rms_norm):
         return None  # not the CPU, or its C++ ops are not built
     from kernels.cpu import ops
 
-    return ops.llama_decoder_layer(
+    return ops.llama_decoder_layers(
         hidden,
         residual,
         params,
+        kv_caches,
         rope,
-        kv_cache,
         slot_mapping,
         block_tables,
         seq_lens,

@@ -213,7 +213,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Llama's own attention and SiLU MLP over plain linears (no q/k norm, no tensor-parallel all-reduce):
-        # kernels.llama_decoder_layer can run the layer in one call
+        # kernels.llama_decoder_layers can run the layer, with its neighbours, in one call
         self.fusable = (
             type(self.self_attn) is LlamaAttention
             and type(self.mlp) is LlamaMLP
@@ -228,11 +228,15 @@ class LlamaDecoderLayer(nn.Module):
                 )
             )
         )
+        self._fused_params: list[torch.Tensor | None] | None = None
 
     def fused_params(self) -> list[torch.Tensor | None]:
-        """The layer's tensors in the order kernels.llama_decoder_layer takes them."""
+        """The layer's tensors in the order kernels.llama_decoder_layers takes them, gathered once: the weights are
+        replaced only together, when stored (LlamaForCausalLM.store_weights), which the first one's identity tells."""
         attn, mlp = self.self_attn, cast(LlamaMLP, self.mlp)
-        return [
+        if self._fused_params is not None and self._fused_params[1] is attn.qkv_proj.weight:
+            return self._fused_params
+        self._fused_params = [
             self.input_layernorm.weight,
             *attn.qkv_proj.parts(),
             *attn.o_proj.parts(),
@@ -240,6 +244,7 @@ class LlamaDecoderLayer(nn.Module):
             *mlp.gate_up_proj.parts(),
             *mlp.down_proj.parts(),
         ]
+        return self._fused_params
 
     def forward(
         self,
@@ -249,25 +254,6 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attention = self.self_attn
-        if self.fusable and attn.tree_mask is None and attention.sliding_window is None:
-            fused = kernels.llama_decoder_layer(
-                hidden,
-                residual,
-                self.fused_params(),
-                rope,
-                kv_cache,
-                attn.slot_mapping,
-                attn.block_tables,
-                attn.seq_lens,
-                attn.query_start_loc,
-                attention.num_heads,
-                attention.num_kv_heads,
-                attention.scale,
-                self.input_layernorm.eps,
-            )
-            if fused is not None:
-                return fused
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -306,10 +292,55 @@ class LlamaModel(nn.Module):
         # aux_hidden_states [T, len(layers) * H] by each forward; none unless a proposer asks, so nothing to pay
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
+        self._runs: tuple[tuple[int, ...], list[tuple[int, int, bool]]] | None = None
+
+    def layer_runs(self) -> list[tuple[int, int, bool]]:
+        """The layers as runs (start, end, fusable): a fusable run is of Llama's plain layers with full attention,
+        which kernels.llama_decoder_layers takes in one call; it ends before any other layer and where EAGLE-3 reads
+        the residual stream (a run starts at each of aux_hidden_state_layers)."""
+        if self._runs is None or self._runs[0] != self.aux_hidden_state_layers:
+            runs: list[tuple[int, int, bool]] = []
+            for index in range(len(self.layers)):
+                layer = cast(LlamaDecoderLayer, self.layers[index])
+                fusable = layer.fusable and layer.self_attn.sliding_window is None
+                if runs and fusable and runs[-1][2] and index not in self.aux_hidden_state_layers:
+                    runs[-1] = (runs[-1][0], index + 1, True)
+                else:
+                    runs.append((index, index + 1, fusable))
+            self._runs = (self.aux_hidden_state_layers, runs)
+        return self._runs[1]
 
     def attention(self, index: int) -> LlamaAttention:
         """Layer `index`'s attention (its head counts and sizes are this rank's)."""
         return cast(LlamaDecoderLayer, self.layers[index]).self_attn  # ModuleList items are typed as Module
+
+    def _fused_run(
+        self,
+        start: int,
+        end: int,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        layers = [cast(LlamaDecoderLayer, self.layers[i]) for i in range(start, end)]
+        attention = layers[0].self_attn
+        return kernels.llama_decoder_layers(
+            hidden,
+            residual,
+            [p for layer in layers for p in layer.fused_params()],
+            [cache for pair in kv_caches[start:end] for cache in pair],
+            rope,
+            attn.slot_mapping,
+            attn.block_tables,
+            attn.seq_lens,
+            attn.query_start_loc,
+            attention.num_heads,
+            attention.num_kv_heads,
+            attention.scale,
+            layers[0].input_layernorm.eps,
+        )
 
     def make_layer(self, config: PretrainedConfig, index: int) -> LlamaDecoderLayer:
         """Decoder layer `index`; a family overrides this to swap in its attention or MLP."""
@@ -326,10 +357,18 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(positions, hidden.dtype)
         residual = None
         aux: dict[int, torch.Tensor] = {}
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if index in self.aux_hidden_state_layers:
-                aux[index] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(hidden, rope, attn, kv_cache, residual)
+        fuse = attn.tree_mask is None
+        for start, end, fusable in self.layer_runs():
+            if start in self.aux_hidden_state_layers:
+                aux[start] = hidden if residual is None else hidden + residual
+            if fuse and fusable:
+                fused = self._fused_run(start, end, hidden, residual, rope, attn, kv_caches)
+                if fused is not None:
+                    hidden, residual = fused
+                    continue
+                fuse = False  # refused for this step's inputs (too many rows, ...): so would the other runs be
+            for index in range(start, end):
+                hidden, residual = self.layers[index](hidden, rope, attn, kv_caches[index], residual)
         if aux:  # in the order asked (a small model's default may name a layer twice)
             self.aux_hidden_states = torch.cat([aux[i] for i in self.aux_hidden_state_layers], dim=-1)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]

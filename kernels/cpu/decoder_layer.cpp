@@ -1,10 +1,11 @@
-// One Llama-family decoder layer for a step of a few tokens, in one call from Python: the input norm (with the
-// residual add), q/k/v, RoPE, the paged KV write, paged attention, o_proj, the post-attention norm, gate/up, SiLU
-// and down. It computes nothing itself: it calls this library's own ops, in the order and with the arguments that
-// engine/model/llama.py's LlamaDecoderLayer gives them one by one, so its result is bit for bit that path's
-// (tests/kernels/test_decoder_layer.py). What it saves is Python: at one token a step of smollm2-135m made some 300
-// op calls from Python, each through a module, a dispatching function and torch's op lookup, several microseconds
-// apiece against a kernel of tens; here each layer is one call and the ops meet through the C++ dispatcher.
+// A run of Llama-family decoder layers for a step of a few tokens, in one call from Python: in each layer the input
+// norm (with the residual add), q/k/v, RoPE, the paged KV write, paged attention, o_proj, the post-attention norm,
+// gate/up, SiLU and down. It computes nothing itself: it calls this library's own ops, in the order and with the
+// arguments that engine/model/llama.py's LlamaDecoderLayer gives them one by one, so its result is bit for bit that
+// path's (tests/model/test_decoder_layer.py). What it saves is Python: at one token a step of smollm2-135m made some
+// 300 op calls from Python, each through a module, a dispatching function and torch's op lookup, several
+// microseconds apiece against a kernel of tens; here the whole stack is one call (a few where EAGLE-3 reads the
+// residual stream between layers) and the ops meet through the C++ dispatcher.
 // kernels/cpu/ops.py says when it applies (float32 activations, a few rows, no tree mask, sliding window or TP).
 #include <torch/extension.h>
 
@@ -33,13 +34,17 @@ at::Tensor linear(const at::Tensor& x, const OptTensor& weight, const OptTensor&
   return small_m.call(x, w, scale, bias);
 }
 
-// params: input_layernorm, then q/k/v's weight, scale, bias, o_proj's three, post_attention_layernorm, gate/up's
-// three, down's three (None where a linear has no scale or bias): LlamaDecoderLayer.fused_params's order.
-std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
-    const at::Tensor& hidden, const OptTensor& residual, const c10::List<OptTensor>& params, const at::Tensor& cos,
-    const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, double scale, double eps) {
+constexpr size_t PARAMS_PER_LAYER = 14;
+
+// One layer. p(i): input_layernorm, then q/k/v's weight, scale, bias, o_proj's three, post_attention_layernorm,
+// gate/up's three, down's three (None where a linear has no scale or bias): LlamaDecoderLayer.fused_params's order.
+template <typename P>
+std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& hidden, const OptTensor& residual, const P& p,
+                                                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                                                 at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                                 const at::Tensor& query_start_loc, int64_t num_heads,
+                                                 int64_t num_kv_heads, double scale, double eps) {
   using Pair = std::tuple<at::Tensor, at::Tensor>;
   static const auto rms_norm =
       workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("workbench_cpu::rms_norm");
@@ -53,8 +58,6 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
       workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, const at::Tensor&, double)>("workbench_cpu::paged_attention");
   static const auto silu_and_mul = workbench_op<at::Tensor(const at::Tensor&)>("workbench_cpu::silu_and_mul");
-  TORCH_CHECK(params.size() == 14, "llama_decoder_layer: params must hold 14 entries, got ", params.size());
-  const auto p = [&](size_t i) { return params.get(i); };
   const int64_t T = hidden.size(0), D = cos.size(1), q_size = num_heads * D, kv_size = num_kv_heads * D;
 
   at::Tensor h, res;
@@ -77,13 +80,37 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layer(
   return {linear(silu_and_mul.call(gate_up), p(11), p(12), p(13)), res};
 }
 
+// The layers of `params` (PARAMS_PER_LAYER each) in turn, layer i over kv_caches[2i], kv_caches[2i + 1]; the
+// residual stream enters as `residual` (None before the first layer of the model) and leaves as the second result.
+std::tuple<at::Tensor, at::Tensor> llama_decoder_layers(
+    const at::Tensor& hidden, const OptTensor& residual, const c10::List<OptTensor>& params,
+    const at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
+    int64_t num_kv_heads, double scale, double eps) {
+  const size_t layers = params.size() / PARAMS_PER_LAYER;
+  TORCH_CHECK(layers > 0 && params.size() == layers * PARAMS_PER_LAYER && kv_caches.size() == 2 * layers,
+              "llama_decoder_layers: ", PARAMS_PER_LAYER, " params and 2 caches per layer, got ", params.size(),
+              " and ", kv_caches.size());
+  at::Tensor h = hidden;
+  OptTensor res = residual;
+  for (size_t i = 0; i < layers; ++i) {
+    const auto p = [&](size_t j) { return params.get(i * PARAMS_PER_LAYER + j); };
+    at::Tensor k_cache = kv_caches[2 * i], v_cache = kv_caches[2 * i + 1];  // handles to the caches, written in place
+    auto [out, new_res] = decoder_layer(h, res, p, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                        query_start_loc, num_heads, num_kv_heads, scale, eps);
+    h = std::move(out);
+    res = std::move(new_res);
+  }
+  return {h, *res};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
   m.def(
-      "llama_decoder_layer(Tensor hidden, Tensor? residual, Tensor?[] params, Tensor cos, Tensor sin, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, int num_heads, int num_kv_heads, float scale, float eps) -> (Tensor, Tensor)");
+      "llama_decoder_layers(Tensor hidden, Tensor? residual, Tensor?[] params, Tensor(a!)[] kv_caches, Tensor cos, "
+      "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_heads, "
+      "int num_kv_heads, float scale, float eps) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) { m.impl("llama_decoder_layer", &llama_decoder_layer); }
+TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) { m.impl("llama_decoder_layers", &llama_decoder_layers); }

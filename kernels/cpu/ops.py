@@ -133,12 +133,15 @@ def _linear_op_applies(weight: torch.Tensor | None, scale: torch.Tensor | None) 
     return weight.dtype in (torch.bfloat16, torch.float32) and scale is None
 
 
-def llama_decoder_layer(
+PARAMS_PER_LAYER = 14  # LlamaDecoderLayer.fused_params: two norms and four linears' (weight, scale, bias)
+
+
+def llama_decoder_layers(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     params: list[torch.Tensor | None],
+    kv_caches: list[torch.Tensor],
     rope: tuple[torch.Tensor, torch.Tensor],
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -149,28 +152,28 @@ def llama_decoder_layer(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     # the op calls the ops the functions above would pick for these inputs; where any of them would fall back to
-    # the reference (or to oneDNN: more than SMALL_M rows), the layer is left to run op by op
-    k_cache, v_cache = kv_cache
+    # the reference (or to oneDNN: more than SMALL_M rows), the layers are left to run op by op
     cos, sin = rope
+    linears = [i + j for i in range(0, len(params), PARAMS_PER_LAYER) for j in (1, 4, 8, 11)]
+    norms = [i + j for i in range(0, len(params), PARAMS_PER_LAYER) for j in (0, 7)]
     applies = (
         hidden.dtype == cos.dtype == torch.float32
         and hidden.dim() == 2
         and hidden.shape[0] <= SMALL_M
-        and k_cache.dtype in (torch.float32, torch.bfloat16)
+        and all(cache.dtype in (torch.float32, torch.bfloat16) for cache in kv_caches)
         and num_heads // num_kv_heads <= 8
-        and all(norm is not None and norm.dtype == torch.float32 for norm in (params[0], params[7]))
-        and all(_linear_op_applies(params[i], params[i + 1]) for i in (1, 4, 8, 11))
+        and all((norm := params[i]) is not None and norm.dtype == torch.float32 for i in norms)
+        and all(_linear_op_applies(params[i], params[i + 1]) for i in linears)
     )
     if not applies:
         return None
-    return torch.ops.workbench_cpu.llama_decoder_layer.default(
+    return torch.ops.workbench_cpu.llama_decoder_layers.default(
         hidden,
         residual,
         params,
+        kv_caches,
         cos,
         sin,
-        k_cache,
-        v_cache,
         slot_mapping,
         block_tables,
         seq_lens,

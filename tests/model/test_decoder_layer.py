@@ -1,6 +1,7 @@
-"""kernels.llama_decoder_layer: each Llama decoder layer of a step of a few rows as one C++ call. It calls the same
-ops in the same order as the layer's modules do one by one, so everything it makes must be bit for bit theirs: the
-logprobs of every sampled token, in every weight format, for decodes and short prefills of several sequences."""
+"""kernels.llama_decoder_layers: the Llama decoder layers of a step of a few rows as one C++ call. It calls the same
+ops in the same order as the layers' modules do one by one, so everything it makes must be bit for bit theirs: the
+logprobs of every sampled token, in every weight format, for decodes and short prefills of several sequences, and
+the EAGLE-3 states read between layers."""
 
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ def _generate(llm: LLM, fused: bool, monkeypatch) -> list[list[dict[int, float]]
 def test_fused_layers_are_bit_for_bit_the_ops_one_by_one(tiny_model_path, weights, monkeypatch):
     llm = LLM(model=str(tiny_model_path), seed=0, enable_prefix_caching=False, **FORMATS[weights])
     calls = []
-    fused_op = ops.llama_decoder_layer
+    fused_op = ops.llama_decoder_layers
 
     def counted(*args):
         out = fused_op(*args)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(ops, "llama_decoder_layer", counted)
+    monkeypatch.setattr(ops, "llama_decoder_layers", counted)
     fused = _generate(llm, True, monkeypatch)
     assert any(calls) and not all(calls)  # the short steps fused, the 20-token prefill did not
     calls.clear()
@@ -47,25 +48,38 @@ def test_fused_layers_are_bit_for_bit_the_ops_one_by_one(tiny_model_path, weight
     assert fused == by_op  # exact floats, not close ones
 
 
-def test_fused_layer_is_left_to_the_ops_where_they_would_not_all_run(tiny_model_path):
+def test_runs_end_at_eagle3_layers_and_states_match(tiny_model_path, monkeypatch):
+    llm = LLM(model=str(tiny_model_path), seed=0, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert model.model.layer_runs() == [(0, 4, True)]  # one call for the whole stack
+    model.set_aux_hidden_state_layers((1, 2))
+    assert model.model.layer_runs() == [(0, 1, True), (1, 2, True), (2, 4, True)]
+    states = {}
+    for fused in (True, False):
+        logprobs = _generate(llm, fused, monkeypatch)
+        states[fused] = (logprobs, model.model.aux_hidden_states.clone())
+    assert torch.equal(states[True][1], states[False][1]) and states[True][0] == states[False][0]
+
+
+def test_fused_layers_are_left_to_the_ops_where_they_would_not_all_run(tiny_model_path):
     llm = LLM(model=str(tiny_model_path), seed=0)
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     assert layer.fusable
-    k_cache, v_cache = llm.engine.runner.kv_caches[0]
+    kv_caches = list(llm.engine.runner.kv_caches[0])
     params = layer.fused_params()
     attention = layer.self_attn
     hidden_size = model.config.hidden_size
 
-    def call(rows: int, params=params, k_cache=k_cache, hidden_dtype=torch.float32):
+    def call(rows: int, params=params, kv_caches=kv_caches, hidden_dtype=torch.float32):
         hidden = torch.randn(rows, hidden_size, dtype=hidden_dtype)
         rope = model.model.rotary_emb(torch.arange(rows), torch.float32)
-        return ops.llama_decoder_layer(
+        return ops.llama_decoder_layers(
             hidden,
             None,
             params,
+            kv_caches,
             rope,
-            (k_cache, v_cache),
             torch.full((rows,), -1),
             torch.zeros(1, 1, dtype=torch.int32),
             torch.tensor([rows], dtype=torch.int32),
@@ -80,4 +94,4 @@ def test_fused_layer_is_left_to_the_ops_where_they_would_not_all_run(tiny_model_
     assert call(ops.SMALL_M + 1) is None  # oneDNN's GEMM takes a float32 linear of more rows
     assert call(1, hidden_dtype=torch.bfloat16) is None
     assert call(1, params=[*params[:1], params[1].to(torch.float16), *params[2:]]) is None
-    assert call(1, k_cache=k_cache.to(torch.float16)) is None
+    assert call(1, kv_caches=[c.to(torch.float16) for c in kv_caches]) is None

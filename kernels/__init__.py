@@ -133,6 +133,7 @@ def llama_decoder_layers(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    tree_mask: torch.Tensor | None,
     num_heads: int,
     num_kv_heads: int,
     scale: float,
@@ -141,8 +142,9 @@ def llama_decoder_layers(
     """A run of Llama decoder layers (in each: norms, q/k/v, RoPE, KV write, paged attention, o_proj, the SiLU MLP)
     in one call, bit for bit the layers' ops one by one, where the device has such an op for these inputs (the C++
     CPU op: float32 activations, a few rows). `params`: each layer's ``LlamaDecoderLayer.fused_params``, end to end;
-    `kv_caches`: each layer's K and V. Returns the last layer's (hidden, residual), or None where it does not
-    apply: the caller then runs the layers' ops one by one."""
+    `kv_caches`: each layer's K and V; `tree_mask`: a draft tree's (``tree_attention`` in each layer), or None.
+    Returns the last layer's (hidden, residual), or None where it does not apply: the caller then runs the layers'
+    ops one by one."""
     if not (FUSED_LAYERS and hidden.device.type == "cpu" and _impl("rms_norm", "cpu") is not reference.rms_norm):
         return None  # not the CPU, or its C++ ops are not built
     from kernels.cpu import ops
@@ -157,6 +159,7 @@ def llama_decoder_layers(
         block_tables,
         seq_lens,
         query_start_loc,
+        tree_mask,
         num_heads,
         num_kv_heads,
         scale,

@@ -336,6 +336,7 @@ class LlamaModel(nn.Module):
             attn.block_tables,
             attn.seq_lens,
             attn.query_start_loc,
+            attn.tree_mask,
             attention.num_heads,
             attention.num_kv_heads,
             attention.scale,
@@ -357,7 +358,7 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(positions, hidden.dtype)
         residual = None
         aux: dict[int, torch.Tensor] = {}
-        fuse = attn.tree_mask is None
+        fuse = True
         for start, end, fusable in self.layer_runs():
             if start in self.aux_hidden_state_layers:
                 aux[start] = hidden if residual is None else hidden + residual

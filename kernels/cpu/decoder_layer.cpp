@@ -6,7 +6,8 @@
 // 300 op calls from Python, each through a module, a dispatching function and torch's op lookup, several
 // microseconds apiece against a kernel of tens; here the whole stack is one call (a few where EAGLE-3 reads the
 // residual stream between layers) and the ops meet through the C++ dispatcher.
-// kernels/cpu/ops.py says when it applies (float32 activations, a few rows, no tree mask, sliding window or TP).
+// kernels/cpu/ops.py says when it applies (float32 activations, a few rows; no sliding window, q/k norm or TP). A
+// draft tree's verification passes its mask, and each layer attends with tree_attention instead.
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -43,8 +44,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& hidden, const
                                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                                                  at::Tensor& v_cache, const at::Tensor& slot_mapping,
                                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                                 const at::Tensor& query_start_loc, int64_t num_heads,
-                                                 int64_t num_kv_heads, double scale, double eps) {
+                                                 const at::Tensor& query_start_loc, const OptTensor& tree_mask,
+                                                 int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
   using Pair = std::tuple<at::Tensor, at::Tensor>;
   static const auto rms_norm =
       workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("workbench_cpu::rms_norm");
@@ -57,6 +58,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& hidden, const
   static const auto attention =
       workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, const at::Tensor&, double)>("workbench_cpu::paged_attention");
+  static const auto tree_attention =
+      workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+          "workbench_cpu::tree_attention");
   static const auto silu_and_mul = workbench_op<at::Tensor(const at::Tensor&)>("workbench_cpu::silu_and_mul");
   const int64_t T = hidden.size(0), D = cos.size(1), q_size = num_heads * D, kv_size = num_kv_heads * D;
 
@@ -73,7 +78,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& hidden, const
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
   const auto [q_rot, k_rot] = rotary.call(q, k, cos, sin);
   store.call(k_rot, v, k_cache, v_cache, slot_mapping);
-  const at::Tensor out = attention.call(q_rot, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+  const at::Tensor out =
+      tree_mask.has_value()
+          ? tree_attention.call(q_rot, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *tree_mask, scale)
+          : attention.call(q_rot, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
   const at::Tensor attn_out = linear(out.reshape({T, q_size}), p(4), p(5), p(6));
   std::tie(h, res) = add_rms_norm.call(attn_out, res, *p(7), eps);
   const at::Tensor gate_up = linear(h, p(8), p(9), p(10));
@@ -85,8 +93,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& hidden, const
 std::tuple<at::Tensor, at::Tensor> llama_decoder_layers(
     const at::Tensor& hidden, const OptTensor& residual, const c10::List<OptTensor>& params,
     const at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, double scale, double eps) {
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+    const OptTensor& tree_mask, int64_t num_heads, int64_t num_kv_heads, double scale, double eps) {
   const size_t layers = params.size() / PARAMS_PER_LAYER;
   TORCH_CHECK(layers > 0 && params.size() == layers * PARAMS_PER_LAYER && kv_caches.size() == 2 * layers,
               "llama_decoder_layers: ", PARAMS_PER_LAYER, " params and 2 caches per layer, got ", params.size(),
@@ -97,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layers(
     const auto p = [&](size_t j) { return params.get(i * PARAMS_PER_LAYER + j); };
     at::Tensor k_cache = kv_caches[2 * i], v_cache = kv_caches[2 * i + 1];  // handles to the caches, written in place
     auto [out, new_res] = decoder_layer(h, res, p, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-                                        query_start_loc, num_heads, num_kv_heads, scale, eps);
+                                        query_start_loc, tree_mask, num_heads, num_kv_heads, scale, eps);
     h = std::move(out);
     res = std::move(new_res);
   }
@@ -109,8 +117,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decoder_layers(
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
   m.def(
       "llama_decoder_layers(Tensor hidden, Tensor? residual, Tensor?[] params, Tensor(a!)[] kv_caches, Tensor cos, "
-      "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_heads, "
-      "int num_kv_heads, float scale, float eps) -> (Tensor, Tensor)");
+      "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "Tensor? tree_mask, int num_heads, int num_kv_heads, float scale, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) { m.impl("llama_decoder_layers", &llama_decoder_layers); }

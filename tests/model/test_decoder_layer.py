@@ -84,6 +84,7 @@ def test_fused_layers_are_left_to_the_ops_where_they_would_not_all_run(tiny_mode
             torch.zeros(1, 1, dtype=torch.int32),
             torch.tensor([rows], dtype=torch.int32),
             torch.tensor([0, rows], dtype=torch.int32),
+            None,
             attention.num_heads,
             attention.num_kv_heads,
             attention.scale,
@@ -95,3 +96,33 @@ def test_fused_layers_are_left_to_the_ops_where_they_would_not_all_run(tiny_mode
     assert call(1, hidden_dtype=torch.bfloat16) is None
     assert call(1, params=[*params[:1], params[1].to(torch.float16), *params[2:]]) is None
     assert call(1, kv_caches=[c.to(torch.float16) for c in kv_caches]) is None
+
+
+def test_a_draft_tree_verification_fuses_with_its_mask(tiny_model_path, monkeypatch):
+    from engine.model.attention import AttentionMetadata
+
+    llm = LLM(model=str(tiny_model_path), seed=0)
+    model, kv_caches = llm.engine.runner.model, llm.engine.runner.kv_caches
+    # four new tokens, a tree: 1 and 2 are children of 0, 3 a child of 1; bit d of a row's mask: it sees the row d
+    # before it (bit 0: itself)
+    masks = {"tree": torch.tensor([0b1, 0b11, 0b101, 0b1101]), "causal": None}
+    input_ids, positions = torch.tensor([5, 6, 7, 8]), torch.tensor([0, 1, 1, 2])
+
+    def forward(fused: bool, mask: torch.Tensor | None) -> torch.Tensor:
+        monkeypatch.setattr(kernels, "FUSED_LAYERS", fused)
+        attn = AttentionMetadata(
+            slot_mapping=torch.arange(4),
+            block_tables=torch.tensor([[0]], dtype=torch.int32),
+            seq_lens=torch.tensor([4], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 4], dtype=torch.int32),
+            tree_mask=mask,
+        )
+        return model(input_ids, positions, attn, kv_caches)
+
+    calls = []
+    fused_op = ops.llama_decoder_layers
+    monkeypatch.setattr(ops, "llama_decoder_layers", lambda *a: calls.append(1) or fused_op(*a))
+    tree = forward(True, masks["tree"])
+    assert calls
+    assert torch.equal(tree, forward(False, masks["tree"]))
+    assert not torch.equal(tree[2:], forward(True, masks["causal"])[2:])  # rows 2 and 3 see another past

@@ -145,7 +145,9 @@ def llama_decoder_layers(
     `kv_caches`: each layer's K and V; `tree_mask`: a draft tree's (``tree_attention`` in each layer), or None.
     Returns the last layer's (hidden, residual), or None where it does not apply: the caller then runs the layers'
     ops one by one."""
-    if not (FUSED_LAYERS and hidden.device.type == "cpu" and _impl("rms_norm", "cpu") is not reference.rms_norm):
+    from kernels.cpu.build import available
+
+    if not (FUSED_LAYERS and hidden.device.type == "cpu" and available()):
         return None  # not the CPU, or its C++ ops are not built
     from kernels.cpu import ops
 

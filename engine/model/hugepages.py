@@ -5,8 +5,7 @@ and a stop of the hardware prefetcher (which does not cross pages), every 4 KiB.
 own (4 KiB pages unless the kernel's transparent_hugepage is "always"), so `move_to_hugepages` copies every
 parameter into one arena the kernel is asked (madvise MADV_HUGEPAGE) to back with 2 MiB pages, and points the
 parameters there. On the AVX-512 EPYC, the 121 bf16 linears of smollm2-135m at one row read 33 GB/s on 4 KiB pages
-and 42-46 GB/s on huge ones (2 threads, alternating in one process, 2026-12-03). llama.cpp gets the same from its
-mmap of the GGUF file where the page cache holds it in large folios.
+and 42-46 GB/s on huge ones (2 threads, alternating in one process, 2026-12-03).
 
 Where the kernel has transparent huge pages "never", or the platform has no madvise, the arena is still one
 allocation and the weights still work: only the pages stay small (`HugePageArena.huge` says which).

@@ -228,15 +228,11 @@ class LlamaDecoderLayer(nn.Module):
                 )
             )
         )
-        self._fused_params: list[torch.Tensor | None] | None = None
 
     def fused_params(self) -> list[torch.Tensor | None]:
-        """The layer's tensors in the order kernels.llama_decoder_layers takes them, gathered once: the weights are
-        replaced only together, when stored (LlamaForCausalLM.store_weights), which the first one's identity tells."""
+        """The layer's tensors in the order kernels.llama_decoder_layers takes them."""
         attn, mlp = self.self_attn, cast(LlamaMLP, self.mlp)
-        if self._fused_params is not None and self._fused_params[1] is attn.qkv_proj.weight:
-            return self._fused_params
-        self._fused_params = [
+        return [
             self.input_layernorm.weight,
             *attn.qkv_proj.parts(),
             *attn.o_proj.parts(),
@@ -244,7 +240,6 @@ class LlamaDecoderLayer(nn.Module):
             *mlp.gate_up_proj.parts(),
             *mlp.down_proj.parts(),
         ]
-        return self._fused_params
 
     def forward(
         self,
@@ -293,6 +288,13 @@ class LlamaModel(nn.Module):
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
         self._runs: tuple[tuple[int, ...], list[tuple[int, int, bool]]] | None = None
+        # each fused run's tensors, gathered at its first step (some 400 of them: a tenth of a millisecond a step);
+        # LlamaForCausalLM forgets them where it replaces weights
+        self._run_params: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+
+    def forget_fused_params(self) -> None:
+        """Drop the gathered tensors of the fused runs: the weights were replaced."""
+        self._run_params.clear()
 
     def layer_runs(self) -> list[tuple[int, int, bool]]:
         """The layers as runs (start, end, fusable): a fusable run is of Llama's plain layers with full attention,
@@ -324,12 +326,16 @@ class LlamaModel(nn.Module):
         attn: AttentionMetadata,
         kv_caches: list[KVCache],
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        layers = [cast(LlamaDecoderLayer, self.layers[i]) for i in range(start, end)]
-        attention = layers[0].self_attn
+        first = cast(LlamaDecoderLayer, self.layers[start])
+        params = self._run_params.get((start, end))
+        if params is None:
+            params = [p for i in range(start, end) for p in cast(LlamaDecoderLayer, self.layers[i]).fused_params()]
+            self._run_params[(start, end)] = params
+        attention = first.self_attn
         return kernels.llama_decoder_layers(
             hidden,
             residual,
-            [p for layer in layers for p in layer.fused_params()],
+            params,
             [cache for pair in kv_caches[start:end] for cache in pair],
             rope,
             attn.slot_mapping,
@@ -340,7 +346,7 @@ class LlamaModel(nn.Module):
             attention.num_heads,
             attention.num_kv_heads,
             attention.scale,
-            layers[0].input_layernorm.eps,
+            first.input_layernorm.eps,
         )
 
     def make_layer(self, config: PretrainedConfig, index: int) -> LlamaDecoderLayer:
@@ -443,6 +449,7 @@ class LlamaForCausalLM(nn.Module):
                 module.store(dtype, quantization)
         if self.config.tie_word_embeddings and quantization is None:
             self.tie_weights()
+        self.model.forget_fused_params()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (possibly fused) parameters; raise if any is missing.
@@ -473,6 +480,7 @@ class LlamaForCausalLM(nn.Module):
         if "lm_head.weight" in missing and missing["lm_head.weight"] == params["lm_head.weight"].numel():
             self.tie_weights()
             del missing["lm_head.weight"]
+        self.model.forget_fused_params()
         incomplete = sorted(name for name, n in missing.items() if n)
         if incomplete:
             raise ValueError(f"model: weights missing from checkpoint: {incomplete[:8]}")

@@ -61,6 +61,20 @@ def test_runs_end_at_eagle3_layers_and_states_match(tiny_model_path, monkeypatch
     assert torch.equal(states[True][1], states[False][1]) and states[True][0] == states[False][0]
 
 
+def test_gathered_tensors_are_forgotten_where_weights_are_replaced(tiny_model_path, monkeypatch):
+    from engine.model.llama import iter_safetensors
+
+    llm = LLM(model=str(tiny_model_path), seed=0)
+    model = llm.engine.runner.model
+    _generate(llm, True, monkeypatch)
+    assert model.model._run_params  # gathered at the first fused step
+    model.load_weights(iter_safetensors(tiny_model_path))
+    assert not model.model._run_params
+    _generate(llm, True, monkeypatch)
+    model.store_weights(torch.float32)
+    assert not model.model._run_params
+
+
 def test_fused_layers_are_left_to_the_ops_where_they_would_not_all_run(tiny_model_path):
     llm = LLM(model=str(tiny_model_path), seed=0)
     model = llm.engine.runner.model

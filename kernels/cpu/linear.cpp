@@ -28,8 +28,15 @@ using namespace wbcpu;
 // alternating, 2026-12-03) a software prefetch 4 KiB ahead of every line read 24-25 GB/s, none 33 GB/s, and 42-46 GB/s
 // with the weights on huge pages (engine/model/hugepages.py); one prefetch per 4 lines had read slower still. U
 // accumulators per input row hide the dot product's latency: at one row two read 35 GB/s where four read 33 and
-// eight 31 (same test).
+// eight 31 (same test). Above 4 rows a line of weights takes long enough to compute that the stream stalls between
+// lines, and a software prefetch PREFETCH bytes ahead does pay: the model's linears at 5 / 8 rows (same process,
+// alternating, median of 7, 2026-12-03) fp32 35.0 -> 33.3 / 46.9 -> 37.9 ms, bf16 23.7 -> 18.3 / 22.2 -> 18.7,
+// int8 11.8 -> 10.9 / 16.2 -> 13.2, while at 2-3 rows it was level or slower (1-4 KiB ahead all within noise).
+// Not blocked over weight rows (R rows per load of x, M * R accumulators): in registers it does cut the loads, but
+// the R rows are R streams, and streamed from memory that ran level or slower (bf16 at 2 rows 10.8 -> 14.5 ms).
 template <int M> constexpr int unroll() { return M <= 4 ? 2 : 1; }
+template <int M> constexpr bool prefetches() { return M > 4; }
+constexpr int64_t PREFETCH = 2048;
 constexpr int64_t TILE_BYTES = 16 << 10;  // weight rows per run: half of Zen 3's 32 KiB L1d
 
 // ---- the dot kinds: how a vector of one weight row meets the same columns of a row of x ------------------------
@@ -153,6 +160,9 @@ inline void dot_rows(const typename D::X* x, const float* ls, const typename D::
   int64_t k = 0;
   for (; k + V * U <= K; k += V * U) {
     for (int u = 0; u < U; ++u) {
+      constexpr int64_t BYTES = V * sizeof(typename D::W);  // a vector's weights: a cache line (AVX-512) or half
+      if (prefetches<M>() && (k + V * u) * static_cast<int64_t>(sizeof(typename D::W)) % 64 < BYTES)
+        _mm_prefetch(reinterpret_cast<const char*>(wn + k + V * u) + PREFETCH, _MM_HINT_T0);
       const auto wv = D::w(wn + k + V * u);
       for (int m = 0; m < M; ++m) acc[m][u] = D::step(acc[m][u], wv, x + m * K + k + V * u, lanes(m, k + V * u));
     }

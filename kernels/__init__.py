@@ -11,7 +11,6 @@ emit the same tokens. This package imports nothing from ``engine``.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 
@@ -20,9 +19,20 @@ import torch
 from kernels import reference
 from kernels.reference import PLACEHOLDER_TOKEN_ID, generate_recovery_noise, generate_uniform_probs
 
+# Each (kernel, device type)'s implementation, resolved on its first call. A plain dict, not functools.cache, so that
+# torch.compile traces a lookup of what eager calls have resolved (a global dict it guards on) instead of the
+# resolution itself: that checks whether the C++ ops are built by reading /proc/cpuinfo, a graph break per kernel.
+_IMPLS: dict[tuple[str, str], Callable] = {}
 
-@functools.cache
+
 def _impl(name: str, device_type: str) -> Callable:
+    impl = _IMPLS.get((name, device_type))
+    if impl is None:
+        impl = _IMPLS[(name, device_type)] = _resolve(name, device_type)
+    return impl
+
+
+def _resolve(name: str, device_type: str) -> Callable:
     if device_type == "cpu":
         from kernels.cpu import ops
         from kernels.cpu.build import available
@@ -145,13 +155,9 @@ def llama_decoder_layers(
     `kv_caches`: each layer's K and V; `tree_mask`: a draft tree's (``tree_attention`` in each layer), or None.
     Returns the last layer's (hidden, residual), or None where it does not apply: the caller then runs the layers'
     ops one by one."""
-    from kernels.cpu.build import available
-
-    if not (FUSED_LAYERS and hidden.device.type == "cpu" and available()):
-        return None  # not the CPU, or its C++ ops are not built
-    from kernels.cpu import ops
-
-    return ops.llama_decoder_layers(
+    if not (FUSED_LAYERS and hidden.device.type == "cpu"):
+        return None
+    return _impl("llama_decoder_layers", "cpu")(
         hidden,
         residual,
         params,

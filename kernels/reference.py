@@ -208,6 +208,12 @@ def _prefill_one(
     return o[0].transpose(0, 1)
 
 
+def llama_decoder_layers(*args: object) -> None:
+    """No fused decoder stack here: None tells the model to run its layers' kernels one by one (the C++ CPU op,
+    ``kernels.cpu.ops.llama_decoder_layers``, takes the same arguments and returns what those would)."""
+    return None
+
+
 TREE_MASK_BITS = 64  # keys this close to a query row are masked by its tree_mask bits; farther ones are context
 
 

@@ -113,6 +113,9 @@ def available() -> bool:
             stacklevel=2,
         )
         return False
+    from kernels.cpu.fake import register
+
+    register()  # the ops' output shapes, for torch.compile
     return True
 
 

@@ -39,7 +39,7 @@ def test_fused_layers_are_bit_for_bit_the_ops_one_by_one(tiny_model_path, weight
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(ops, "llama_decoder_layers", counted)
+    monkeypatch.setitem(kernels._IMPLS, ("llama_decoder_layers", "cpu"), counted)  # what kernels dispatches to
     fused = _generate(llm, True, monkeypatch)
     assert any(calls) and not all(calls)  # the short steps fused, the 20-token prefill did not
     calls.clear()
@@ -75,41 +75,54 @@ def test_gathered_tensors_are_forgotten_where_weights_are_replaced(tiny_model_pa
     assert not model.model._run_params
 
 
+def _stack_args(llm: LLM, num_layers: int, rows: int, hidden_dtype=torch.float32, params=None, kv_caches=None):
+    """kernels.cpu.ops.llama_decoder_layers' arguments for the model's first `num_layers` layers over `rows` tokens
+    of one sequence, its KV written to slots 0.. of block 0 (to no slot where `kv_caches` are the engine's own)."""
+    model = llm.engine.runner.model
+    layers = model.model.layers[:num_layers]
+    attention = layers[0].self_attn
+    engine_caches = [c for layer_caches in llm.engine.runner.kv_caches[:num_layers] for c in layer_caches]
+    return (
+        torch.randn(rows, model.config.hidden_size, dtype=hidden_dtype),
+        None,
+        [p for layer in layers for p in layer.fused_params()] if params is None else params,
+        engine_caches if kv_caches is None else kv_caches,
+        model.model.rotary_emb(torch.arange(rows), torch.float32),
+        torch.full((rows,), -1) if kv_caches is None else torch.arange(rows),
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([rows], dtype=torch.int32),
+        torch.tensor([0, rows], dtype=torch.int32),
+        None,
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.scale,
+        1e-5,
+    )
+
+
 def test_fused_layers_are_left_to_the_ops_where_they_would_not_all_run(tiny_model_path):
     llm = LLM(model=str(tiny_model_path), seed=0)
-    model = llm.engine.runner.model
-    layer = model.model.layers[0]
-    assert layer.fusable
-    kv_caches = list(llm.engine.runner.kv_caches[0])
-    params = layer.fused_params()
-    attention = layer.self_attn
-    hidden_size = model.config.hidden_size
+    assert llm.engine.runner.model.model.layers[0].fusable
+    params = llm.engine.runner.model.model.layers[0].fused_params()
+    caches = list(llm.engine.runner.kv_caches[0])
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1)) is not None
+    # oneDNN's GEMM takes a float32 linear of more rows
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, ops.SMALL_M + 1)) is None
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, hidden_dtype=torch.bfloat16)) is None
+    float16_linear = [*params[:1], params[1].to(torch.float16), *params[2:]]
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, params=float16_linear)) is None
+    float16_caches = [c.to(torch.float16) for c in caches]
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, kv_caches=float16_caches)) is None
 
-    def call(rows: int, params=params, kv_caches=kv_caches, hidden_dtype=torch.float32):
-        hidden = torch.randn(rows, hidden_size, dtype=hidden_dtype)
-        rope = model.model.rotary_emb(torch.arange(rows), torch.float32)
-        return ops.llama_decoder_layers(
-            hidden,
-            None,
-            params,
-            kv_caches,
-            rope,
-            torch.full((rows,), -1),
-            torch.zeros(1, 1, dtype=torch.int32),
-            torch.tensor([rows], dtype=torch.int32),
-            torch.tensor([0, rows], dtype=torch.int32),
-            None,
-            attention.num_heads,
-            attention.num_kv_heads,
-            attention.scale,
-            1e-5,
-        )
 
-    assert call(1) is not None
-    assert call(ops.SMALL_M + 1) is None  # oneDNN's GEMM takes a float32 linear of more rows
-    assert call(1, hidden_dtype=torch.bfloat16) is None
-    assert call(1, params=[*params[:1], params[1].to(torch.float16), *params[2:]]) is None
-    assert call(1, kv_caches=[c.to(torch.float16) for c in kv_caches]) is None
+def test_the_fake_kernel_gives_the_ops_shapes_and_declares_the_cache_writes(tiny_model_path):
+    """torch.compile traces the op by its fake kernel (kernels/cpu/fake.py): opcheck runs both and compares them,
+    and checks that the op writes only the caches its schema says it writes."""
+    llm = LLM(model=str(tiny_model_path), seed=0)
+    caches = [c.clone() for layer_caches in llm.engine.runner.kv_caches[:2] for c in layer_caches]
+    hidden, residual, params, kv_caches, (cos, sin), *rest = _stack_args(llm, 2, 3, kv_caches=caches)
+    op = torch.ops.workbench_cpu.llama_decoder_layers.default
+    torch.library.opcheck(op, (hidden, residual, params, kv_caches, cos, sin, *rest))
 
 
 def test_a_draft_tree_verification_fuses_with_its_mask(tiny_model_path, monkeypatch):
@@ -135,7 +148,7 @@ def test_a_draft_tree_verification_fuses_with_its_mask(tiny_model_path, monkeypa
 
     calls = []
     fused_op = ops.llama_decoder_layers
-    monkeypatch.setattr(ops, "llama_decoder_layers", lambda *a: calls.append(1) or fused_op(*a))
+    monkeypatch.setitem(kernels._IMPLS, ("llama_decoder_layers", "cpu"), lambda *a: calls.append(1) or fused_op(*a))
     tree = forward(True, masks["tree"])
     assert calls
     assert torch.equal(tree, forward(False, masks["tree"]))

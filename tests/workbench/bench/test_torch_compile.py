@@ -1,14 +1,18 @@
-"""`workbench bench torch_compile`: its flags reach the run, and each side's forward is the one the model calls. No
-compile runs here: torch.compile of even tiny-llama's forward took over a minute on these 2 (shared) cores, and
-`torch.compile` itself only wraps (it compiles on the first call), so the swap is checked without compiling."""
+"""`workbench bench torch_compile`: its flags reach the run, and each side's forward is the one the model calls
+(checked without compiling: `torch.compile` only wraps, and compiles on the first call); and the model's forward,
+C++ ops included, traces into one graph with no break (dynamo's own trace with fullgraph=True, no code generated:
+inductor on tiny-llama took over a minute on these 2 shared cores)."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
+import torch
 
+import kernels
 from engine import LLM, SamplingParams
+from kernels.cpu.build import available
 from workbench.bench import torch_compile
 from workbench.cli import main
 
@@ -63,3 +67,28 @@ def test_each_side_makes_the_model_call_its_own_forward():
     forwards.use("eager")
     assert model.forward == forwards.forwards["eager"]
     assert llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].token_ids == eager_tokens and len(calls) == 2 * steps
+
+
+@pytest.mark.skipif(not available(), reason="the C++ CPU ops are not built here (no compiler?)")
+def test_the_forward_traces_whole_through_the_cpu_ops_and_makes_eagers_tokens():
+    """fullgraph=True makes any graph break an error: the C++ ops need their fake kernels and the kernel dispatch
+    must not resolve under trace. A decode of one sequence runs the fused decoder stack, a prompt longer than
+    SMALL_M the layers' ops one by one: both traced, both making eager's tokens."""
+    llm = LLM(model="tiny-llama", seed=0)
+    model = llm.engine.runner.model
+    prompts = [[1, 2, 3], list(range(10, 40))]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eager = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    fused = []
+    fused_op = kernels._impl("llama_decoder_layers", "cpu")
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager", dynamic=False)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(kernels._IMPLS, ("llama_decoder_layers", "cpu"), lambda *a: fused.append(1) or fused_op(*a))
+            compiled = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+    assert compiled == eager
+    assert fused  # the fused op was traced (its fake) and run

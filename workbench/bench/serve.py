@@ -125,16 +125,60 @@ class RequestResult:
         return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
 
 
+@dataclass(frozen=True)
+class StepMix:
+    """What one engine step ran: prompt tokens (whole prefills and chunks), the requests it decoded (or verified),
+    and how long it took."""
+
+    prompt_tokens: int
+    decodes: int
+    seconds: float
+
+
+PROMPT_PHASES = ("prefill", "chunk")  # engine.core.sched.phases' names for a step's prompt tokens
+
+
 class TokenTimes:
     """A step subscriber that owns, per request id, the end time (epoch ns) of every step that gave the request
-    tokens."""
+    tokens, and each step's StepMix by its end time."""
 
     def __init__(self) -> None:
         self.end_ns: dict[str, list[int]] = defaultdict(list)
+        self.steps: dict[int, StepMix] = {}
 
     def __call__(self, record: StepRecord) -> None:
         for event in record.of_type(RequestTokens):
             self.end_ns[event.request_id].append(record.end_ns)
+        prompt = [r for r, phase in record.phases.items() if phase in PROMPT_PHASES]
+        self.steps[record.end_ns] = StepMix(
+            sum(record.scheduled[r] for r in prompt),
+            len(record.scheduled) - len(prompt),
+            (record.end_ns - record.start_ns) / 1e9,
+        )
+
+    def step_mix(self) -> dict[str, Any]:
+        """Why the requests' TPOT is what it is: the steps with prompt tokens beside the decodes against those with
+        decodes alone (how many, their median ms, prompt tokens and decodes), and the share of every gap between
+        two tokens of a request that ended on a step with prompt tokens (a step's tokens come at its end)."""
+        kinds: dict[str, list[StepMix]] = {"with_prompt": [], "decode_only": []}
+        for mix in self.steps.values():
+            if mix.prompt_tokens or mix.decodes:
+                kinds["with_prompt" if mix.prompt_tokens else "decode_only"].append(mix)
+        gaps = {"with_prompt": 0, "decode_only": 0}
+        for stamps in self.end_ns.values():
+            for a, b in zip(stamps, stamps[1:]):
+                gaps["with_prompt" if self.steps[b].prompt_tokens else "decode_only"] += b - a
+        result: dict[str, Any] = {}
+        for kind, steps in kinds.items():
+            result[kind] = {
+                "steps": len(steps),
+                "ms_median": statistics.median(m.seconds for m in steps) * 1e3 if steps else 0.0,
+                "prompt_tokens_median": statistics.median(m.prompt_tokens for m in steps) if steps else 0,
+                "decodes_median": statistics.median(m.decodes for m in steps) if steps else 0,
+            }
+        total = sum(gaps.values())
+        result["gap_share_with_prompt"] = gaps["with_prompt"] / total if total else 0.0
+        return result
 
     def times(self, request_id: str) -> list[float]:
         """The request's token times in epoch seconds."""
@@ -176,10 +220,12 @@ def run_serve_once(
     max_concurrency: int | None = None,
     progress: bool = True,
     temperature: float = 0.0,
+    recorder: TokenTimes | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Serve `requests` arriving at `arrivals` (s after the start): before each step, add every request whose time
     has come (with that time as its arrival, or the moment a slot freed if `max_concurrency` held it back), then
-    step. Returns one result per request, in order, and the duration (start to last finish, s)."""
+    step. Returns one result per request, in order, and the duration (start to last finish, s). `recorder`: a
+    fresh TokenTimes to record the run into, kept by the caller (its step mix), else one of its own."""
     from tqdm.auto import tqdm
 
     if len(arrivals) != len(requests) or any(b < a for a, b in zip(arrivals, arrivals[1:])):
@@ -188,7 +234,7 @@ def run_serve_once(
     eng = llm.engine
     clock = eng.clock  # simulated time for a simulated engine: arrivals and idle waits are on its clock
     params = [request_params(r, temperature) for r in requests]
-    recorder = eng.subscribe(TokenTimes())
+    recorder = eng.subscribe(recorder if recorder is not None else TokenTimes())
     start = clock.monotonic()
     adm = _Admission(deque(range(len(requests))), max_concurrency, slot_freed=start)
     ids: dict[int, str] = {}
@@ -452,7 +498,7 @@ def run_serve(
         tokenizer = llm.tokenizer
     requests = sample_dataset(dataset, tokenizer, num_requests, seed, **(dataset_args or {}))
     dataset_args = {**DATASET_DEFAULTS[dataset], **(dataset_args or {})}
-    http = None
+    http, step_mix = None, None
     if llm is None or chaos.active:
         name = served_model_name or model
         with served_in_process(llm, name) if llm is not None else nullcontext(base_url) as url:
@@ -463,7 +509,9 @@ def run_serve(
         log(f"server at {base_url or 'this engine, served in-process'}: {duration:.2f} s")
     else:
         run_serve_once(llm, requests[:2], [0.0, 0.0], progress=False)  # warm-up: first calls pay for allocation
-        results, duration = run_serve_once(llm, requests, arrivals, max_concurrency, progress)
+        times = TokenTimes()
+        results, duration = run_serve_once(llm, requests, arrivals, max_concurrency, progress, recorder=times)
+        step_mix = times.step_mix()
         log(f"engine: {duration:.2f} s")
     result: dict[str, Any] = {
         "model": model,
@@ -476,6 +524,7 @@ def run_serve(
             hf_batch_size=hf_batch_size if baseline else None,
         ),
         "engine": compute_metrics(results, duration, goodput),
+        "engine_steps": step_mix,
         "baseline": None,
         "baseline_cb": None,
         "http": http.to_dict() if http is not None else None,
@@ -757,6 +806,18 @@ def ratio_line(result: dict[str, Any]) -> str:
     return "; ".join(lines)
 
 
+def step_mix_line(mix: dict[str, Any]) -> str:
+    """The engine's steps with prompt tokens against those with decodes alone, and where its TPOT went."""
+    w, d = mix["with_prompt"], mix["decode_only"]
+    return (
+        f"Engine steps: {w['steps']} with prompt tokens (median {w['ms_median']:.0f} ms: "
+        f"{w['prompt_tokens_median']:g} prompt tokens beside {w['decodes_median']:g} decodes), {d['steps']} with "
+        f"decodes alone (median {d['ms_median']:.0f} ms, {d['decodes_median']:g} decodes); "
+        f"{mix['gap_share_with_prompt']:.0%} of the time between two tokens of a request went to steps that also "
+        "ran prompt tokens"
+    )
+
+
 def chaos_rows(http: dict[str, Any]) -> list[list[object]]:
     """What became of every request over HTTP: finished, cut, refused (by status), lost; the malformed ones'
     statuses; /health's answers during the burst; what the server held once idle."""
@@ -783,6 +844,8 @@ def _parts(result: dict[str, Any]) -> list[Part]:
         bold(ratio_line(result)),
         Line(load_line(result)),
     ]
+    if result.get("engine_steps"):
+        parts.insert(3, Line(step_mix_line(result["engine_steps"])))
     if result.get("http") and (result["settings"].get("chaos_disconnect") or result["settings"].get("chaos_malformed")):
         parts.insert(
             2, Table(["what became of the requests (a bad client in the burst)", "count"], chaos_rows(result["http"]))

@@ -216,6 +216,35 @@ def test_max_concurrency_caps_the_requests_in_the_engine():
     assert [r.output_len for r in results] == [r.output_len for r in reqs]
 
 
+def test_the_step_mix_tells_steps_with_prompt_tokens_from_decodes_alone():
+    """Two slots: the first two prompts prefill together; the third waits for the short request to finish, then
+    prefills beside the long one's decode. Counted from the step records, exactly."""
+    from engine import LLM
+    from workbench.bench.datasets import BenchRequest
+
+    llm = LLM(model="tiny-llama", num_kv_blocks=256, max_num_seqs=2)
+    reqs = [BenchRequest(list(range(10, 18)), 2), BenchRequest(list(range(20, 28)), 6), BenchRequest([5] * 8, 3)]
+    times = serve.TokenTimes()
+    results, _ = serve.run_serve_once(llm, reqs, [0.0] * 3, progress=False, recorder=times)
+    assert all(r.success for r in results)
+    mix = times.step_mix()
+    # step 1: prompts 0 and 1 (16 tokens); 2: decodes 0, 1 (0 done); 3: prompt 2 beside decode 1; 4-5: decodes
+    # 1 and 2; 6: decode 1 (2 finished with its third token at step 5)
+    assert [(m.prompt_tokens, m.decodes) for m in times.steps.values()] == [
+        (16, 0),
+        (0, 2),
+        (8, 1),
+        (0, 2),
+        (0, 2),
+        (0, 1),
+    ]
+    assert mix["with_prompt"]["steps"] == 2 and mix["with_prompt"]["prompt_tokens_median"] == 12
+    assert mix["decode_only"]["steps"] == 4 and mix["decode_only"]["decodes_median"] == 2
+    # gaps: request 0 one (ends on step 2), 1 five (one on step 3), 2 two (steps 4, 5): 1 of 8 on a prompt step
+    assert 0 < mix["gap_share_with_prompt"] < 0.5
+    assert "2 with prompt tokens" in serve.step_mix_line(mix)
+
+
 def test_guided_requests_are_served_by_both_sides():
     result = serve.run_serve(
         dataset="json_schema",

@@ -28,14 +28,19 @@ using namespace wbcpu;
 // alternating, 2026-12-03) a software prefetch 4 KiB ahead of every line read 24-25 GB/s, none 33 GB/s, and 42-46 GB/s
 // with the weights on huge pages (engine/model/hugepages.py); one prefetch per 4 lines had read slower still. U
 // accumulators per input row hide the dot product's latency: at one row two read 35 GB/s where four read 33 and
-// eight 31 (same test). Above 4 rows a line of weights takes long enough to compute that the stream stalls between
-// lines, and a software prefetch PREFETCH bytes ahead does pay: the model's linears at 5 / 8 rows (same process,
-// alternating, median of 7, 2026-12-03) fp32 35.0 -> 33.3 / 46.9 -> 37.9 ms, bf16 23.7 -> 18.3 / 22.2 -> 18.7,
-// int8 11.8 -> 10.9 / 16.2 -> 13.2, while at 2-3 rows it was level or slower (1-4 KiB ahead all within noise).
-// Not blocked over weight rows (R rows per load of x, M * R accumulators): in registers it does cut the loads, but
-// the R rows are R streams, and streamed from memory that ran level or slower (bf16 at 2 rows 10.8 -> 14.5 ms).
+// eight 31 (same test). From a few rows up a line of weights takes long enough to compute that the stream stalls
+// between lines, and a software prefetch PREFETCH bytes ahead pays, into L2 (_MM_HINT_T1), not L1: the rows of x
+// live in L1 (5 rows of a 1536-wide input are 30 KiB of its 32), and weights prefetched into L1 evicted them. The
+// model's 121 linears (same process, alternating, median of 7, 2026-12-03), no prefetch / into L1 / into L2, ms:
+//   fp32 3 rows 29.9 / - / 23.2; 5 rows 35.7 / 35.7 / 26.8 (40.1 / - / 23.5 in another run); 8 rows 39.8 / 39.8 / 30.8
+//   bf16 3 rows 15.4 / - / 12.3; 5 rows 18.4 / 17.9 / 12.6; 8 rows 20.8 / 20.8 / 18.2
+//   int8 2-3 rows 7.1-7.8 / - / 8.5-9.5; 5 rows 14.5 / 14.4 / 11.3-14.2
+// At one or two rows it was level or slower (1 row fp32 24.4 / - / 24.2, bf16 13.9 / - / 14.7), and int8 was slower
+// below 5 rows: each kind says from how many rows it prefetches (PREFETCH_ROWS). 2, 4 and 8 KiB ahead were alike. Not blocked over weight rows (R rows per load of x, M * R
+// accumulators): the R rows are R streams, and streamed from memory that ran level or slower (bf16 at 2 rows
+// 10.8 -> 14.5 ms).
 template <int M> constexpr int unroll() { return M <= 4 ? 2 : 1; }
-template <int M> constexpr bool prefetches() { return M > 4; }
+template <typename D, int M> constexpr bool prefetches() { return M >= D::PREFETCH_ROWS; }
 constexpr int64_t PREFETCH = 2048;
 constexpr int64_t TILE_BYTES = 16 << 10;  // weight rows per run: half of Zen 3's 32 KiB L1d
 
@@ -49,6 +54,7 @@ template <typename W_>
 struct FloatDot {
   using X = float;
   using W = W_;
+  static constexpr int PREFETCH_ROWS = 3;
 #if defined(__AVX512F__)
   using Acc = __m512;
   static constexpr int64_t V = 16;
@@ -82,6 +88,7 @@ struct FloatDot {
 struct Bf16Dot {
   using X = at::BFloat16;
   using W = at::BFloat16;
+  static constexpr int PREFETCH_ROWS = 3;
   using Acc = __m512;
   static constexpr int64_t V = 32;
   static Acc zero() { return _mm512_setzero_ps(); }
@@ -107,6 +114,7 @@ struct Bf16Dot {
 struct Int8Dot {
   using X = int8_t;
   using W = int8_t;
+  static constexpr int PREFETCH_ROWS = 5;
   using Acc = __m512;
   static constexpr int64_t V = 64;
   static constexpr int32_t OFFSET = 128;
@@ -123,6 +131,7 @@ struct Int8Dot {
 struct Int8Dot {
   using X = int8_t;
   using W = int8_t;
+  static constexpr int PREFETCH_ROWS = 5;
   using Acc = __m256;
   static constexpr int64_t V = 32;
   static constexpr int32_t OFFSET = 0;
@@ -161,8 +170,8 @@ inline void dot_rows(const typename D::X* x, const float* ls, const typename D::
   for (; k + V * U <= K; k += V * U) {
     for (int u = 0; u < U; ++u) {
       constexpr int64_t BYTES = V * sizeof(typename D::W);  // a vector's weights: a cache line (AVX-512) or half
-      if (prefetches<M>() && (k + V * u) * static_cast<int64_t>(sizeof(typename D::W)) % 64 < BYTES)
-        _mm_prefetch(reinterpret_cast<const char*>(wn + k + V * u) + PREFETCH, _MM_HINT_T0);
+      if (prefetches<D, M>() && (k + V * u) * static_cast<int64_t>(sizeof(typename D::W)) % 64 < BYTES)
+        _mm_prefetch(reinterpret_cast<const char*>(wn + k + V * u) + PREFETCH, _MM_HINT_T1);
       const auto wv = D::w(wn + k + V * u);
       for (int m = 0; m < M; ++m) acc[m][u] = D::step(acc[m][u], wv, x + m * K + k + V * u, lanes(m, k + V * u));
     }

@@ -4,6 +4,7 @@ op's outputs are new tensors, and the ops that write the KV cache say so in thei
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -48,7 +49,8 @@ FAKES: dict[str, Callable[..., object]] = {
 }
 
 
+@functools.cache  # torch refuses a second fake kernel for an op
 def register() -> None:
-    """Give every op in FAKES its fake kernel (the library must be loaded)."""
+    """Give every op in FAKES its fake kernel, once per process (the library must be loaded)."""
     for name, fake in FAKES.items():
         torch.library.register_fake(f"workbench_cpu::{name}")(fake)

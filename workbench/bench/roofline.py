@@ -3,7 +3,8 @@
 A decode step must read every weight once (the tied LM head counted once; the embedding lookup reads only B rows,
 ignored) and each sequence's K/V, and must compute 2 FLOPs per weight per token plus attention's QK^T and PV.
 Over this machine's measured memory bandwidth and matmul throughput, that gives the floor of a step:
-max(bytes / bandwidth, FLOPs / throughput). Batch 1 is memory-bound (weights dominate); as the batch grows the
+max(bytes / bandwidth, FLOPs / throughput), the throughput of the arithmetic the weights' format runs in (float32,
+bf16 dot products, int8 into int32). Batch 1 is memory-bound (weights dominate); as the batch grows the
 same weights serve more tokens, until compute binds.
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.model.linear import Linear
+from kernels.cpu.build import has_isa
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import random_requests, token_id_range
 from workbench.bench.report import Line, Part, Table, described, formatters, run_settings
@@ -100,6 +102,23 @@ def measure_matmul(n: int = 2048, runs: int = 5) -> dict[str, float]:
     return rates
 
 
+def measure_arithmetic_peaks(n: int = 2048, runs: int = 5, fp32_peak: float | None = None) -> dict[str, float]:
+    """Each weight format's compute peak (FLOP/s of an n x n by n x n product, median of `runs`) in the arithmetic
+    the engine's linear uses for it: float32 FMAs (the better of measure_matmul's); bfloat16 dot products (oneDNN's
+    bf16 GEMM) where the C++ op has AVX512-BF16, else float32's, since the weights are then widened; int8 products
+    summed in int32 (torch._int_mm, oneDNN's VNNI or AVX2 kernels)."""
+    fp32 = fp32_peak if fp32_peak is not None else max(measure_matmul(n, runs).values())
+    peaks = {"float32": fp32, "bfloat16": fp32}
+    if torch.backends.mkldnn.is_available() and has_isa("avx512_bf16"):
+        a, w = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+        linear = torch.ops.mkldnn._linear_pointwise
+        peaks["bfloat16"] = 2 * n**3 / timed(lambda: linear(a, w, None, "none", [], ""), runs).median_s
+    qa = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    qb = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+    peaks["int8"] = 2 * n**3 / timed(lambda: torch._int_mm(qa, qb), runs).median_s
+    return peaks
+
+
 @torch.inference_mode()
 def time_linears(model: nn.Module, batch: int, runs: int = 5) -> float:
     """Seconds the model's own linear layers take at `batch` rows, one after another as in a step: the weights
@@ -176,9 +195,12 @@ def run_roofline(
     bandwidth = measure_bandwidth(bandwidth_bytes, runs)
     rates = measure_matmul(matmul_n, runs)
     peak = max(rates.values())
+    peaks = measure_arithmetic_peaks(matmul_n, runs, fp32_peak=peak)
     log(
         f"bandwidth {bandwidth['read'] / 1e9:.1f} GB/s read ({bandwidth['threads']} threads), matmul "
         + ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in rates.items())
+        + " GFLOP/s; each format's arithmetic "
+        + ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in peaks.items())
         + " GFLOP/s"
     )
     rows, costs = [], {}
@@ -203,7 +225,7 @@ def run_roofline(
         for batch in batch_sizes:
             measured = decode_step_ms(llm, batch, prompt_len, steps, seed=seed)
             nbytes, flops = cost.step(batch, measured["context"])
-            memory_ms, compute_ms = nbytes / bandwidth["read"] * 1e3, flops / peak * 1e3
+            memory_ms, compute_ms = nbytes / bandwidth["read"] * 1e3, flops / peaks[weights] * 1e3
             rows.append(
                 {
                     "weights": weights,
@@ -231,6 +253,7 @@ def run_roofline(
         "bandwidth": bandwidth,
         "matmul_flops": peak,
         "matmul_rates": rates,
+        "arithmetic_peaks": peaks,
         "load_average": load.done(),
         "rows": rows,
     }
@@ -295,14 +318,17 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
 
 _MACHINE = (
     "{model}: {params_m:.1f} M parameters, weights read per decode step {weight_mb}, {mflop:.0f} MFLOP "
-    "per token in linear layers (the arithmetic is float32 whatever the weights are stored in). "
+    "per token in linear layers. "
     "Machine: {read_gbs:.1f} GB/s read ({copy_gbs:.1f} "
-    "GB/s copy) with {threads} threads, fp32 matmul {gflops:.0f} GFLOP/s ({matmul_n}^3, {rates})"
+    "GB/s copy) with {threads} threads, fp32 matmul {gflops:.0f} GFLOP/s ({matmul_n}^3, {rates}); the peak of "
+    "each format's own arithmetic ({matmul_n}^3): {peaks} GFLOP/s"
 )
 _DOCS = _MACHINE + (
     ". Bandwidth: median of {runs} sums over (and copies of) a {array_mib} MiB array. A step of B "
     "sequences reads every weight once plus their K/V (MB read) and computes 2 FLOPs per linear weight "
-    "per token plus attention (GFLOP); floor = max(bytes / read bandwidth, FLOPs / matmul peak). "
+    "per token plus attention (GFLOP); floor = max(bytes / read bandwidth, FLOPs / the peak of the format's "
+    "arithmetic: float32 FMAs, bf16 dot products (oneDNN's bf16 GEMM, where the CPU has AVX512-BF16; else the "
+    "weights are widened and float32's peak counts), int8 products summed in int32 (torch._int_mm)). "
     "Linears alone: the model's own linear layers run one after another at B rows (weights read from "
     "memory, as in a step), without the model around them. Engine: "
     "B requests of {prompt_len}-token prompts in steady decode, median of {steps} steps (forward = "
@@ -323,6 +349,10 @@ def _machine_values(result: dict[str, Any]) -> dict[str, float]:
         "array_mib": result["settings"]["bandwidth_bytes"] >> 20,
         "threads": result["bandwidth"].get("threads", "?"),
         "rates": ", ".join(f"{k} {v / 1e9:.0f}" for k, v in result.get("matmul_rates", {}).items()),
+        # results from before the per-format peaks: every format's floor was float32's
+        "peaks": ", ".join(
+            f"{k} {v / 1e9:.0f}" for k, v in result.get("arithmetic_peaks", {"float32": result["matmul_flops"]}).items()
+        ),
     }
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from kernels.cpu.build import has_isa
 from workbench.bench import roofline
 from workbench.cli import main
 
@@ -43,6 +44,11 @@ def test_machine_measurements_are_positive_rates():
     assert bandwidth["read"] > 1e6 and bandwidth["copy"] > 1e6
     rates = roofline.measure_matmul(64, runs=1)
     assert "mkl" in rates and all(rate > 1e6 for rate in rates.values())
+    peaks = roofline.measure_arithmetic_peaks(64, runs=1, fp32_peak=123.0)
+    assert set(peaks) == {"float32", "bfloat16", "int8"} and peaks["float32"] == 123.0
+    assert peaks["int8"] > 1e6
+    # without AVX512-BF16 the engine widens bf16 weights: float32's arithmetic and peak
+    assert peaks["bfloat16"] > 1e6 if has_isa("avx512_bf16") else peaks["bfloat16"] == 123.0
 
 
 def test_reduced_roofline_through_the_cli(tmp_path, capsys):
@@ -94,6 +100,9 @@ def test_roofline_floor_is_the_larger_bound():
     assert (fp32["weights"], int8["weights"]) == ("float32", "int8") and int8["bytes"] < fp32["bytes"] / 2
     row = fp32
     assert row["floor_ms"] == max(row["memory_floor_ms"], row["compute_floor_ms"]) > 0
+    # each format's compute floor is at its own arithmetic's peak
+    for r in (fp32, int8):
+        assert r["compute_floor_ms"] == pytest.approx(r["flops"] / result["arithmetic_peaks"][r["weights"]] * 1e3)
     assert row["context"] == 8 + 1 + 2 + 1 and row["forward_ms"] > 0 and row["total_ms"] >= row["forward_ms"]
     assert (
         result["weight_bytes"]["float32"] == result["num_params"] * torch.float32.itemsize

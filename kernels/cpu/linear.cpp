@@ -29,16 +29,17 @@ using namespace wbcpu;
 // with the weights on huge pages (engine/model/hugepages.py); one prefetch per 4 lines had read slower still. U
 // accumulators per input row hide the dot product's latency: at one row two read 35 GB/s where four read 33 and
 // eight 31 (same test). From a few rows up a line of weights takes long enough to compute that the stream stalls
-// between lines, and a software prefetch PREFETCH bytes ahead pays, into L2 (_MM_HINT_T1), not L1: the rows of x
-// live in L1 (5 rows of a 1536-wide input are 30 KiB of its 32), and weights prefetched into L1 evicted them. The
-// model's 121 linears (same process, alternating, median of 7, 2026-12-03), no prefetch / into L1 / into L2, ms:
+// between lines, and a software prefetch PREFETCH bytes ahead pays, into L2 (_MM_HINT_T1), not L1. The likely
+// reason: the rows of x live in L1 (5 rows of a 1536-wide input are 30 KiB of its 32), and weights prefetched into
+// L1 push them out; into L1 gained nothing where into L2 gained a quarter. The model's 121 linears (same process,
+// alternating, median of 7, 2026-12-03), no prefetch / into L1 / into L2, ms:
 //   fp32 3 rows 29.9 / - / 23.2; 5 rows 35.7 / 35.7 / 26.8 (40.1 / - / 23.5 in another run); 8 rows 39.8 / 39.8 / 30.8
 //   bf16 3 rows 15.4 / - / 12.3; 5 rows 18.4 / 17.9 / 12.6; 8 rows 20.8 / 20.8 / 18.2
 //   int8 2-3 rows 7.1-7.8 / - / 8.5-9.5; 5 rows 14.5 / 14.4 / 11.3-14.2
 // At one or two rows it was level or slower (1 row fp32 24.4 / - / 24.2, bf16 13.9 / - / 14.7), and int8 was slower
-// below 5 rows: each kind says from how many rows it prefetches (PREFETCH_ROWS). 2, 4 and 8 KiB ahead were alike. Not blocked over weight rows (R rows per load of x, M * R
-// accumulators): the R rows are R streams, and streamed from memory that ran level or slower (bf16 at 2 rows
-// 10.8 -> 14.5 ms).
+// below 5 rows: each kind says from how many rows it prefetches (PREFETCH_ROWS). 2, 4 and 8 KiB ahead were alike.
+// Not blocked over weight rows (R rows per load of x, M * R accumulators): the R rows are R streams, and streamed
+// from memory that ran level or slower (bf16 at 2 rows 10.8 -> 14.5 ms).
 template <int M> constexpr int unroll() { return M <= 4 ? 2 : 1; }
 template <typename D, int M> constexpr bool prefetches() { return M >= D::PREFETCH_ROWS; }
 constexpr int64_t PREFETCH = 2048;

@@ -102,13 +102,12 @@ def measure_matmul(n: int = 2048, runs: int = 5) -> dict[str, float]:
     return rates
 
 
-def measure_arithmetic_peaks(n: int = 2048, runs: int = 5, fp32_peak: float | None = None) -> dict[str, float]:
+def measure_arithmetic_peaks(fp32_peak: float, n: int = 2048, runs: int = 5) -> dict[str, float]:
     """Each weight format's compute peak (FLOP/s of an n x n by n x n product, median of `runs`) in the arithmetic
-    the engine's linear uses for it: float32 FMAs (the better of measure_matmul's); bfloat16 dot products (oneDNN's
-    bf16 GEMM) where the C++ op has AVX512-BF16, else float32's, since the weights are then widened; int8 products
-    summed in int32 (torch._int_mm, oneDNN's VNNI or AVX2 kernels)."""
-    fp32 = fp32_peak if fp32_peak is not None else max(measure_matmul(n, runs).values())
-    peaks = {"float32": fp32, "bfloat16": fp32}
+    the engine's linear uses for it: float32 FMAs (`fp32_peak`, the better of measure_matmul's); bfloat16 dot
+    products (oneDNN's bf16 GEMM) where the C++ op has AVX512-BF16, else float32's, since the weights are then
+    widened; int8 products summed in int32 (torch._int_mm, oneDNN's VNNI or AVX2 kernels)."""
+    peaks = {"float32": fp32_peak, "bfloat16": fp32_peak}
     if torch.backends.mkldnn.is_available() and has_isa("avx512_bf16"):
         a, w = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
         linear = torch.ops.mkldnn._linear_pointwise
@@ -195,7 +194,7 @@ def run_roofline(
     bandwidth = measure_bandwidth(bandwidth_bytes, runs)
     rates = measure_matmul(matmul_n, runs)
     peak = max(rates.values())
-    peaks = measure_arithmetic_peaks(matmul_n, runs, fp32_peak=peak)
+    peaks = measure_arithmetic_peaks(peak, matmul_n, runs)
     log(
         f"bandwidth {bandwidth['read'] / 1e9:.1f} GB/s read ({bandwidth['threads']} threads), matmul "
         + ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in rates.items())

@@ -63,6 +63,7 @@ from workbench.bench.report import (
 )
 from workbench.bench.throughput import HFBaseline, cold_start
 from workbench.bench.timing import LoadAverage, load_line
+from workbench.perfetto import SPAN_OF_PHASE
 
 if TYPE_CHECKING:
     from workbench.bench.http_serve import Streamed
@@ -135,9 +136,6 @@ class StepMix:
     seconds: float
 
 
-PROMPT_PHASES = ("prefill", "chunk")  # engine.core.sched.phases' names for a step's prompt tokens
-
-
 class TokenTimes:
     """A step subscriber that owns, per request id, the end time (epoch ns) of every step that gave the request
     tokens, and each step's StepMix by its end time."""
@@ -149,7 +147,7 @@ class TokenTimes:
     def __call__(self, record: StepRecord) -> None:
         for event in record.of_type(RequestTokens):
             self.end_ns[event.request_id].append(record.end_ns)
-        prompt = [r for r, phase in record.phases.items() if phase in PROMPT_PHASES]
+        prompt = [r for r, phase in record.phases.items() if SPAN_OF_PHASE[phase] == "prefill"]
         self.steps[record.end_ns] = StepMix(
             sum(record.scheduled[r] for r in prompt),
             len(record.scheduled) - len(prompt),

@@ -44,7 +44,7 @@ def test_machine_measurements_are_positive_rates():
     assert bandwidth["read"] > 1e6 and bandwidth["copy"] > 1e6
     rates = roofline.measure_matmul(64, runs=1)
     assert "mkl" in rates and all(rate > 1e6 for rate in rates.values())
-    peaks = roofline.measure_arithmetic_peaks(64, runs=1, fp32_peak=123.0)
+    peaks = roofline.measure_arithmetic_peaks(123.0, 64, runs=1)
     assert set(peaks) == {"float32", "bfloat16", "int8"} and peaks["float32"] == 123.0
     assert peaks["int8"] > 1e6
     # without AVX512-BF16 the engine widens bf16 weights: float32's arithmetic and peak

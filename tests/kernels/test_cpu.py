@@ -85,8 +85,12 @@ def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scale[:, None]).to(torch.int8), scale
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 21])  # past 8: tiles of 8 rows and a shorter last one
-@pytest.mark.parametrize("out_features, in_features", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (7, 13)])
+# past 8: tiles of 8 rows and a shorter last one; bf16 from 17 rows: the GEMM over packed panels of 48 weight rows,
+# (100, 46) a last panel of 4 rows and 23 column pairs (one block of 16 pairs transposed, 7 packed one by one)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 21])
+@pytest.mark.parametrize(
+    "out_features, in_features", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (7, 13), (100, 46)]
+)
 def test_linear_equals_the_reference_for_each_stored_dtype(rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen)

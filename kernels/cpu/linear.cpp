@@ -9,7 +9,8 @@
 // All three stream each weight row once for all rows of x: up to 8 rows at a time in registers, more in tiles of 8
 // over a run of weight rows that stays in L1. At a small batch a linear layer is a stream of its weights, and the
 // point is to read them at the memory's speed; at a large one, to keep the vector units busy: from GEMM_MIN_ROWS
-// rows, bf16 with AVX512-BF16 is a GEMM over packed panels of weights instead (bf16_gemm).
+// rows, bf16 with AVX512-BF16 and int8 with AVX512-VNNI are GEMMs over packed panels of weights instead (bf16_gemm,
+// w8a8_gemm).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -46,6 +48,7 @@ template <int M> constexpr int unroll() { return M <= 4 ? 2 : 1; }
 template <typename D, int M> constexpr bool prefetches() { return M >= D::PREFETCH_ROWS; }
 constexpr int64_t PREFETCH = 2048;
 constexpr int64_t TILE_BYTES = 16 << 10;  // weight rows per run: half of Zen 3's 32 KiB L1d
+constexpr int64_t QBLOCK = 32;            // int8 x's columns per scale (quantize_blocks)
 
 // ---- the dot kinds: how a vector of one weight row meets the same columns of a row of x ------------------------
 // Each kind has: X (x's elements as prepared), W (the weight's), V (elements per vector step), Acc, zero(), w(p)
@@ -223,20 +226,24 @@ void linear_tiles(int64_t M, const typename D::X* x, const float* ls, const type
   });
 }
 
-#if defined(__AVX512BF16__)
-// ---- many rows of bf16: a GEMM over packed panels of weights ------------------------------------------------
-// Past a few rows a linear is compute-bound, and the dot form above is then bound by its loads: each vdpbf16ps loads
-// its own vector of x (a tile of 8 rows takes 9 loads for 8 products), and every output ends in a horizontal sum.
-// Here a panel of GEMM_NR weight rows is packed into vdpbf16ps' layout (lane j of vector p holds columns 2p and 2p + 1
-// of weight row j), and a tile of GEMM_MR rows of x takes GEMM_NV loads of weights and GEMM_MR broadcasts of x per
-// GEMM_MR * GEMM_NV products, summed straight into the outputs' lanes. Each call packs its panels (no second copy of
-// the weights is kept), 16 rows by 16 pairs at a time in registers. The model's 121 bf16 linears (AVX-512 EPYC, 2
-// threads, same process, alternating, median of 9, 2026-12-03), tiles / this GEMM / oneDNN's bf16 GEMM, ms:
+#if defined(__AVX512F__)
+// ---- many rows: a GEMM over packed panels of weights (bf16 and int8) ------------------------------------------
+// Past a few rows a linear is compute-bound, and the dot form above is then bound by its loads: each dot product
+// loads its own vector of x (a tile of 8 rows takes 9 loads for 8 products), and every output ends in a horizontal
+// sum. Here a panel of GEMM_NR weight rows is packed into the dot instruction's layout (lane j of vector p holds
+// dword p of weight row j: columns 2p, 2p + 1 of bf16 for vdpbf16ps, 4p..4p + 3 of int8 for vpdpbusd), and a tile of
+// MR rows of x takes GEMM_NV loads of weights and MR broadcasts of x per MR * GEMM_NV products, summed straight into
+// the outputs' lanes. Each call packs its panels (no second copy of the weights is kept), 16 rows by 16 dwords at a
+// time, transposed in registers. The model's 121 bf16 linears (AVX-512 EPYC, 2 threads, same process, alternating,
+// median of 9, 2026-12-03), tiles / this GEMM / oneDNN's bf16 GEMM, ms:
 //   16 rows 30.9 / 32.8 / 47.7; 20 rows 42.2 / 36.6 / 51.4; 64 rows 90.9 / 59.4 / 71.8; 512 rows 793 / 433 / 461
 // (packing each 16 x 16 block by gathers, or one pair at a time, had cost 23-34 ms of a 16-row call on its own).
-// A 3072x576 layer at 512 rows runs at 330 GFLOP/s where oneDNN's runs 369.
+// A 3072x576 layer at 512 rows runs at 330 GFLOP/s where oneDNN's runs 369. The 121 int8 linears (W8A8, same method),
+// tiles / this GEMM: 20 rows 36.5 / 29.7; 64 rows 100.5 / 57.2; 512 rows 831 / 385; a 3072x576 layer at 512 rows runs
+// at 410 GOP/s where torch._int_mm (int8 into int32, no scales) runs 756: each block of 32 columns ends in a
+// conversion and a multiply-add per output vector, and int32 sums and float32 outputs together fit only 4 x 48.
 constexpr int64_t GEMM_MIN_ROWS = 17;
-constexpr int GEMM_MR = 8, GEMM_NV = 3;
+constexpr int GEMM_NV = 3;
 constexpr int64_t GEMM_NR = 16 * GEMM_NV;
 
 // r[i], 16 dwords of row i, becomes r[q], dword q of rows 0-15: pairs within 128-bit lanes, then quads, then lanes.
@@ -263,29 +270,69 @@ inline void transpose16x16(__m512i r[16]) {
   }
 }
 
-// panel[p * GEMM_NR + j] = the pair (w[n0 + j][2p], w[n0 + j][2p + 1]), zero for rows past n1: 16 rows by 16 pairs at
-// a time, transposed in registers.
-void pack_panel(const at::BFloat16* w, int64_t P, int64_t n0, int64_t n1, uint32_t* panel) {
+// panel[p * GEMM_NR + j] = dword p of weight row n0 + j (P dwords a row) XOR flip, zero for rows past n1: 16 rows by
+// 16 dwords at a time, transposed in registers.
+void pack_panel(const uint32_t* w, int64_t P, int64_t n0, int64_t n1, uint32_t flip, uint32_t* panel) {
+  const __m512i flips = _mm512_set1_epi32(static_cast<int>(flip));
   for (int v = 0; v < GEMM_NV; ++v) {
     const int64_t first = n0 + 16 * v, rows = std::max<int64_t>(0, std::min<int64_t>(16, n1 - first));
-    const auto* base = reinterpret_cast<const uint32_t*>(w + first * 2 * P);
+    const uint32_t* base = w + first * P;
     uint32_t* dst = panel + 16 * v;
     int64_t p0 = 0;
     for (; p0 + 16 <= P; p0 += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_si512(base + i * P + p0) : _mm512_setzero_si512();
       transpose16x16(r);
-      for (int q = 0; q < 16; ++q) _mm512_storeu_si512(dst + (p0 + q) * GEMM_NR, r[q]);
+      for (int q = 0; q < 16; ++q) _mm512_storeu_si512(dst + (p0 + q) * GEMM_NR, _mm512_xor_si512(r[q], flips));
     }
     for (; p0 < P; ++p0)
-      for (int64_t i = 0; i < 16; ++i) dst[p0 * GEMM_NR + i] = i < rows ? base[i * P + p0] : 0u;
+      for (int64_t i = 0; i < 16; ++i) dst[p0 * GEMM_NR + i] = i < rows ? base[i * P + p0] ^ flip : 0u;
   }
 }
 
-// out[m, n0 + c] = dot(x[m], w[n0 + c]) + bias for MR rows of x (as pairs, P per row) and the panel's n_valid rows.
+// out[m, n0 + c] = (acc[m][c] - off[m]) * scale[n0 + c] + bias[n0 + c] for the panel's n_valid rows (off, scale and
+// bias optional).
 template <int MR>
-void gemm_tile(const uint32_t* x, int64_t P, const uint32_t* panel, float* out, int64_t N, int64_t n0, int64_t n_valid,
-               const float* bias) {
+void store_tile(const __m512 (&acc)[MR][GEMM_NV], float* out, int64_t N, int64_t n0, int64_t n_valid, const float* off,
+                const float* scale, const float* bias) {
+  for (int v = 0; v < GEMM_NV && 16 * v < n_valid; ++v) {
+    const __mmask16 mask = n_valid - 16 * v >= 16 ? 0xffff : (1u << (n_valid - 16 * v)) - 1;
+    const __m512 s = scale ? _mm512_maskz_loadu_ps(mask, scale + n0 + 16 * v) : _mm512_set1_ps(1.f);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * v) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m512 a = off ? _mm512_sub_ps(acc[m][v], _mm512_set1_ps(off[m])) : acc[m][v];
+      _mm512_mask_storeu_ps(out + m * N + n0 + 16 * v, mask, _mm512_fmadd_ps(a, s, b));
+    }
+  }
+}
+
+// f(std::integral_constant<int, rows>) for 1 <= rows <= MR: a tile's row count as a template argument.
+template <int MR, typename F>
+void with_rows(int64_t rows, const F& f) {
+  if constexpr (MR > 1)
+    if (rows < MR) return with_rows<MR - 1>(rows, f);
+  f(std::integral_constant<int, MR>{});
+}
+
+// Threads split the panels; each packs its panel (P dwords by GEMM_NR rows: L2-sized) and runs every tile of up to MR
+// rows of x over it: tile(first row, rows, panel, n0, n_valid).
+template <int MR, typename Tile>
+void panel_gemm(int64_t M, const uint32_t* w, int64_t P, int64_t N, uint32_t flip, const Tile& tile) {
+  at::parallel_for(0, (N + GEMM_NR - 1) / GEMM_NR, 1, [&](int64_t q0, int64_t q1) {
+    std::vector<uint32_t> panel(P * GEMM_NR);
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t n0 = q * GEMM_NR, n_valid = std::min(GEMM_NR, N - n0);
+      pack_panel(w, P, n0, n0 + n_valid, flip, panel.data());
+      for (int64_t m0 = 0; m0 < M; m0 += MR) tile(m0, std::min<int64_t>(MR, M - m0), panel.data(), n0, n_valid);
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+// MR rows of x (P pairs a row) against a panel: 8 x 48 outputs take 11 loads per 24 vdpbf16ps.
+template <int MR>
+void bf16_tile(const uint32_t* x, int64_t P, const uint32_t* panel, float* out, int64_t N, int64_t n0,
+               int64_t n_valid, const float* bias) {
   __m512 acc[MR][GEMM_NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < GEMM_NV; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -297,33 +344,65 @@ void gemm_tile(const uint32_t* x, int64_t P, const uint32_t* panel, float* out, 
       for (int v = 0; v < GEMM_NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], wv[v], xv);
     }
   }
-  for (int v = 0; v < GEMM_NV && 16 * v < n_valid; ++v) {
-    const __mmask16 mask = n_valid - 16 * v >= 16 ? 0xffff : (1u << (n_valid - 16 * v)) - 1;
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * v) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + m * N + n0 + 16 * v, mask, _mm512_add_ps(acc[m][v], b));
-  }
+  store_tile<MR>(acc, out, N, n0, n_valid, nullptr, nullptr, bias);
 }
 
-// Threads split the panels; each packs its panel into L2 and runs every tile of rows over it.
 void bf16_gemm(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* out, int64_t K,
                int64_t N) {
   const int64_t P = K / 2;
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
-  at::parallel_for(0, (N + GEMM_NR - 1) / GEMM_NR, 1, [&](int64_t q0, int64_t q1) {
-    std::vector<uint32_t> panel(P * GEMM_NR);
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t n0 = q * GEMM_NR, n_valid = std::min(GEMM_NR, N - n0);
-      pack_panel(w, P, n0, n0 + n_valid, panel.data());
-      for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
-        switch (std::min<int64_t>(GEMM_MR, M - m0)) {
-#define CASE(m) case m: gemm_tile<m>(xp + m0 * P, P, panel.data(), out + m0 * N, N, n0, n_valid, bias); break;
-          CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-#undef CASE
-        }
+  const auto tile = [&](int64_t m0, int64_t rows, const uint32_t* panel, int64_t n0, int64_t n_valid) {
+    with_rows<8>(rows, [&](auto mr) {
+      bf16_tile<decltype(mr)::value>(xp + m0 * P, P, panel, out + m0 * N, N, n0, n_valid, bias);
+    });
+  };
+  panel_gemm<8>(M, reinterpret_cast<const uint32_t*>(w), P, N, 0u, tile);
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// MR rows of int8 x (P quads a row; ls: their lane scales, one per quad, as quantize_blocks writes them) against a
+// panel of weights + 128 (Int8Dot's offset): each block of 32 columns (8 quads) sums exactly in int32, then into
+// float32 at its row's scale of x. Both sums hold 4 x 48 outputs: 24 of the 32 vector registers.
+template <int MR>
+void w8a8_tile(const uint32_t* x, const float* ls, int64_t P, const uint32_t* panel, float* out, int64_t N, int64_t n0,
+               int64_t n_valid, const float* off, const float* scale, const float* bias) {
+  __m512 acc[MR][GEMM_NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < GEMM_NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t p0 = 0; p0 < P; p0 += QBLOCK / 4) {
+    __m512i sum[MR][GEMM_NV];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < GEMM_NV; ++v) sum[m][v] = _mm512_setzero_si512();
+    for (int64_t p = p0; p < p0 + QBLOCK / 4; ++p) {
+      __m512i wv[GEMM_NV];
+      for (int v = 0; v < GEMM_NV; ++v) wv[v] = _mm512_loadu_si512(panel + p * GEMM_NR + 16 * v);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xv = _mm512_set1_epi32(static_cast<int>(x[m * P + p]));
+        for (int v = 0; v < GEMM_NV; ++v) sum[m][v] = _mm512_dpbusd_epi32(sum[m][v], wv[v], xv);
       }
     }
-  });
+    for (int m = 0; m < MR; ++m) {
+      const __m512 sx = _mm512_set1_ps(ls[m * P + p0]);
+      for (int v = 0; v < GEMM_NV; ++v) acc[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][v]), sx, acc[m][v]);
+    }
+  }
+  store_tile<MR>(acc, out, N, n0, n_valid, off, scale, bias);
 }
+
+void w8a8_gemm(int64_t M, const int8_t* xq, const float* ls, const float* off, const int8_t* w, const float* scale,
+               const float* bias, float* out, int64_t K, int64_t N) {
+  const int64_t P = K / 4;
+  const auto* xp = reinterpret_cast<const uint32_t*>(xq);
+  const auto tile = [&](int64_t m0, int64_t rows, const uint32_t* panel, int64_t n0, int64_t n_valid) {
+    with_rows<4>(rows, [&](auto mr) {
+      w8a8_tile<decltype(mr)::value>(xp + m0 * P, ls + m0 * P, P, panel, out + m0 * N, N, n0, n_valid, off + m0,
+                                     scale, bias);
+    });
+  };
+  panel_gemm<4>(M, reinterpret_cast<const uint32_t*>(w), P, N, 0x80808080u, tile);
+}
+#endif
 #endif
 
 void check_linear(const char* name, const at::Tensor& x, const at::Tensor& weight) {
@@ -390,7 +469,33 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10:
 // its block's scale (ls), and offset[m] = OFFSET * sum over blocks of sx * sum(xq): Int8Dot's correction. Per token
 // (one scale per row) was tried first: on smollm2-135m greedy against int8 weights alone it kept 11 of 96 tokens
 // (blocks of 32: 61; of 64: 24), the model's outlier columns crushing the rest of a row to a few levels.
-constexpr int64_t QBLOCK = 32;
+
+// One whole block, 8 floats at a time (AVX2, so both builds share it): the same division, rounding and clamp as the
+// scalar loop below, so the same xq; returns the block's scale, and the sum of its xq in *sum.
+inline float quantize_block(const float* x, int8_t* xq, int32_t* sum) {
+  static_assert(QBLOCK == 32, "four vectors of 8 floats");
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(x + 8 * i)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float s = std::max(std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4))), 1e-12f) / 127.f;
+  const __m256 sv = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  __m256i q[4], total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(v[i], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+    total = _mm256_add_epi32(total, q[i]);
+  }
+  // packs interleave 128-bit lanes: bytes come out as 4 of q0, q1, q2, q3, then the next 4 of each
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  *sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+  return s;
+}
 
 void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* xq, float* ls, float* offset) {
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -399,14 +504,19 @@ void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* xq, float* ls
       float correction = 0.f;
       for (int64_t b = 0; b < K; b += QBLOCK) {
         const int64_t e = std::min(K, b + QBLOCK);
-        float amax = 0.f;
-        for (int64_t k = b; k < e; ++k) amax = std::max(amax, std::fabs(row[k]));
-        const float s = std::max(amax, 1e-12f) / 127.f;
         int32_t sum = 0;
-        for (int64_t k = b; k < e; ++k) {
-          const float q = std::min(127.f, std::max(-127.f, std::nearbyint(row[k] / s)));
-          xq[m * K + k] = static_cast<int8_t>(q);
-          sum += static_cast<int32_t>(q);
+        float s;
+        if (e - b == QBLOCK) {
+          s = quantize_block(row + b, xq + m * K + b, &sum);
+        } else {
+          float amax = 0.f;
+          for (int64_t k = b; k < e; ++k) amax = std::max(amax, std::fabs(row[k]));
+          s = std::max(amax, 1e-12f) / 127.f;
+          for (int64_t k = b; k < e; ++k) {
+            const float q = std::min(127.f, std::max(-127.f, std::nearbyint(row[k] / s)));
+            xq[m * K + k] = static_cast<int8_t>(q);
+            sum += static_cast<int32_t>(q);
+          }
         }
         for (int64_t l = b / 4; l < (e + 3) / 4; ++l) ls[m * lane_stride(K) + l] = s;
         correction += s * static_cast<float>(Int8Dot::OFFSET * sum);
@@ -434,6 +544,12 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& weight, const at::
   const float* b = optional_data(bias, keep_bias);
   const float* off = offset.data_ptr<float>();
   float* o = out.data_ptr<float>();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (M >= GEMM_MIN_ROWS && K % QBLOCK == 0) {
+    w8a8_gemm(M, xq.data_ptr<int8_t>(), ls.data_ptr<float>(), off, wc.data_ptr<int8_t>(), sw, b, o, K, N);
+    return out;
+  }
+#endif
   const auto epilogue = [&](int64_t m, int64_t n, float s) { o[m * N + n] = (s - off[m]) * sw[n] + (b ? b[n] : 0.f); };
   linear_tiles<Int8Dot>(M, xq.data_ptr<int8_t>(), ls.data_ptr<float>(), wc.data_ptr<int8_t>(), epilogue, K, N);
   return out;

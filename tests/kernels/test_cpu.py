@@ -86,10 +86,12 @@ def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # past 8: tiles of 8 rows and a shorter last one; bf16 from 17 rows: the GEMM over packed panels of 48 weight rows,
-# (100, 46) a last panel of 4 rows and 23 column pairs (one block of 16 pairs transposed, 7 packed one by one)
+# (100, 46) a last panel of 4 rows and 23 column pairs (one block of 16 pairs transposed, 7 packed one by one);
+# int8 from 17 rows likewise where the columns are whole blocks of 32: (100, 96), 24 quads (16 transposed, 8 not)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 21])
 @pytest.mark.parametrize(
-    "out_features, in_features", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (7, 13), (100, 46)]
+    "out_features, in_features",
+    [(960, 576), (3072, 576), (576, 1536), (49152, 576), (7, 13), (100, 46), (100, 96)],
 )
 def test_linear_equals_the_reference_for_each_stored_dtype(rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows)

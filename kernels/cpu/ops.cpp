@@ -145,21 +145,21 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
     const int64_t n_tok = std::min(block_size, end - start);
     const C* kb = k_cache + blk * block_stride;
     const C* vb = v_cache + blk * block_stride;
-    if (start + block_size < end) {
-      // blocks lie anywhere in the cache (a new page each), so the hardware prefetcher cannot see the next one
-      // coming: ask for its rows of this head while this block is computed. Into L2 (_MM_HINT_T1), not L1: a
-      // block's rows are 32-64 lines of K and V, and into L1 decodes ran 1.4-2x slower (64 sequences x 134 tokens,
-      // fp32 1.43 -> 1.01 ms, bf16 1.50 -> 0.88; 8 x 1000 bf16 1.14 -> 0.58; 1 x 4000 fp32 0.86 -> 0.53: the op
-      // alone, caches 6000 blocks, a 256 MiB write between calls, same process, alternating, median of 25, AVX-512
-      // EPYC, 2026-12-03). Two or three blocks ahead ran level with one.
-      const int64_t next = table[start / block_size + 1] * block_stride;
+    // Blocks lie anywhere in the cache (a new page each), so the hardware prefetcher cannot see the next one coming:
+    // ask for its rows of this head while this block is computed, K's before the scores and V's before the values
+    // (all at once stalled this block's own loads: 6-13% slower at 64 x 134 and 32 x 300, level at 1 x 4000). Into
+    // L2 (_MM_HINT_T1), not L1: into L1 decodes ran 1.4-2x slower (64 sequences x 134 tokens, fp32 1.43 -> 1.01 ms,
+    // bf16 1.50 -> 0.88; 8 x 1000 bf16 1.14 -> 0.58; 1 x 4000 fp32 0.86 -> 0.53: the op alone, caches of 6000
+    // blocks, a 256 MiB write between calls, same process, alternating, median of 25, AVX-512 EPYC, 2026-12-03).
+    // Two or three blocks ahead ran level with one.
+    const C* next_kb = start + block_size < end ? k_cache + table[start / block_size + 1] * block_stride : nullptr;
+    const auto prefetch_next = [&](const C* cache) {
       const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
       for (int64_t u = 0; u < block_size; ++u)
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_cache + next + u * token_stride) + b, _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(v_cache + next + u * token_stride) + b, _MM_HINT_T1);
-        }
-    }
+        for (int64_t b = 0; b < row_bytes; b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(cache + u * token_stride) + b, _MM_HINT_T1);
+    };
+    if (next_kb) prefetch_next(next_kb);
     int64_t n_any = 0;  // keys any row sees in the block: the values read for all rows
     for (int r = 0; r < rows; ++r) {
       const int64_t visible = std::max<int64_t>(0, std::min(n_tok, limits[r] - start));  // keys this row sees
@@ -185,6 +185,7 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
       l[r] = l[r] * corr[r] + sum;
       m[r] = new_m;
     }
+    if (next_kb) prefetch_next(v_cache + (next_kb - k_cache));
     if (n_any > 0) block_values_all(p.data(), block_size, rows, vb, token_stride, n_any, D, corr, acc.data());
   }
   for (int r = 0; r < rows; ++r) {

@@ -152,14 +152,15 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
     // bf16 1.50 -> 0.88; 8 x 1000 bf16 1.14 -> 0.58; 1 x 4000 fp32 0.86 -> 0.53: the op alone, caches of 6000
     // blocks, a 256 MiB write between calls, same process, alternating, median of 25, AVX-512 EPYC, 2026-12-03).
     // Two or three blocks ahead ran level with one.
-    const C* next_kb = start + block_size < end ? k_cache + table[start / block_size + 1] * block_stride : nullptr;
+    const bool has_next = start + block_size < end;
+    const int64_t next = has_next ? table[start / block_size + 1] * block_stride : 0;
     const auto prefetch_next = [&](const C* cache) {
       const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
       for (int64_t u = 0; u < block_size; ++u)
         for (int64_t b = 0; b < row_bytes; b += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(cache + u * token_stride) + b, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(cache + next + u * token_stride) + b, _MM_HINT_T1);
     };
-    if (next_kb) prefetch_next(next_kb);
+    if (has_next) prefetch_next(k_cache);
     int64_t n_any = 0;  // keys any row sees in the block: the values read for all rows
     for (int r = 0; r < rows; ++r) {
       const int64_t visible = std::max<int64_t>(0, std::min(n_tok, limits[r] - start));  // keys this row sees
@@ -185,7 +186,7 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
       l[r] = l[r] * corr[r] + sum;
       m[r] = new_m;
     }
-    if (next_kb) prefetch_next(v_cache + (next_kb - k_cache));
+    if (has_next) prefetch_next(v_cache);
     if (n_any > 0) block_values_all(p.data(), block_size, rows, vb, token_stride, n_any, D, corr, acc.data());
   }
   for (int r = 0; r < rows; ++r) {

@@ -90,23 +90,13 @@ void tree_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const a
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, const at::Tensor& tree_mask, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "tree_attention: q must be [T, Hq, D] float32");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "tree_attention: caches must be contiguous [num_blocks, block_size, Hkv, D]");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "tree_attention: query heads must be a multiple of kv heads");
+  const PagedInputs in = paged_inputs("tree_attention", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc);
   TORCH_CHECK(tree_mask.dim() == 1 && tree_mask.size(0) == q.size(0), "tree_attention: one mask per query row");
-  auto qc = q.contiguous();
-  auto out = at::empty_like(qc);
-  auto tables = block_tables.to(at::kInt).contiguous();
-  auto lens = seq_lens.to(at::kInt).contiguous();
-  auto qsl = query_start_loc.to(at::kInt).contiguous();
   auto masks = tree_mask.to(at::kLong).contiguous();
-  if (k_cache.scalar_type() == at::kFloat)
-    tree_attention_impl<float>(qc, k_cache, v_cache, tables, lens, qsl, masks, scale, out);
-  else if (k_cache.scalar_type() == at::kBFloat16)
-    tree_attention_impl<at::BFloat16>(qc, k_cache, v_cache, tables, lens, qsl, masks, scale, out);
-  else
-    TORCH_CHECK(false, "tree_attention: the cache must be float32 or bfloat16");
+  auto out = at::empty_like(in.q);
+  with_cache_type("tree_attention", k_cache, [&](auto c) {
+    tree_attention_impl<decltype(c)>(in.q, k_cache, v_cache, in.tables, in.lens, in.qsl, masks, scale, out);
+  });
   return out;
 }
 

@@ -1,5 +1,6 @@
-// Vector helpers shared by the CPU ops' sources (AVX2 + FMA everywhere): horizontal sums, 8 weights of any
-// stored dtype as floats, and exp for softmax (inline, in namespace wbcpu).
+// Helpers shared by the CPU ops' sources (inline, in namespace wbcpu): vector helpers (AVX2 + FMA everywhere:
+// horizontal sums, 8 weights of any stored dtype as floats, exp for softmax) and the paged attention ops' checked
+// inputs.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -54,6 +55,35 @@ inline float dot(const float* q, const C* k, int64_t D) {
   float s = hsum(acc);
   for (; d < D; ++d) s += q[d] * to_float(k[d]);
   return s;
+}
+
+// ---- the paged attention ops' inputs (paged_attention, tree_attention) --------------------------------------------
+// q [T, Hq, D] float32, made contiguous; the block tables, sequence lengths and query starts as contiguous int32.
+struct PagedInputs {
+  at::Tensor q, tables, lens, qsl;
+};
+
+// The checks both ops make: q float32 [T, Hq, D]; caches contiguous [num_blocks, block_size, Hkv, D], Hkv dividing Hq.
+inline PagedInputs paged_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                const at::Tensor& query_start_loc) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, op, ": q must be [T, Hq, D] float32");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), op,
+              ": caches must be contiguous [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, op, ": query heads must be a multiple of kv heads");
+  return {q.contiguous(), block_tables.to(at::kInt).contiguous(), seq_lens.to(at::kInt).contiguous(),
+          query_start_loc.to(at::kInt).contiguous()};
+}
+
+// f(C{}) for the cache's element type C: float or at::BFloat16.
+template <typename F>
+inline void with_cache_type(const char* op, const at::Tensor& cache, F&& f) {
+  if (cache.scalar_type() == at::kFloat)
+    f(float{});
+  else if (cache.scalar_type() == at::kBFloat16)
+    f(at::BFloat16{});
+  else
+    TORCH_CHECK(false, op, ": the cache must be float32 or bfloat16");
 }
 
 }  // namespace wbcpu

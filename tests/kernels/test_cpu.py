@@ -62,9 +62,12 @@ def test_paged_attention_equals_the_reference(shape, mix):
     torch.testing.assert_close(got, reference.paged_attention(*case), atol=ATOL, rtol=1e-5)
 
 
-def test_paged_attention_over_a_bfloat16_cache_equals_the_reference_widened():
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_paged_attention_over_a_bfloat16_cache_equals_the_reference_widened(shape):
+    """bf16 rows are read as their even and odd elements: a head dim of whole chunks, and 20 (a chunk of 16 and 4
+    columns one by one with 8 lanes; all one by one with 16)."""
     case = paged_case(
-        9, 3, 64, 16, MIXES["chunks_over_cached_context"] + MIXES["decodes_at_block_boundaries"], dtype=torch.bfloat16
+        *SHAPES[shape], MIXES["chunks_over_cached_context"] + MIXES["decodes_at_block_boundaries"], dtype=torch.bfloat16
     )
     got = torch.ops.workbench_cpu.paged_attention(*case)
     torch.testing.assert_close(got, reference.paged_attention(*case), atol=ATOL, rtol=1e-5)
@@ -206,7 +209,8 @@ def test_a_lock_left_by_a_killed_process_blocks_no_later_one(tmp_path, finished)
 @pytest.mark.skipif("avx512f" not in cpu_info().flags, reason="an AVX2-only CPU runs the AVX2 kernels in every test")
 def test_the_avx2_kernels_equal_the_reference_on_this_avx512_cpu():
     """WORKBENCH_CPU_ISA=avx2 builds the ops without AVX-512 (what an AVX2-only CPU runs: the linears' 8-wide float
-    dots, bf16 widened to float32, int8 through vpmaddubsw); the linear tests above pass on that build too."""
+    dots, bf16 widened to float32, int8 through vpmaddubsw; attention 8 lanes wide); the linear and attention tests
+    above pass on that build too."""
     import subprocess
     import sys
 
@@ -227,8 +231,9 @@ def test_the_avx2_kernels_equal_the_reference_on_this_avx512_cpu():
             text=True,
         ).stdout
     ), "the AVX2 build holds AVX-512 instructions"
+    pytest_args = ["-q", "-p", "no:cacheprovider", "-n", "0", str(here), "-k", "linear or attention"]
     tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(here), "-k", "linear"],
+        [sys.executable, "-m", "pytest", *pytest_args],
         capture_output=True,
         text=True,
         env=env,

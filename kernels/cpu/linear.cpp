@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -500,13 +501,51 @@ const float* optional_data(const c10::optional<at::Tensor>& t, at::Tensor& keep)
 // float32 arithmetic, exact: float32 weights, or bfloat16 ones widened (the bf16 path of a CPU without AVX512-BF16,
 // x then already rounded to bf16 by linear_bf16).
 template <typename W>
-void float_linear(const at::Tensor& x, const W* w, const float* scale, const float* bias, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+void float_linear(int64_t M, int64_t K, const float* x, const W* w, const float* scale, const float* bias,
+                  at::Tensor& out) {
+  const int64_t N = out.size(1);
   float* o = out.data_ptr<float>();
   const auto epilogue = [&](int64_t m, int64_t n, float s) {
     o[m * N + n] = (scale ? s * scale[n] : s) + (bias ? bias[n] : 0.f);
   };
-  linear_tiles<FloatDot<W>>(M, x.data_ptr<float>(), nullptr, w, epilogue, K, N);
+  linear_tiles<FloatDot<W>>(M, x, nullptr, w, epilogue, K, N);
+}
+
+// x rounded to bfloat16 as torch rounds it (to nearest, ties to even; NaN to 0x7FC0), 8 at a time: each 32-bit lane
+// holds its bf16's bits. In place of x.to(kBFloat16), a tensor allocated and dispatched for each of a step's 121
+// linears (batch-1 bf16 decode, alternating in one process, median of 8: 84.2 -> 84.9 tok/s, AVX-512 EPYC).
+inline __m256i bf16_bits8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+inline uint16_t bf16_bits(float x) {
+  return static_cast<uint16_t>(_mm256_cvtsi256_si32(bf16_bits8(_mm256_set1_ps(x))));
+}
+
+// n values of x into bf16
+inline void round_to_bf16(const float* x, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i lo = bf16_bits8(_mm256_loadu_ps(x + i)), hi = bf16_bits8(_mm256_loadu_ps(x + i + 8));
+    const __m256i packed = _mm256_packus_epi32(lo, hi);  // 128-bit lanes: lo 0-3, hi 0-3, lo 4-7, hi 4-7
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  for (; i < n; ++i) out[i] = bf16_bits(x[i]);
+}
+
+// the same rounded values as float32 (the widened path of a CPU without AVX512-BF16)
+inline void round_to_bf16(const float* x, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(_mm256_loadu_ps(x + i)), 16)));
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(bf16_bits(x[i])) << 16;
+    std::memcpy(out + i, &bits, sizeof(bits));
+  }
 }
 
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
@@ -517,7 +556,8 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c
   auto wc = weight.contiguous();
   auto out = at::empty({xc.size(0), wc.size(0)}, xc.options());
   at::Tensor keep_scale, keep_bias;
-  float_linear(xc, wc.data_ptr<float>(), optional_data(scale, keep_scale), optional_data(bias, keep_bias), out);
+  float_linear(xc.size(0), xc.size(1), xc.data_ptr<float>(), wc.data_ptr<float>(), optional_data(scale, keep_scale),
+               optional_data(bias, keep_bias), out);
   return out;
 }
 
@@ -530,17 +570,24 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10:
   at::Tensor keep_bias;
   const float* b = optional_data(bias, keep_bias);
   const auto* w = wc.data_ptr<at::BFloat16>();
-  const auto xb = x.to(at::kBFloat16).contiguous();  // round to nearest even, as torch does
+  const auto xc = x.contiguous();
 #if defined(__AVX512BF16__)
+  thread_local std::vector<uint16_t> xb;  // x rounded to bf16: the calling thread's, read by the workers
+  xb.resize(static_cast<size_t>(M * K));
+  round_to_bf16(xc.data_ptr<float>(), xb.data(), M * K);
+  const auto* xp = reinterpret_cast<const at::BFloat16*>(xb.data());
   float* o = out.data_ptr<float>();
   if (M >= GEMM_MIN_ROWS && K % 2 == 0) {
-    bf16_gemm(M, xb.data_ptr<at::BFloat16>(), w, b, o, K, N);
+    bf16_gemm(M, xp, w, b, o, K, N);
     return out;
   }
   const auto epilogue = [&](int64_t m, int64_t n, float s) { o[m * N + n] = s + (b ? b[n] : 0.f); };
-  linear_tiles<Bf16Dot>(M, xb.data_ptr<at::BFloat16>(), nullptr, w, epilogue, K, N);
+  linear_tiles<Bf16Dot>(M, xp, nullptr, w, epilogue, K, N);
 #else
-  float_linear(xb.to(at::kFloat), w, nullptr, b, out);
+  thread_local std::vector<float> xr;  // x rounded to bf16, as float32
+  xr.resize(static_cast<size_t>(M * K));
+  round_to_bf16(xc.data_ptr<float>(), xr.data(), M * K);
+  float_linear(M, K, xr.data(), w, nullptr, b, out);
 #endif
   return out;
 }

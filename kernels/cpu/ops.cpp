@@ -5,7 +5,8 @@
 //   rotary          rotate-half RoPE of q and k read where the fused q/k/v projection left them
 //   silu_and_mul    SiLU(gate) * up of the fused gate/up projection
 // The last three replace a dozen small torch ops per layer each (what bounds a small batch after the weights).
-// Paged attention is in paged_attention.cpp, the linear layers in linear.cpp. Built with -march=native by kernels/cpu/build.py: AVX2/FMA everywhere.
+// Paged attention is in paged_attention.cpp, the linear layers in linear.cpp. Built with -march=native by
+// kernels/cpu/build.py: AVX2/FMA everywhere.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

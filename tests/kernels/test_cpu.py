@@ -122,6 +122,21 @@ def test_linear_past_small_m_rows_equals_the_reference_for_each_stored_dtype(row
     assert rows > ops.SMALL_M
 
 
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_linear_bf16_rounds_its_input_as_torch_does(rows):
+    """The op rounds x to bfloat16 itself (8 at a time, then one by one): through an identity weight the output is
+    that rounding, which must be torch's, ties to even included (1 + 2^-8 down to 1, 1 + 3 * 2^-8 up to 1 + 2^-6);
+    20 rows take the GEMM path. Denormals are left out: AVX512-BF16's dot product flushes them."""
+    gen = torch.Generator().manual_seed(rows)
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), -(1 + 3 * 2**-8), 3.0e38, -3.0e38, 0.0, -0.0])
+    x = torch.randn(rows, 30, generator=gen) * 10
+    x[:, : len(ties)] = ties
+    eye = torch.eye(30).to(torch.bfloat16)
+    got = ops.linear(x, eye, None, None)
+    assert torch.equal(got, x.to(torch.bfloat16).float())
+    assert got[0, 0] == 1.0 and got[0, 1] == 1 + 2**-6
+
+
 def test_a_float16_weight_falls_back_to_the_reference():
     x, half = torch.randn(2, 64), torch.randn(32, 64).to(torch.float16)
     torch.testing.assert_close(ops.linear(x, half), reference.linear(x, half))

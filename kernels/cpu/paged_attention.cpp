@@ -10,7 +10,7 @@
 // vectors: float32 as two halves, bfloat16 as its even and its odd elements (one load, a shift and a mask for 2W
 // values, where widening them in order costs two loads, two extensions and two shifts). q and the accumulators are
 // kept in that same order, so the dot products and the weighted sums are those of the rows in order; only the
-// output is put back. Per key, W keys share one reduction of their dot products.
+// output is put back. W keys at a time share one reduction of their dot products.
 //
 // No software prefetch: asking for the next block's K and V rows (into L2, K before the scores and V before the
 // values) ran level with none once the arithmetic was this lean (batch 64 x 136 tokens, SmolLM2's 3 kv heads, fp32

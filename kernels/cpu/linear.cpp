@@ -127,8 +127,10 @@ struct Int8Dot {
   static constexpr int32_t OFFSET = 128;
   static Acc zero() { return _mm512_setzero_ps(); }
   static __m512i w(const W* p) { return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(char(0x80))); }
+  // sum += (w + 128) . x over each lane's 4 bytes (w already offset)
+  static __m512i dot4(__m512i sum, __m512i wv, __m512i xv) { return _mm512_dpbusd_epi32(sum, wv, xv); }
   static Acc step(Acc a, __m512i wv, const X* x, const float* lane_scales) {
-    const __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(x));
+    const __m512i lanes = dot4(_mm512_setzero_si512(), wv, _mm512_loadu_si512(x));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), _mm512_loadu_ps(lane_scales), a);
   }
   static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
@@ -144,10 +146,13 @@ struct Int8Dot {
   static constexpr int32_t OFFSET = 0;
   static Acc zero() { return _mm256_setzero_ps(); }
   static __m256i w(const W* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static Acc step(Acc a, __m256i wv, const X* x, const float* lane_scales) {
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  // sum += w . x over each lane's 4 bytes
+  static __m256i dot4(__m256i sum, __m256i wv, __m256i xv) {
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
-    const __m256i lanes = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  static Acc step(Acc a, __m256i wv, const X* x, const float* lane_scales) {
+    const __m256i lanes = dot4(_mm256_setzero_si256(), wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_loadu_ps(lane_scales), a);
   }
   static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
@@ -293,8 +298,7 @@ struct GemmVec {
   static void transpose(I r[16]) { transpose16x16(r); }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define WB_W8A8_GEMM 1
-  // sum += (w + 128) . x over each lane's 4 bytes (w packed with Int8Dot::OFFSET folded in)
-  static I dot4(I sum, I w, I x) { return _mm512_dpbusd_epi32(sum, w, x); }
+  static I dot4(I sum, I w, I x) { return Int8Dot::dot4(sum, w, x); }  // w packed with Int8Dot::OFFSET folded in
 #endif
 };
 constexpr int GEMM_NV = 3;
@@ -340,11 +344,7 @@ struct GemmVec {
   static F fsub(F a, F b) { return _mm256_sub_ps(a, b); }
   static void transpose(I r[8]) { transpose8x8(r); }
 #define WB_W8A8_GEMM 1
-  // sum += w . x over each lane's 4 bytes: Int8Dot's AVX2 step (x's signs moved onto w, |x|, |w| <= 127)
-  static I dot4(I sum, I w, I x) {
-    const I pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
-    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-  }
+  static I dot4(I sum, I w, I x) { return Int8Dot::dot4(sum, w, x); }
 };
 constexpr int GEMM_NV = 2;
 #endif

@@ -16,8 +16,8 @@
 // values) ran level with none once the arithmetic was this lean (batch 64 x 136 tokens, SmolLM2's 3 kv heads, fp32
 // 0.854 vs 0.832 ms, bf16 0.857 vs 0.849 with contiguous blocks; fp32 1.373 vs 1.367 with scattered ones; the op
 // alone between 72 MB reads, 2 threads, alternating, median of 60; in the engine's batch-64 decode steps 1.128 vs
-// 1.126 ms a call; AVX-512 EPYC, 2026-12-03). The same op with its KV resident in L2 takes a third of the time:
-// what is left is the memory.
+// 1.126 ms a call; AVX-512 EPYC, 2026-12-03). What is left is the memory: with its KV resident in L2 a key and kv
+// head take 21.4 ns of one thread (fp32; bf16 21.7), against 87 (fp32) and 56 (bf16) of thread time cold.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

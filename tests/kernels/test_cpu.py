@@ -64,8 +64,8 @@ def test_paged_attention_equals_the_reference(shape, mix):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 def test_paged_attention_over_a_bfloat16_cache_equals_the_reference_widened(shape):
-    """bf16 rows are read as their even and odd elements: a head dim of whole chunks, and 20 (a chunk of 16 and 4
-    columns one by one with 8 lanes; all one by one with 16)."""
+    """bf16 rows are read as their even and odd elements: head dims of whole chunks (64 and 128: 16 lanes with
+    AVX-512), and 20 (8 lanes on every CPU: a chunk of 16, then 4 columns one by one)."""
     case = paged_case(
         *SHAPES[shape], MIXES["chunks_over_cached_context"] + MIXES["decodes_at_block_boundaries"], dtype=torch.bfloat16
     )

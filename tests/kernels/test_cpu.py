@@ -209,11 +209,14 @@ def test_a_lock_left_by_a_killed_process_blocks_no_later_one(tmp_path, finished)
     if finished:
         (folder / "built").write_text(name)
     code = "from kernels.cpu.build import available; import torch; print(available(), torch.ops.workbench_cpu.rms_norm)"
+    # the copy keeps ninja's logs, so the unfinished build is normally a no-op (2 s here); where ninja judges the copy
+    # stale it compiles every source (104 s on an idle 2-core machine; a CI run beside another worker timed out at
+    # 120 s): the limit only tells a dead lock waited on forever from a build
     run = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
         cwd=ROOT,
     )

@@ -35,5 +35,7 @@ def test_guided_cli_measures_each_batch_size_and_writes_its_section(tmp_path, ca
     assert [r["batch"] for r in rows] == [1, 3]
     for row in rows:
         assert 1 <= row["steps"] <= 2
-        # the step contains the fill, the forward contains the apply: the parts are never more than the whole
-        assert 0 <= row["fill_ms"] <= row["step_ms"] and 0 <= row["apply_ms"] <= row["forward_ms"] <= row["step_ms"]
+        # the fill and the apply are timed on their own, before the step, so on a busy machine either can take longer
+        # than the step's forward (CI saw an apply of 21 ms beside a 3.4 ms forward): only the step's own forward is
+        # a part of it
+        assert row["fill_ms"] >= 0 and row["apply_ms"] >= 0 and 0 < row["forward_ms"] <= row["step_ms"]

@@ -41,13 +41,23 @@ using namespace wbcpu;
 //   fp32 3 rows 29.9 / - / 23.2; 5 rows 35.7 / 35.7 / 26.8 (40.1 / - / 23.5 in another run); 8 rows 39.8 / 39.8 / 30.8
 //   bf16 3 rows 15.4 / - / 12.3; 5 rows 18.4 / 17.9 / 12.6; 8 rows 20.8 / 20.8 / 18.2
 //   int8 2-3 rows 7.1-7.8 / - / 8.5-9.5; 5 rows 14.5 / 14.4 / 11.3-14.2
-// At one or two rows it was level or slower (1 row fp32 24.4 / - / 24.2, bf16 13.9 / - / 14.7), and int8 was slower
-// below 5 rows: each kind says from how many rows it prefetches (PREFETCH_ROWS). 2, 4 and 8 KiB ahead were alike.
+// How far ahead: 2 KiB was the first choice, and 8 KiB ahead reads a quarter faster from two rows up (same method,
+// median of 9, 2026-12-03, a slower hour; into L2, no prefetch / 2 / 8 / 16 KiB ahead, ms):
+//   fp32 2 rows 30.1 / 25.9 / 24.2 / 21.3; 5 rows 35.3 / 28.9 / 21.5 / 21.3; 8 rows 40.7 / 32.6 / 25.3 / 26.2
+//   bf16 2 rows 9.9 / 13.5 / 8.6 / 8.9; 5 rows 18.0 / 15.2 / 11.6 / 12.2; 8 rows 25.7 / 18.9 / 15.7 / 14.9
+//   int8 2-3 rows 7.7-7.8 / 8.8-8.9 / 9.0-9.1 / 9.2-9.5; 5 rows 11.2 / 11.4 / 10.7 / 10.0; 8 rows 20.5 / 15.5 / 15.0 / 15.4
+//   the AVX2 build, fp32 5 rows 28.7 / 26.2 / 18.7 / 20.3; 8 rows 46.6 / 32.6 / 25.3 / 25.4; bf16 5 rows 21.3 / 19.9
+//   / 18.9 / 18.5
+// The likely reason: at 5 rows a thread computes a line in about 3 ns, so a line asked for 2 KiB ahead is needed
+// some 100 ns later, about one memory latency, and the stream stalls.
+// At one row it was level or slower (fp32 21.7 / 20.3 / 20.9 / 20.8, bf16 7.4 / 7.7 / 8.5 / 8.4), and int8 is slower
+// below 5 rows: each kind says from how many rows it prefetches (PREFETCH_ROWS). A batch-1 EAGLE k=4 verification
+// (5 rows) went from 0.85x to 1.14x of no speculation with it (chat prompts, alternating by request).
 // Not blocked over weight rows (R rows per load of x, M * R accumulators): the R rows are R streams, and streamed
-// from memory that ran level or slower (bf16 at 2 rows 10.8 -> 14.5 ms).
+// from memory that ran level or slower (bf16 at 2 rows 10.8 -> 14.5 ms; fp32 at 5 rows 22.9 -> 24.0, 2026-12-03).
 template <int M> constexpr int unroll() { return M <= 4 ? 2 : 1; }
 template <typename D, int M> constexpr bool prefetches() { return M >= D::PREFETCH_ROWS; }
-constexpr int64_t PREFETCH = 2048;
+constexpr int64_t PREFETCH = 8192;
 constexpr int64_t TILE_BYTES = 16 << 10;  // weight rows per run: half of Zen 3's 32 KiB L1d
 constexpr int64_t QBLOCK = 32;            // int8 x's columns per scale (quantize_blocks)
 
@@ -61,7 +71,7 @@ template <typename W_>
 struct FloatDot {
   using X = float;
   using W = W_;
-  static constexpr int PREFETCH_ROWS = 3;
+  static constexpr int PREFETCH_ROWS = 2;
 #if defined(__AVX512F__)
   using Acc = __m512;
   static constexpr int64_t V = 16;
@@ -95,7 +105,7 @@ struct FloatDot {
 struct Bf16Dot {
   using X = at::BFloat16;
   using W = at::BFloat16;
-  static constexpr int PREFETCH_ROWS = 3;
+  static constexpr int PREFETCH_ROWS = 2;
   using Acc = __m512;
   static constexpr int64_t V = 32;
   static Acc zero() { return _mm512_setzero_ps(); }

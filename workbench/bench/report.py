@@ -21,11 +21,12 @@ DEFAULT_RESULTS_DIR = Path("docs") / "bench"  # one committed JSON per benchmark
 
 
 def machine_info() -> dict[str, str]:
-    """What a timing depends on: platform, CPU and its vector units, cores and threads, library versions, the
-    date. torch and the CPU's reader (the kernels package imports torch) are imported on use: the CLI imports this
-    module as it starts."""
+    """What a timing depends on: platform, CPU and its vector units, which of the C++ kernels run, cores and
+    threads, library versions, the date. torch and the CPU's reader (the kernels package imports torch) are imported
+    on use: the CLI imports this module as it starts."""
     import torch
 
+    from kernels.cpu.build import isa
     from kernels.cpu.cpuinfo import cpu_info
 
     cpu = cpu_info()
@@ -33,6 +34,7 @@ def machine_info() -> dict[str, str]:
         "platform": platform.platform(),
         "cpu": cpu.model,
         "vector units": " ".join(cpu.vector_units) or "none",
+        "CPU kernels": _kernels_line(isa()),
         "cores": str(os.cpu_count()),
         "torch threads": str(torch.get_num_threads()),
         "python": platform.python_version(),
@@ -40,6 +42,13 @@ def machine_info() -> dict[str, str]:
         "transformers": importlib.metadata.version("transformers"),
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
     }
+
+
+def _kernels_line(name: str) -> str:
+    """Which C++ CPU kernels a run used: an AVX2 run on an AVX-512 CPU says so (its vector units do not)."""
+    if os.environ.get("WORKBENCH_CPU_OPS", "1") == "0":
+        return "none: the torch references (WORKBENCH_CPU_OPS=0)"
+    return "the AVX2 build, forced (WORKBENCH_CPU_ISA=avx2)" if name == "avx2" else "built for this CPU (native)"
 
 
 def _cells(rows: Sequence[Sequence[object]]) -> list[list[str]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from kernels.cpu.cpuinfo import VECTOR_UNITS, cpu_info, read_cpuinfo
-from workbench.bench.report import run_settings
+from workbench.bench.report import machine_info, run_settings
 from workbench.bench.timing import LoadAverage, alternate, load_line, medians, timed
 
 
@@ -61,3 +61,14 @@ def test_one_reader_of_cpuinfo() -> None:
     bare = read_cpuinfo("")  # no /proc/cpuinfo: the platform's processor name stands in
     assert bare.model and bare.vector_units == []
     assert cpu_info() is cpu_info() and set(cpu_info().vector_units) <= set(VECTOR_UNITS)
+
+
+def test_the_machine_lines_say_which_cpu_kernels_ran(monkeypatch) -> None:
+    # an AVX2 run on an AVX-512 CPU lists the same vector units as a native one: only this line tells them apart
+    monkeypatch.delenv("WORKBENCH_CPU_OPS", raising=False)
+    monkeypatch.setenv("WORKBENCH_CPU_ISA", "avx2")
+    assert "WORKBENCH_CPU_ISA=avx2" in machine_info()["CPU kernels"]
+    monkeypatch.setenv("WORKBENCH_CPU_ISA", "native")
+    assert "native" in machine_info()["CPU kernels"]
+    monkeypatch.setenv("WORKBENCH_CPU_OPS", "0")
+    assert "WORKBENCH_CPU_OPS=0" in machine_info()["CPU kernels"]

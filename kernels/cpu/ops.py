@@ -11,12 +11,15 @@ from kernels import reference
 from kernels.cpu.build import has_isa
 
 # Rows of input up to which a float32 linear streams its weights once through our op (above: oneDNN's GEMM). The op
-# takes any number of rows (tiles of 8 over weight rows held in L1), 8 floats wide (AVX2); where the CPU has AVX-512,
-# oneDNN's kernels are twice as wide and the crossover comes earlier. Over smollm2's 120 layer linears, same process,
-# alternating: on an AVX2-only EPYC (1 thread, CPU time, at load 10) ours took 62 / 74 / 99 / 145 / 169 ms at
-# 9 / 12 / 16 / 24 / 32 rows where oneDNN took 105 / 105 / 131 / 151 / 165; on an AVX-512 EPYC (2 threads, other work
-# paused) 8.8 / 13.4 / 18.7 / 19.3 / 23.2 ms at 1 / 8 / 11 / 12 / 16 rows against 14.0 / 17.3 / 18.8 / 18.9 / 20.4.
-SMALL_M = 11 if has_isa("avx512f") else 16
+# takes any number of rows (tiles of 8 over weight rows held in L1). Over smollm2's 120 layer linears, same process,
+# alternating, median of 9, ours / oneDNN's, ms: on the AVX-512 EPYC (2 threads, 2026-12-03, after the linears'
+# prefetch moved to 8 KiB ahead) 29.7 / 53.3 at 8 rows, 41.8 / 52.4 at 16, 49.6 / 53.2 at 20, 57.7 / 60.3 at 24,
+# 66.9 / 65.9 at 28, 71.9 / 63.8 at 32; the AVX2 build forced there (against oneDNN's AVX-512 kernels, which an
+# AVX2-only CPU lacks) 50.5 / 60.5 at 16, 70.8 / 70.4 at 24, 92.3 / 80.5 at 32. Earlier, on an AVX2-only EPYC with
+# the old prefetch (1 thread, at load 10): 145 / 151 at 24 rows, 169 / 165 at 32. A decode step's forward of 12 / 16 /
+# 24 requests (same process, alternating with the earlier limit of 11, median of 30 steps): 74.6 -> 48.1, 82.8 -> 62.1,
+# 123.9 -> 126.4 ms.
+SMALL_M = 24
 # bfloat16 weights without AVX512-BF16 are widened to float32 as they are read; against the reference (which widens
 # the whole weight on every call; same machine and method, 2 threads, paused: 120 linears) that took 18 / 38 / 70 /
 # 275 / 577 ms at 16 / 32 / 64 / 256 / 512 rows where the reference took 33 / 48 / 117 / 307 / 532: ours up to 256.

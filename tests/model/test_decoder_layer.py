@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not available(), reason="the C++ CPU ops are not
 FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
 # three prompts of three tokens: a first step of 9 rows (<= SMALL_M) from three sequences, then decodes of 3 rows;
 # the fourth prompt is longer than SMALL_M: its prefill runs op by op in both settings
-PROMPTS = [[11, 12, 13], [21, 22, 23], [31, 32, 33], list(range(100, 120))]
+PROMPTS = [[11, 12, 13], [21, 22, 23], [31, 32, 33], list(range(100, 130))]
 
 
 def _generate(llm: LLM, fused: bool, monkeypatch) -> list[list[dict[int, float]]]:

@@ -8,7 +8,7 @@
 //                   exactly in int32 (AVX512-VNNI's vpdpbusd, or AVX2's vpmaddubsw), then scaled into float32
 // All three stream each weight row once for all rows of x: up to 8 rows at a time in registers, more in tiles of 8
 // over a run of weight rows that stays in L1. At a small batch a linear layer is a stream of its weights, and the
-// point is to read them at the memory's speed; at a large one, to keep the vector units busy: from GEMM_MIN_ROWS
+// point is to read them at the memory's speed; at a large one, to keep the vector units busy: from *_GEMM_MIN_ROWS
 // rows, bf16 with AVX512-BF16 and int8 (AVX512-VNNI, or AVX2) are GEMMs over packed panels of weights instead
 // (bf16_gemm, w8a8_gemm).
 #include <torch/extension.h>
@@ -260,7 +260,11 @@ void linear_tiles(int64_t M, const typename D::X* x, const float* ls, const type
 // AVX2 (an AVX2-only CPU, or the forced build) runs the int8 GEMM 8 lanes wide with vpmaddubsw (Int8Dot's AVX2
 // step, 4 instructions where vpdpbusd is one); bf16 there stays on the widening tiles. The AVX2 build on the AVX-512
 // EPYC (same method), 121 int8 linears, tiles / GEMM: 17 rows 41.5 / 40.9; 64 rows 140 / 117; 512 rows 1293 / 935.
-constexpr int64_t GEMM_MIN_ROWS = 17;
+// From how many rows each kind is a GEMM. With the tiles' prefetch 8 KiB ahead (2026-12-03, same method, tiles /
+// this GEMM, ms): bf16 16 rows 29.1 / 36.8, 20 rows 36.8 / 41.1, 24 rows 42.8 / 44.8, 32 rows 55.8 / 53.5; int8 12
+// rows 23.0 / 22.8, 16 rows 28.1 / 26.2, 20 rows 34.2 / 28.3.
+constexpr int64_t BF16_GEMM_MIN_ROWS = 25;
+constexpr int64_t W8A8_GEMM_MIN_ROWS = 17;
 
 #if defined(__AVX512F__)
 // r[i], 16 dwords of row i, becomes r[q], dword q of rows 0-15: pairs within 128-bit lanes, then quads, then lanes.
@@ -587,7 +591,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10:
   round_to_bf16(xc.data_ptr<float>(), xb.data(), M * K);
   const auto* xp = reinterpret_cast<const at::BFloat16*>(xb.data());
   float* o = out.data_ptr<float>();
-  if (M >= GEMM_MIN_ROWS && K % 2 == 0) {
+  if (M >= BF16_GEMM_MIN_ROWS && K % 2 == 0) {
     bf16_gemm(M, xp, w, b, o, K, N);
     return out;
   }
@@ -683,7 +687,7 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& weight, const at::
   const float* off = offset.data_ptr<float>();
   float* o = out.data_ptr<float>();
 #if defined(WB_W8A8_GEMM)
-  if (M >= GEMM_MIN_ROWS && K % QBLOCK == 0) {
+  if (M >= W8A8_GEMM_MIN_ROWS && K % QBLOCK == 0) {
     w8a8_gemm(M, xq.data_ptr<int8_t>(), ls.data_ptr<float>(), off, wc.data_ptr<int8_t>(), sw, b, o, K, N);
     return out;
   }

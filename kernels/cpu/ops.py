@@ -24,7 +24,7 @@ SMALL_M = 24
 # the whole weight on every call; same machine and method, 2 threads, paused: 120 linears) that took 18 / 38 / 70 /
 # 275 / 577 ms at 16 / 32 / 64 / 256 / 512 rows where the reference took 33 / 48 / 117 / 307 / 532: ours up to 256.
 # With AVX512-BF16 (vdpbf16ps, 32 products per instruction) and int8 (W8A8 on VNNI or AVX2's vpmaddubsw) our op
-# takes every size: bf16 from 17 rows as a GEMM over packed weight panels (kernels/cpu/linear.cpp), at or above
+# takes every size: bf16 from 25 rows as a GEMM over packed weight panels (kernels/cpu/linear.cpp), at or above
 # oneDNN's bf16 GEMM, which would also round every output to bf16.
 BF16_ROW_LIMIT = 1 << 62 if has_isa("avx512_bf16") else 256
 # Above SMALL_M rows a float32 linear is a GEMM, on oneDNN with the weight as is: over a 3072x576 layer it ran 1.5-2x

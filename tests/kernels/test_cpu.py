@@ -88,10 +88,10 @@ def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scale[:, None]).to(torch.int8), scale
 
 
-# past 8: tiles of 8 rows and a shorter last one; bf16 from 17 rows: the GEMM over packed panels of 48 weight rows,
+# past 8: tiles of 8 rows and a shorter last one; bf16 from 25 rows: the GEMM over packed panels of 48 weight rows,
 # (100, 46) a last panel of 4 rows and 23 column pairs (one block of 16 pairs transposed, 7 packed one by one);
 # int8 from 17 rows likewise where the columns are whole blocks of 32: (100, 96), 24 quads (16 transposed, 8 not)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 21])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 21, 25])
 @pytest.mark.parametrize(
     "out_features, in_features",
     [(960, 576), (3072, 576), (576, 1536), (49152, 576), (7, 13), (100, 46), (100, 96)],
@@ -122,11 +122,11 @@ def test_linear_past_small_m_rows_equals_the_reference_for_each_stored_dtype(row
     assert rows > ops.SMALL_M
 
 
-@pytest.mark.parametrize("rows", [1, 3, 20])
+@pytest.mark.parametrize("rows", [1, 3, 25])
 def test_linear_bf16_rounds_its_input_as_torch_does(rows):
     """The op rounds x to bfloat16 itself (8 at a time, then one by one): through an identity weight the output is
     that rounding, which must be torch's, ties to even included (1 + 2^-8 down to 1, 1 + 3 * 2^-8 up to 1 + 2^-6);
-    20 rows take the GEMM path. Denormals are left out: AVX512-BF16's dot product flushes them."""
+    25 rows take the GEMM path. Denormals are left out: AVX512-BF16's dot product flushes them."""
     gen = torch.Generator().manual_seed(rows)
     ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), -(1 + 3 * 2**-8), 3.0e38, -3.0e38, 0.0, -0.0])
     x = torch.randn(rows, 30, generator=gen) * 10

@@ -65,6 +65,11 @@ def reads_bf16_weights(device: torch.device) -> bool:
     return device.type == "cpu" and _impl("linear", "cpu") is not reference.linear
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (greedy sampling), ties and NaN as ``x.max(dim=-1).indices``; see ``kernels.reference``."""
+    return _impl("argmax_rows", x.device.type)(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS normalisation of ``x`` ``[T, H]`` with a learned scale; see ``kernels.reference``."""
     return _impl("rms_norm", x.device.type)(x, weight, eps)

@@ -82,6 +82,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [N] (int64): the first index of the largest value, or of the first NaN."""
+    return x.max(dim=-1).indices
+
+
 def store_kvcache(
     key: torch.Tensor,
     value: torch.Tensor,

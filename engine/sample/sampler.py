@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+import kernels
 from engine.sample.logits_processors import LogitsInputs
 
 _SAMPLING_EPS = 1e-5
@@ -104,8 +105,9 @@ class Sampler:
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax, ties to the lowest index (``max(dim).indices`` is ~3x faster than argmax on CPU)."""
-    return logits.max(dim=-1).indices
+    """Row-wise argmax, ties to the lowest index (``kernels.argmax_rows``: torch's reduction runs a row at a time on
+    one thread, 2.5 ms for a batch-64 step's rows)."""
+    return kernels.argmax_rows(logits)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

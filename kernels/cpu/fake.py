@@ -30,6 +30,10 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
+def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0],), dtype=torch.long)
+
+
 def _store_kvcache(*args: object) -> None:
     return None
 
@@ -45,6 +49,7 @@ FAKES: dict[str, Callable[..., object]] = {
     "fused_add_rms_norm": _pair_like_first,
     "rotary": _rotary,
     "silu_and_mul": _silu_and_mul,
+    "argmax_rows": _argmax_rows,
     "llama_decoder_layers": _pair_like_first,  # the last layer's hidden and residual, both [T, hidden]
 }
 

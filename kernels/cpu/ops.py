@@ -96,6 +96,12 @@ def tree_attention(
     return reference.tree_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree_mask, scale)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+        return torch.ops.workbench_cpu.argmax_rows(x)
+    return reference.argmax_rows(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2:
         return torch.ops.workbench_cpu.rms_norm(x, weight, eps)

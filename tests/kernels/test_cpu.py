@@ -175,6 +175,26 @@ def test_silu_and_mul_equals_the_reference_over_both_signs_and_large_magnitudes(
     torch.testing.assert_close(torch.ops.workbench_cpu.silu_and_mul(x), reference.silu_and_mul(x), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [1, 5, 8, 13, 49152, 49157])
+def test_argmax_rows_equals_torchs_max_indices_with_ties_nan_and_infinities(vocab):
+    """Greedy sampling's argmax: the first index of the largest value (a tie between lanes, within a lane, and in
+    the columns past the last whole vector), the first NaN where a row has one, rows of -inf; 70 rows split over the
+    threads."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(70, vocab, generator=gen)
+    x[1] = 0.0  # all equal: index 0
+    x[2] = -torch.inf
+    x[3, -1] = x[3, vocab // 2] = 9.0  # a tie: the lower index
+    x[4, vocab - 1] = 9.0  # in the tail
+    x[5, vocab // 3] = torch.nan  # NaN wins, wherever it is
+    x[6, -1] = torch.nan
+    x[7, 0] = x[7, -1] = torch.inf
+    x[8, : min(vocab, 16)] = 5.0  # the same value in every lane: index 0
+    got, want = torch.ops.workbench_cpu.argmax_rows(x), reference.argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, want)
+    assert torch.equal(ops.argmax_rows(x[:, :0].T), reference.argmax_rows(x[:, :0].T))  # [0, 70]: no rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kvcache_writes_each_slot_skips_minus_one_and_equals_the_reference(dtype):
     gen = torch.Generator().manual_seed(0)

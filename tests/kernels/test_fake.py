@@ -51,6 +51,7 @@ def _cases() -> dict[str, tuple]:
         "fused_add_rms_norm": (x, torch.randn(5, 64, generator=gen), torch.randn(64, generator=gen), 1e-5),
         "rotary": (qkv[:, :9], qkv[:, 9:12], cos, sin),
         "silu_and_mul": (torch.randn(5, 256, generator=gen),),
+        "argmax_rows": (torch.randn(5, 1000, generator=gen),),
     }
 
 

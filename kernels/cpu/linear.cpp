@@ -50,7 +50,7 @@ using namespace wbcpu;
 //   / 18.9 / 18.5
 // The likely reason: at 5 rows a thread computes a line in about 3 ns, so a line asked for 2 KiB ahead is needed
 // some 100 ns later, about one memory latency, and the stream stalls.
-// At one row it was level or slower (fp32 21.7 / 20.3 / 20.9 / 20.8, bf16 7.4 / 7.7 / 8.5 / 8.4), and int8 is slower
+// At one row no distance paid clearly (fp32 21.7 / 20.3 / 20.9 / 20.8, bf16 7.4 / 7.7 / 8.5 / 8.4), and int8 is slower
 // below 5 rows: each kind says from how many rows it prefetches (PREFETCH_ROWS). A batch-1 EAGLE k=4 verification
 // (5 rows) went from 0.85x to 1.14x of no speculation with it (chat prompts, alternating by request).
 // Not blocked over weight rows (R rows per load of x, M * R accumulators): the R rows are R streams, and streamed

@@ -181,38 +181,39 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 // ---- greedy sampling ------------------------------------------------------------------------------------------
 // Each row's argmax, as torch's x.max(dim=-1).indices: the first index of the largest value, or of the first NaN
-// (torch's max propagates NaN). Torch's reduction runs one row at a time on one thread, about 40 us a row of
-// 49,152 logits here, 2.5 ms for a batch-64 step's greedy rows; here 8 lanes, rows split over the threads.
+// (torch's max propagates NaN). Torch's reduction runs one row at a time on one thread, 40-80 us a row of 49,152
+// logits here, 2.5 ms for a batch-64 step's greedy rows; here 8 lanes, rows split over the threads.
 int64_t argmax_row(const float* x, int64_t K) {
-  const __m256i step = _mm256_set1_epi32(8);
-  __m256 best = _mm256_set1_ps(-INFINITY);
-  __m256i at = _mm256_set1_epi32(-1), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 nan = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K && k + 8 <= INT32_MAX; k += 8, idx = _mm256_add_epi32(idx, step)) {
-    const __m256 v = _mm256_loadu_ps(x + k);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    // strictly greater, so that a lane keeps its first index of a tie; a lane still at -1 takes its first value
-    const __m256 take = _mm256_or_ps(_mm256_cmp_ps(v, best, _CMP_GT_OQ),
-                                     _mm256_castsi256_ps(_mm256_cmpeq_epi32(at, _mm256_set1_epi32(-1))));
-    best = _mm256_blendv_ps(best, v, take);
-    at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), take));
-  }
-  if (_mm256_movemask_ps(nan)) {  // rare: the first NaN, one by one
-    for (int64_t i = 0; i < K; ++i)
-      if (std::isnan(x[i])) return i;
-  }
-  float lanes[8];
-  int32_t where[8];
-  _mm256_storeu_ps(lanes, best);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(where), at);
   float top = -INFINITY;
-  int64_t arg = -1;
-  for (int j = 0; j < 8; ++j)  // the largest lane, the lowest index among equals
-    if (where[j] >= 0 && (arg < 0 || lanes[j] > top || (lanes[j] == top && where[j] < arg))) {
-      top = lanes[j];
-      arg = where[j];
+  int64_t arg = -1, k = 0;
+  if (K >= 8) {
+    // lane j: the largest of the columns j, j + 8, ... and its first index (strictly greater keeps the first of a tie)
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256 best = _mm256_loadu_ps(x);
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = idx;
+    __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+    for (k = 8; k + 8 <= K && k + 8 <= INT32_MAX; k += 8) {
+      idx = _mm256_add_epi32(idx, step);
+      const __m256 v = _mm256_loadu_ps(x + k);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      const __m256 take = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+      best = _mm256_blendv_ps(best, v, take);
+      at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), take));
     }
+    if (_mm256_movemask_ps(nan)) {  // rare: the first NaN, one by one
+      for (int64_t i = 0; i < K; ++i)
+        if (std::isnan(x[i])) return i;
+    }
+    float lanes[8];
+    int32_t where[8];
+    _mm256_storeu_ps(lanes, best);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(where), at);
+    for (int j = 0; j < 8; ++j)  // the largest lane, the lowest index among equals
+      if (arg < 0 || lanes[j] > top || (lanes[j] == top && where[j] < arg)) {
+        top = lanes[j];
+        arg = where[j];
+      }
+  }
   for (; k < K; ++k) {  // the columns past the last whole vector come after every lane's
     if (std::isnan(x[k])) return k;
     if (arg < 0 || x[k] > top) {

@@ -77,17 +77,20 @@ class LLM:
 
         # a request with n > 1 is done when all its children are
         unfinished = {rid: set(engine.child_ids(rid)) for rid in ids}
+        # by the finished ids alone: a step looks at the requests that ended in it, not at all of a big batch
+        parent = {child: rid for rid, children in unfinished.items() for child in children}
         # disable=None: a bar on an interactive terminal (and in a notebook, where tqdm.auto draws a widget), none
         # when stderr is piped or redirected; use_tqdm=False turns it off everywhere.
         with tqdm(total=len(ids), desc="generate", disable=None if use_tqdm else True, unit="req") as bar:
             while unfinished:
                 record = engine.step()
-                finished = {e.request_id for e in record.events if isinstance(e, RequestFinished)}
-                for rid in list(unfinished):
-                    unfinished[rid] -= finished
-                    if not unfinished[rid]:
-                        del unfinished[rid]
-                        bar.update(1)
+                for child in (e.request_id for e in record.events if isinstance(e, RequestFinished)):
+                    rid = parent.get(child)
+                    if rid is not None and rid in unfinished:
+                        unfinished[rid].discard(child)
+                        if not unfinished[rid]:
+                            del unfinished[rid]
+                            bar.update(1)
         return [engine.pop_output(rid) for rid in ids]
 
     def chat(

@@ -48,13 +48,14 @@ def chat_requests(tokenizer, num_requests: int, output_len: int) -> list[BenchRe
 
 
 LEARNED = ("eagle", "eagle3", "medusa")  # the methods whose default heads are committed
+DYNAMIC = ("ngram", *LEARNED)  # the drafters also measured with the dynamic schedule
 METHODS = (
     "none",
     "ngram",
     "draft_model",
     *LEARNED,
     *(f"{m}_tree" for m in LEARNED),
-    *(f"{m}_dynamic" for m in LEARNED),
+    *(f"{m}_dynamic" for m in DYNAMIC),
 )
 # the draft tree of the *_tree methods (vLLM's speculative_token_tree): three children of the root, two of the first,
 # one of the second, one below the best path's second node: 7 nodes, depth 3
@@ -69,7 +70,7 @@ def dynamic_schedule(k: int) -> list[tuple[int, int, int]]:
 
 
 def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[str, dict | None]:
-    configs = {
+    configs: dict[str, dict | None] = {
         "none": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2},
         "draft_model": {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k},
@@ -79,15 +80,12 @@ def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[st
             f"{method}_tree": {"method": method, "num_speculative_tokens": TREE_NODES, "speculative_token_tree": TREE}
             for method in LEARNED
         },
-        **{
-            f"{method}_dynamic": {
-                "method": method,
-                "num_speculative_tokens": k,
-                "num_speculative_tokens_per_batch_size": dynamic_schedule(k),
-            }
-            for method in LEARNED
-        },
     }
+    for method in DYNAMIC:
+        configs[f"{method}_dynamic"] = {
+            **(configs[method] or {}),
+            "num_speculative_tokens_per_batch_size": dynamic_schedule(k),
+        }
     return {name: configs[name] for name in ("none", *names) if name in configs}
 
 

@@ -658,7 +658,7 @@ def train_draft(
             "max_tokens": max_tokens,
             "train_tokens": sum(len(s.token_ids) for s in train_set),
             "answer_tokens": sum(len(s.token_ids) - s.prompt_len for s in samples),
-            "source": "the target's own answers to workbench/train_draft.py's bundled prompt set",
+            "source": "the target's own answers to workbench/draft_prompts.py's bundled prompt set",
         },
         "draft_vocab": {"size": len(draft_ids), "greedy_coverage": coverage},
         "training": {

@@ -23,11 +23,12 @@ def test_the_second_block_asks_each_kind_equally_often_of_many_topics() -> None:
     assert len(second) == len(dp._MORE_TOPICS) * dp.KINDS_PER_MORE_TOPIC
     kinds = dp._KINDS + dp._MORE_KINDS
     # a kind is its text around the topic: count each prompt's kind by the topic it was made from
+    n = dp.KINDS_PER_MORE_TOPIC
     used = Counter(
         kind
         for t, topic in enumerate(dp._MORE_TOPICS)
         for kind in kinds
-        if kind.format(topic) in second[4 * t : 4 * t + 4]
+        if kind.format(topic) in second[n * t : n * t + n]
     )
     assert set(used) == set(kinds) and max(used.values()) - min(used.values()) <= 1
     assert len(set(prompts)) == len(prompts)  # no prompt twice, no topic in both blocks

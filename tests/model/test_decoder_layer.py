@@ -111,6 +111,13 @@ def test_fused_layers_are_left_to_the_ops_where_they_would_not_all_run(tiny_mode
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, hidden_dtype=torch.bfloat16)) is None
     float16_linear = [*params[:1], params[1].to(torch.float16), *params[2:]]
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, params=float16_linear)) is None
+    # int8 weights go to the W8A8 op only with their scales, and the other ops take none
+    unscaled_int8 = [*params[:1], params[1].to(torch.int8), *params[2:]]
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, params=unscaled_int8)) is None
+    scaled_bf16 = [*params[:1], params[1].to(torch.bfloat16), torch.ones(params[1].shape[0]), *params[3:]]
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, params=scaled_bf16)) is None
+    no_norm = [None, *params[1:]]
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, params=no_norm)) is None
     float16_caches = [c.to(torch.float16) for c in caches]
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, kv_caches=float16_caches)) is None
 

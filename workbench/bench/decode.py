@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from engine import LLM, SamplingParams, resolve_model
+from engine import LLM, RequestOutput, SamplingParams, resolve_model
 from workbench.bench.args import add_common_args, run_with_flags
 from workbench.bench.llamacpp import GGUF_TYPES, LlamaBench, add_llamacpp_args, llamacpp_from_args
 from workbench.bench.report import Line, Part, Table, described, formatters, run_settings
@@ -44,15 +44,29 @@ class Side:
     weights: str
     run: Callable[[], Any]
     rate: Callable[[Any, float], float]
+    # the rate of its decode steps alone, from what `run` returned: what llama-bench's tg measures (None: the side
+    # cannot tell its prefill from its decode, transformers generate)
+    decode_rate: Callable[[Any], float] | None = None
+    tokens_of: Callable[[Any], list[int]] = lambda made: made  # the tokens in what `run` returned
     tokens: list[int] | None = None
     workload: str = ""  # what the progress lines name beside system and weights, where sides differ in it
     tok_s: list[float] = field(default_factory=list)
+    decode_tok_s: list[float] = field(default_factory=list)
     last: Any = None
 
 
 def token_rate(tokens: list[int], seconds: float) -> float:
     """A side that decodes in this process: the tokens it made over the call's wall seconds."""
     return len(tokens) / seconds
+
+
+def engine_decode_rate(out: RequestOutput) -> float:
+    """The engine's decode steps alone: the tokens after its first over the time from its first token to its last
+    (the request's metrics), so its prefill step and the call around the steps are left out, as llama-bench's tg
+    leaves out its context."""
+    metrics = out.metrics
+    assert metrics is not None and metrics.first_token_time is not None and metrics.last_token_time is not None
+    return (len(out.token_ids) - 1) / (metrics.last_token_time - metrics.first_token_time)
 
 
 def llama_bench_rate(row: dict[str, Any], seconds: float) -> float:
@@ -65,7 +79,14 @@ def engine_side(
 ) -> Side:
     llm = LLM(model=model, seed=seed, **{**engine_kwargs, **WEIGHT_FORMATS[weights]})
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return Side("engine", weights, lambda: llm.generate([prompt_ids], params, use_tqdm=False)[0].token_ids, token_rate)
+    return Side(
+        "engine",
+        weights,
+        lambda: llm.generate([prompt_ids], params, use_tqdm=False)[0],
+        lambda out, seconds: token_rate(out.token_ids, seconds),
+        decode_rate=engine_decode_rate,
+        tokens_of=lambda out: out.token_ids,
+    )
 
 
 def transformers_side(path: str, weights: str, prompt_ids: list[int], max_tokens: int) -> Side:
@@ -94,7 +115,14 @@ def transformers_side(path: str, weights: str, prompt_ids: list[int], max_tokens
 
 def llamacpp_side(bench: LlamaBench, weights: str, gguf: str, workload: str = "", **test: int) -> Side:
     """llama.cpp in `weights`' GGUF type: each call one llama-bench test of `gguf` (`LlamaBench.run`'s settings)."""
-    return Side(LLAMACPP, weights, lambda: bench.run(gguf, **test), llama_bench_rate, workload=workload)
+    return Side(
+        LLAMACPP,
+        weights,
+        lambda: bench.run(gguf, **test),
+        llama_bench_rate,
+        decode_rate=(lambda row: float(row["avg_ts"])) if test.get("n_gen") else None,  # tg: decode steps alone
+        workload=workload,
+    )
 
 
 def measure_sides(sides: Sequence[Side], runs: int, log: Callable[[str], None]) -> None:
@@ -102,10 +130,12 @@ def measure_sides(sides: Sequence[Side], runs: int, log: Callable[[str], None]) 
     (the same order each round, so a burst of load falls on all), each call's rate appended to its side's tok_s."""
     for side in sides:
         if side.system != LLAMACPP:
-            side.tokens = side.run()
+            side.tokens = side.tokens_of(side.run())
     for turn in alternate({i: side.run for i, side in enumerate(sides)}, runs):
         side = sides[turn.side]
         side.tok_s.append(side.rate(turn.value, turn.seconds))
+        if side.decode_rate is not None:
+            side.decode_tok_s.append(side.decode_rate(turn.value))
         side.last = turn.value
         if turn.side == len(sides) - 1:  # the round's last side
             done = ", ".join(f"{s.system} {s.weights}{s.workload} {s.tok_s[-1]:.1f}" for s in sides)
@@ -115,18 +145,22 @@ def measure_sides(sides: Sequence[Side], runs: int, log: Callable[[str], None]) 
 def side_row(side: Side) -> dict[str, Any]:
     """A side's result row: its system, weights (a llama-bench row's GGUF type too), the median and every run."""
     row = {"system": side.system, "weights": side.weights, "tok_s": statistics.median(side.tok_s), "runs": side.tok_s}
+    if side.decode_tok_s:
+        row |= {"decode_tok_s": statistics.median(side.decode_tok_s), "decode_runs": side.decode_tok_s}
     if side.system == LLAMACPP:
         row |= {"gguf": GGUF_TYPES[side.weights], "llama_bench": side.last}
     return row
 
 
-def vs_llamacpp(rows: Sequence[dict[str, Any]], row: dict[str, Any], key: Callable[[dict[str, Any]], Any]) -> str:
-    """An engine row's median over llama.cpp's in the same weight format and `key` (its workload), as "0.87x";
-    "-" for other rows and where llama.cpp has no such row."""
+def vs_llamacpp(
+    rows: Sequence[dict[str, Any]], row: dict[str, Any], key: Callable[[dict[str, Any]], Any], rate: str = "tok_s"
+) -> str:
+    """An engine row's median `rate` over llama.cpp's in the same weight format and `key` (its workload), as
+    "0.87x"; "-" for other rows and where llama.cpp has no such row (or a kept result from before a rate)."""
     if row["system"] != "engine":
         return "-"
     peer = next((r for r in rows if r["system"] == LLAMACPP and key(r) == key(row)), None)
-    return "-" if peer is None else f"{row['tok_s'] / peer['tok_s']:.2f}x"
+    return "-" if peer is None or rate not in row or rate not in peer else f"{row[rate] / peer[rate]:.2f}x"
 
 
 def llamacpp_line(result: dict[str, Any]) -> str:
@@ -223,7 +257,8 @@ _HEADERS = (
     "tok/s (median)",
     "runs",
     "vs transformers fp32",
-    "engine / llama.cpp",
+    "decode tok/s (median)",
+    "engine / llama.cpp (decode)",
     "same tokens as engine fp32",
 )
 
@@ -240,7 +275,8 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
             r["tok_s"],
             " ".join(f"{x:.1f}" for x in r["runs"]),
             "-" if base is None else f"{r['tok_s'] / base:.2f}x",
-            vs_llamacpp(rows, r, lambda row: row["weights"]),
+            r.get("decode_tok_s", "-"),
+            vs_llamacpp(rows, r, lambda row: row["weights"], "decode_tok_s"),
             {True: "yes", False: "no", None: "-"}[r["same_tokens_as_engine_fp32"]],
         ]
         for r in rows
@@ -256,7 +292,9 @@ _DOCS = _TEXT + (
     "in blocks of 32 (W8A8, as llama.cpp's Q8_0), sums in float32 (checked against Hugging Face in "
     "tests/model/test_fast_dtypes.py); transformers bfloat16 computes in bfloat16; llama.cpp's "
     "F32, BF16 and Q8_0 GGUFs are converted from the same weights by `make llamacpp-ref`, its tg{max_tokens} runs "
-    "after a {prompt_len}-token context."
+    "after a {prompt_len}-token context. tok/s is a whole call's (prefill included); decode tok/s leaves the prefill "
+    "out: llama-bench's tg rate, and the engine's tokens after its first over the time from its first token to its "
+    "last; engine / llama.cpp divides the decode rates."
     "{note}"
 )
 

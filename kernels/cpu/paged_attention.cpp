@@ -12,12 +12,17 @@
 // kept in that same order, so the dot products and the weighted sums are those of the rows in order; only the
 // output is put back. W keys at a time share one reduction of their dot products.
 //
-// No software prefetch: asking for the next block's K and V rows (into L2, K before the scores and V before the
-// values) ran level with none once the arithmetic was this lean (batch 64 x 136 tokens, SmolLM2's 3 kv heads, fp32
-// 0.854 vs 0.832 ms, bf16 0.857 vs 0.849 with contiguous blocks; fp32 1.373 vs 1.367 with scattered ones; the op
-// alone between 72 MB reads, 2 threads, alternating, median of 60; in the engine's batch-64 decode steps 1.128 vs
-// 1.126 ms a call; AVX-512 EPYC, 2026-12-03). What is left is the memory: with its KV resident in L2 a key and kv
-// head take 21.4 ns of one thread (fp32; bf16 21.7), against 87 (fp32) and 56 (bf16) of thread time cold.
+// Decodes only, four or more of them (two per thread): a task per sequence instead, its kv heads side by side block
+// by block, so that each block's cache rows are read whole. Each task asks for the next block's rows (into L1) while
+// it computes the block before: a block's 16 keys are one short run per kv head, which the hardware prefetcher barely
+// starts on. Both against the earlier per-head tasks without a prefetch (the op alone, SmolLM2's 9/3 heads, bf16
+// cache, 30 layers' caches cycled so that each call reads from memory, alternating in one process, median of 15 to 41;
+// AVX-512 EPYC, 2026-12-03), ms a call: 64 decodes of 137 keys over scattered blocks 1.018 -> 0.847, over contiguous
+// ones 1.024 -> 0.934, fp32 cache 1.620 -> 1.477; 16 decodes of 1,024 keys 2.156 -> 1.970; 4 of 500 0.282 -> 0.251;
+// one of 300 0.0266 -> 0.0239 (per-head tasks, with the prefetch); one of 70 0.0106 -> 0.0111, the prefetch's own
+// cost where a sequence is a few blocks. Each half alone gave about half (per-sequence tasks 4%, the prefetch 4%, 64
+// decodes of 137 keys, scattered). An earlier prefetch into L2 with per-head tasks had run level with none. What is
+// left is the arithmetic: with its KV resident in L2 a key and kv head take 21.4 ns of one thread (fp32; bf16 21.7).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -233,44 +238,63 @@ inline float softmax_update(float* pr, int64_t visible, float& m, float& l) {
   return corr;
 }
 
+// The rows of `heads` consecutive kv heads (kv head h: its `rows` query rows at q + h * rows * q_stride, its keys
+// and values at h * D of each cache row, its outputs as its query rows) over one sequence's blocks; `limits[r]`: the
+// keys row r of each head sees. Each block's rows are asked for (into L1) while the block before is computed: a
+// block's 16 keys are one short run per kv head, too short for the hardware prefetcher to follow.
 template <typename L, typename C>
 void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limits, const C* k_cache,
                  const C* v_cache, const int32_t* table, int64_t block_size, int64_t token_stride,
-                 int64_t block_stride, int64_t D, float scale, float* out, int64_t out_stride) {
-  const int64_t Dv = D - D % (2 * L::W);
-  float m[ROWS], l[ROWS], corr[ROWS];
-  thread_local std::vector<float> acc, p, qs;  // per thread, grown once: no allocation per task
-  acc.assign(static_cast<size_t>(rows) * D, 0.f);
+                 int64_t block_stride, int64_t D, float scale, float* out, int64_t out_stride, int64_t heads) {
+  const int64_t Dv = D - D % (2 * L::W), all_rows = heads * rows;
+  // per thread, grown once: no allocation per task
+  thread_local std::vector<float> acc, p, qs, m, l, corr;
+  acc.assign(static_cast<size_t>(all_rows) * D, 0.f);
   const int64_t p_stride = (block_size + 7) / 8 * 8;  // a row's weights of one block, with room to round up to 8
   p.resize(static_cast<size_t>(rows) * p_stride);
-  qs.resize(static_cast<size_t>(rows) * D);           // q in lane order, times the scale
-  for (int r = 0; r < rows; ++r) {
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
-    reorder_row<L, C>(q + r * q_stride, qs.data() + r * D, Dv, D, scale, true);
-  }
+  qs.resize(static_cast<size_t>(all_rows) * D);  // q in lane order, times the scale
+  m.assign(all_rows, -std::numeric_limits<float>::infinity());
+  l.assign(all_rows, 0.f);
+  corr.resize(all_rows);
+  for (int64_t r = 0; r < all_rows; ++r) reorder_row<L, C>(q + r * q_stride, qs.data() + r * D, Dv, D, scale, true);
   int64_t end = 0;
   for (int r = 0; r < rows; ++r) end = std::max(end, limits[r]);
+  const int64_t row_bytes = heads * D * static_cast<int64_t>(sizeof(C));  // of a cache row, what this task reads
   for (int64_t start = 0; start < end; start += block_size) {
     const int64_t blk = table[start / block_size];
     const int64_t n_tok = std::min(block_size, end - start);
-    const C* kb = k_cache + blk * block_stride;
-    const C* vb = v_cache + blk * block_stride;
-    int64_t n_any = 0;  // keys any row sees in the block: the values read for all rows
-    for (int r = 0; r < rows; ++r) {
-      const int64_t visible = std::max<int64_t>(0, std::min(n_tok, limits[r] - start));  // keys this row sees
-      float* pr = p.data() + r * p_stride;
-      n_any = std::max(n_any, visible);
-      corr[r] = 1.f;
-      if (visible > 0) {
-        block_scores<L>(qs.data() + r * D, kb, token_stride, visible, Dv, D, pr);
-        corr[r] = softmax_update(pr, visible, m[r], l[r]);
-      }
-      std::fill(pr + visible, pr + n_tok, 0.f);  // keys past the row's causal limit weigh nothing
+    if (start + block_size < end) {
+      const int64_t next = table[start / block_size + 1], n_next = std::min(block_size, end - start - block_size);
+      const char* kn = reinterpret_cast<const char*>(k_cache + next * block_stride);
+      const char* vn = reinterpret_cast<const char*>(v_cache + next * block_stride);
+      for (int64_t u = 0; u < n_next; ++u)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(kn + u * token_stride * static_cast<int64_t>(sizeof(C)) + b, _MM_HINT_T0);
+          _mm_prefetch(vn + u * token_stride * static_cast<int64_t>(sizeof(C)) + b, _MM_HINT_T0);
+        }
     }
-    if (n_any > 0) block_values<L>(p.data(), p_stride, rows, vb, token_stride, n_any, Dv, D, corr, acc.data());
+    for (int64_t h = 0; h < heads; ++h) {
+      const C* kb = k_cache + blk * block_stride + h * D;
+      const C* vb = v_cache + blk * block_stride + h * D;
+      const int64_t r0 = h * rows;  // this head's first row
+      int64_t n_any = 0;            // keys any row sees in the block: the values read for all rows
+      for (int r = 0; r < rows; ++r) {
+        const int64_t visible = std::max<int64_t>(0, std::min(n_tok, limits[r] - start));  // keys this row sees
+        float* pr = p.data() + r * p_stride;
+        n_any = std::max(n_any, visible);
+        corr[r0 + r] = 1.f;
+        if (visible > 0) {
+          block_scores<L>(qs.data() + (r0 + r) * D, kb, token_stride, visible, Dv, D, pr);
+          corr[r0 + r] = softmax_update(pr, visible, m[r0 + r], l[r0 + r]);
+        }
+        std::fill(pr + visible, pr + n_tok, 0.f);  // keys past the row's causal limit weigh nothing
+      }
+      if (n_any > 0)
+        block_values<L>(p.data(), p_stride, rows, vb, token_stride, n_any, Dv, D, corr.data() + r0,
+                        acc.data() + r0 * D);
+    }
   }
-  for (int r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < all_rows; ++r) {
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     reorder_row<L, C>(acc.data() + r * D, out + r * out_stride, Dv, D, inv, false);
   }
@@ -296,6 +320,19 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
   std::vector<int64_t> tasks;  // (s, first new token) pairs, for each kv head
   for (int64_t s = 0; s < S; ++s)
     for (int64_t i = 0; i < qsl[s + 1] - qsl[s]; i += tokens_per_tile) tasks.push_back(s << 32 | i);
+  if (static_cast<int64_t>(tasks.size()) == S && qsl[S] == S && S >= 2 * at::get_num_threads()) {
+    // Decodes only, enough of them to share out: a task per sequence, all its kv heads block by block, so each
+    // block's rows are read whole while they are in cache (kv head h of a row lies beside h + 1).
+    at::parallel_for(0, S, 1, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) {
+        int64_t limits[ROWS];
+        std::fill(limits, limits + G, static_cast<int64_t>(lens[s]));
+        attend_rows<L, C>(qp + s * Hq * D, D, G, limits, kc, vc, tables + s * max_blocks, block_size, token_stride,
+                          block_stride, D, static_cast<float>(scale), op + s * Hq * D, D, Hkv);
+      }
+    });
+    return;
+  }
   const int64_t n_tasks = static_cast<int64_t>(tasks.size()) * Hkv;
   at::parallel_for(0, n_tasks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -311,7 +348,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
       const int64_t row0 = (qsl[s] + i0) * Hq + h * G;
       if (n_tok == 1) {  // a decode (or a last chunk token): its rows are contiguous in q and out
         attend_rows<L, C>(qp + row0 * D, D, rows, limits, kc + h * D, vc + h * D, tables + s * max_blocks,
-                          block_size, token_stride, block_stride, D, static_cast<float>(scale), op + row0 * D, D);
+                          block_size, token_stride, block_stride, D, static_cast<float>(scale), op + row0 * D, D, 1);
       } else {
         // several tokens: gather their rows into a dense [rows, D] tile, then scatter the outputs back
         thread_local std::vector<float> qt, ot;
@@ -320,7 +357,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
         for (int64_t i = 0; i < n_tok; ++i)
           std::memcpy(qt.data() + i * G * D, qp + (row0 + i * Hq) * D, sizeof(float) * G * D);
         attend_rows<L, C>(qt.data(), D, rows, limits, kc + h * D, vc + h * D, tables + s * max_blocks, block_size,
-                          token_stride, block_stride, D, static_cast<float>(scale), ot.data(), D);
+                          token_stride, block_stride, D, static_cast<float>(scale), ot.data(), D, 1);
         for (int64_t i = 0; i < n_tok; ++i)
           std::memcpy(op + (row0 + i * Hq) * D, ot.data() + i * G * D, sizeof(float) * G * D);
       }

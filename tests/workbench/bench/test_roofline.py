@@ -51,6 +51,15 @@ def test_machine_measurements_are_positive_rates():
     assert peaks["bfloat16"] > 1e6 if has_isa("avx512_bf16") else peaks["bfloat16"] == 123.0
 
 
+def test_the_floors_take_each_machine_figure_at_its_best_of_before_and_after():
+    before = {"bandwidth": {"read": 30e9, "copy": 20e9}, "peaks": {"bfloat16": 220e9, "int8": 700e9}}
+    after = {"bandwidth": {"read": 25e9, "copy": 24e9}, "peaks": {"bfloat16": 421e9, "int8": 600e9}}
+    assert roofline.best_of([before, after]) == {
+        "bandwidth": {"read": 30e9, "copy": 24e9},
+        "peaks": {"bfloat16": 421e9, "int8": 700e9},
+    }
+
+
 def test_reduced_roofline_through_the_cli(tmp_path, capsys):
     doc = tmp_path / "BENCHMARKS.md"
     argv = [
@@ -100,6 +109,9 @@ def test_roofline_floor_is_the_larger_bound():
     assert (fp32["weights"], int8["weights"]) == ("float32", "int8") and int8["bytes"] < fp32["bytes"] / 2
     row = fp32
     assert row["floor_ms"] == max(row["memory_floor_ms"], row["compute_floor_ms"]) > 0
+    # the machine measured before and after the steps; the floors take the better of each figure
+    assert len(result["machine_before_after"]) == 2
+    assert result["arithmetic_peaks"] == roofline.best_of(result["machine_before_after"])["peaks"]
     # each format's compute floor is at its own arithmetic's peak
     for r in (fp32, int8):
         assert r["compute_floor_ms"] == pytest.approx(r["flops"] / result["arithmetic_peaks"][r["weights"]] * 1e3)

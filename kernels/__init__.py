@@ -133,8 +133,9 @@ def tree_attention(
     )
 
 
-# Where the CPU op exists, a step of a few rows runs its Llama decoder layers in one C++ call (llama_decoder_layers);
-# `workbench bench profile` turns it off to time the layers' ops one by one.
+# Where the CPU op exists, a step runs its Llama decoder layers in one C++ call (llama_decoder_layers): of a few rows
+# with float32 weights, of any number with bfloat16 or int8 ones; `workbench bench profile` turns it off to time the
+# layers' ops one by one.
 FUSED_LAYERS = True
 
 
@@ -156,8 +157,9 @@ def llama_decoder_layers(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A run of Llama decoder layers (in each: norms, q/k/v, RoPE, KV write, paged attention, o_proj, the SiLU MLP)
     in one call, bit for bit the layers' ops one by one, where the device has such an op for these inputs (the C++
-    CPU op: float32 activations, a few rows). `params`: each layer's ``LlamaDecoderLayer.fused_params``, end to end;
-    `kv_caches`: each layer's K and V; `tree_mask`: a draft tree's (``tree_attention`` in each layer), or None.
+    CPU op: float32 activations; a few rows over float32 weights, any number over bfloat16 or int8 ones).
+    `params`: each layer's ``LlamaDecoderLayer.fused_params``, end to end; `kv_caches`: each layer's K and V;
+    `tree_mask`: a draft tree's (``tree_attention`` in each layer), or None.
     Returns the last layer's (hidden, residual), or None where it does not apply: the caller then runs the layers'
     ops one by one."""
     if not (FUSED_LAYERS and hidden.device.type == "cpu"):

@@ -1,4 +1,4 @@
-// A run of Llama-family decoder layers for a step of a few tokens, in one call from Python: in each layer the input
+// A run of Llama-family decoder layers for a step, in one call from Python: in each layer the input
 // norm (with the residual add), q/k/v, RoPE, the paged KV write, paged attention, o_proj, the post-attention norm,
 // gate/up, SiLU and down. It computes nothing itself: it calls this library's own ops, in the order and with the
 // arguments that engine/model/llama.py's LlamaDecoderLayer gives them one by one, so its result is bit for bit that
@@ -6,8 +6,9 @@
 // 300 op calls from Python, each through a module, a dispatching function and torch's op lookup, several
 // microseconds apiece against a kernel of tens; here the whole stack is one call (a few where EAGLE-3 reads the
 // residual stream between layers) and the ops meet through the C++ dispatcher.
-// kernels/cpu/ops.py says when it applies (float32 activations, a few rows; no sliding window, q/k norm or TP). A
-// draft tree's verification passes its mask, and each layer attends with tree_attention instead.
+// kernels/cpu/ops.py says when it applies (float32 activations; a few rows over float32 weights, any number over
+// bfloat16 or int8 ones; no sliding window, q/k norm or TP). A draft tree's verification passes its mask, and each
+// layer attends with tree_attention instead.
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -21,7 +22,8 @@ c10::TypedOperatorHandle<Sig> workbench_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-// the linear op kernels/cpu/ops.py's linear picks for a few rows of float32 input, by how the weight is stored
+// the linear op kernels/cpu/ops.py's linear picks for float32 input, by how the weight is stored (float32 weights
+// come here only for a few rows: ops.py leaves more to oneDNN, and the layers then to the ops one by one)
 at::Tensor linear(const at::Tensor& x, const OptTensor& weight, const OptTensor& scale, const OptTensor& bias) {
   static const auto w8a8 = workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                    const OptTensor&)>("workbench_cpu::linear_w8a8");

@@ -138,11 +138,12 @@ PARAMS_PER_LAYER = 14  # LlamaDecoderLayer.fused_params: two norms and four line
 _NORMS, _WEIGHTS, _SCALES = (0, 7), (1, 4, 8, 11), (2, 5, 9, 12)  # where each sits in a layer's PARAMS_PER_LAYER
 
 
-def _linear_ops_apply(params: list[torch.Tensor | None]) -> bool:
-    """Whether `linear` above sends a few rows of float32 input on every linear of `params` to one of the C++ linear
-    ops (int8 weights with their scales, bfloat16 or float32 ones without), and the norms are float32. A step of
-    smollm2's 30 layers asks this of 180 tensors: read as sets of dtypes, 29 us, where a call per linear took
-    107 (the AVX-512 EPYC, 2026-12-03): a hundredth of a batch-1 bfloat16 step."""
+def _linear_ops_apply(params: list[torch.Tensor | None], rows: int) -> bool:
+    """Whether `linear` above sends `rows` rows of float32 input on every linear of `params` to one of the C++
+    linear ops (int8 weights with their scales at any rows; bfloat16 ones up to BF16_ROW_LIMIT; float32 ones up to
+    SMALL_M, past which oneDNN's GEMM takes them), and the norms are float32. A step of smollm2's 30 layers asks
+    this of 180 tensors: read as sets of dtypes, 29 us, where a call per linear took 107 (the AVX-512 EPYC,
+    2026-12-03): a hundredth of a batch-1 bfloat16 step."""
 
     def dtypes(slots: tuple[int, ...]) -> set[torch.dtype | None]:
         return {getattr(p, "dtype", None) for j in slots for p in params[j::PARAMS_PER_LAYER]}
@@ -154,7 +155,7 @@ def _linear_ops_apply(params: list[torch.Tensor | None]) -> bool:
     if weights == {torch.int8}:
         return scaled == {True}
     if weights <= {torch.bfloat16, torch.float32}:
-        return scaled == {False}
+        return scaled == {False} and rows <= (SMALL_M if torch.float32 in weights else BF16_ROW_LIMIT)
     return False  # a missing linear, another dtype, or int8 beside unscaled weights: the layers run op by op
 
 
@@ -175,15 +176,17 @@ def llama_decoder_layers(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     # the op calls the ops the functions above would pick for these inputs; where any of them would fall back to
-    # the reference (or to oneDNN: more than SMALL_M rows), the layers are left to run op by op
+    # the reference (or to oneDNN: float32 weights at more than SMALL_M rows), the layers are left to run op by op.
+    # bfloat16 and int8 weights fuse at any batch: a bf16 step of 64 decodes ran its forward in 115.2 ms fused
+    # against 123.9 op by op, int8 101.1 against 111.7 (smollm2-135m, alternating in one process, AVX-512 EPYC,
+    # 2026-12-03)
     cos, sin = rope
     applies = (
         hidden.dtype == cos.dtype == torch.float32
         and hidden.dim() == 2
-        and hidden.shape[0] <= SMALL_M
         and {cache.dtype for cache in kv_caches} <= {torch.float32, torch.bfloat16}
         and num_heads // num_kv_heads <= 8
-        and _linear_ops_apply(params)
+        and _linear_ops_apply(params, hidden.shape[0])
     )
     if not applies:
         return None

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not available(), reason="the C++ CPU ops are not
 
 FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
 # three prompts of three tokens: a first step of 9 rows (<= SMALL_M) from three sequences, then decodes of 3 rows;
-# the fourth prompt is longer than SMALL_M: its prefill runs op by op in both settings
+# the fourth prompt is longer than SMALL_M: its prefill runs op by op over float32 weights (oneDNN takes its
+# linears), fused over bfloat16 and int8 ones (their GEMMs and paged attention's prefill tiles in the one call)
 PROMPTS = [[11, 12, 13], [21, 22, 23], [31, 32, 33], list(range(100, 130))]
 
 
@@ -41,7 +42,10 @@ def test_fused_layers_are_bit_for_bit_the_ops_one_by_one(tiny_model_path, weight
 
     monkeypatch.setitem(kernels._IMPLS, ("llama_decoder_layers", "cpu"), counted)  # what kernels dispatches to
     fused = _generate(llm, True, monkeypatch)
-    assert any(calls) and not all(calls)  # the short steps fused, the 20-token prefill did not
+    if weights == "float32":
+        assert any(calls) and not all(calls)  # the short steps fused, the 30-token prefill did not
+    else:
+        assert calls and all(calls)  # every step fused, the 30-token prefill too
     calls.clear()
     by_op = _generate(llm, False, monkeypatch)
     assert not calls
@@ -106,8 +110,13 @@ def test_fused_layers_are_left_to_the_ops_where_they_would_not_all_run(tiny_mode
     params = llm.engine.runner.model.model.layers[0].fused_params()
     caches = list(llm.engine.runner.kv_caches[0])
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1)) is not None
-    # oneDNN's GEMM takes a float32 linear of more rows
+    # oneDNN's GEMM takes a float32 linear of more rows; the bf16 op takes up to BF16_ROW_LIMIT (any number where the
+    # CPU has AVX512-BF16; the fused steps of that many rows: test_fused_layers_are_bit_for_bit_the_ops_one_by_one)
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, ops.SMALL_M + 1)) is None
+    bf16 = [p.to(torch.bfloat16) if i in (1, 4, 8, 11) else p for i, p in enumerate(params)]
+    assert ops._linear_ops_apply(bf16, min(ops.BF16_ROW_LIMIT, 4096)) and ops._linear_ops_apply(params, ops.SMALL_M)
+    assert not ops._linear_ops_apply(bf16, ops.BF16_ROW_LIMIT + 1)
+    assert not ops._linear_ops_apply(params, ops.SMALL_M + 1)
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, hidden_dtype=torch.bfloat16)) is None
     float16_linear = [*params[:1], params[1].to(torch.float16), *params[2:]]
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, params=float16_linear)) is None

@@ -6,8 +6,8 @@
 // 300 op calls from Python, each through a module, a dispatching function and torch's op lookup, several
 // microseconds apiece against a kernel of tens; here the whole stack is one call (a few where EAGLE-3 reads the
 // residual stream between layers) and the ops meet through the C++ dispatcher.
-// kernels/cpu/ops.py says when it applies (float32 activations; a few rows over float32 weights, any number over
-// bfloat16 or int8 ones; no sliding window, q/k norm or TP). A draft tree's verification passes its mask, and each
+// kernels/cpu/ops.py says when it applies (float32 activations; a few rows over float32 weights, up to its
+// BF16_ROW_LIMIT over bfloat16, any number over int8; no sliding window, q/k norm or TP). A draft tree's verification passes its mask, and each
 // layer attends with tree_attention instead.
 #include <torch/extension.h>
 

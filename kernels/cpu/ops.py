@@ -177,9 +177,9 @@ def llama_decoder_layers(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     # the op calls the ops the functions above would pick for these inputs; where any of them would fall back to
     # the reference (or to oneDNN: float32 weights at more than SMALL_M rows), the layers are left to run op by op.
-    # bfloat16 and int8 weights fuse at any batch: a bf16 step of 64 decodes ran its forward in 115.2 ms fused
-    # against 123.9 op by op, int8 101.1 against 111.7 (smollm2-135m, alternating in one process, AVX-512 EPYC,
-    # 2026-12-03)
+    # int8 weights fuse at any batch, bfloat16 ones up to BF16_ROW_LIMIT (any, with AVX512-BF16): a bf16 step of 64
+    # decodes ran its forward in 115.2 ms fused against 123.9 op by op, int8 101.1 against 111.7 (smollm2-135m,
+    # alternating in one process, AVX-512 EPYC, 2026-12-03)
     cos, sin = rope
     applies = (
         hidden.dtype == cos.dtype == torch.float32

@@ -412,7 +412,11 @@ void with_rows(int64_t rows, const F& f) {
 }
 
 // Threads split the panels; each packs its panel (P dwords by GEMM_NR rows: L2-sized) and runs every tile of up to MR
-// rows of x over it: tile(first row, rows, panel, n0, n_valid).
+// rows of x over it: tile(first row, rows, panel, n0, n_valid). Each tile first asks for its share of the next
+// panel's weights (its rows lie end to end) into L2, so that packing it reads from L2 instead of waiting on memory:
+// the model's 121 linears (AVX-512 EPYC, 2 threads, same process, alternating, median of 11, 2026-12-04), without /
+// with, ms: bf16 32 rows 39.5 / 36.5, 64 rows 59.2 / 55.5 (62.0 / 59.2 in another run); int8 20 rows 18.8 / 15.5,
+// 64 rows 39.6 / 33.5; the AVX2 build's int8, 20 rows 38.7 / 28.9, 64 rows 96.8 / 86.7. Two panels ahead ran the same.
 template <int MR, typename Tile>
 void panel_gemm(int64_t M, const uint32_t* w, int64_t P, int64_t N, uint32_t flip, const Tile& tile) {
   at::parallel_for(0, (N + GEMM_NR - 1) / GEMM_NR, 1, [&](int64_t q0, int64_t q1) {
@@ -420,7 +424,13 @@ void panel_gemm(int64_t M, const uint32_t* w, int64_t P, int64_t N, uint32_t fli
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t n0 = q * GEMM_NR, n_valid = std::min(GEMM_NR, N - n0);
       pack_panel(w, P, n0, n0 + n_valid, flip, panel.data());
-      for (int64_t m0 = 0; m0 < M; m0 += MR) tile(m0, std::min<int64_t>(MR, M - m0), panel.data(), n0, n_valid);
+      const char* next = reinterpret_cast<const char*>(w + (n0 + GEMM_NR) * P);
+      const int64_t next_rows = q + 1 < q1 ? std::min(GEMM_NR, N - n0 - GEMM_NR) : 0;
+      const int64_t lines = next_rows * P * 4 / 64, tiles = (M + MR - 1) / MR, share = (lines + tiles - 1) / tiles;
+      for (int64_t m0 = 0, i = 0; m0 < M; m0 += MR, ++i) {
+        for (int64_t l = i * share; l < std::min(lines, (i + 1) * share); ++l) _mm_prefetch(next + l * 64, _MM_HINT_T1);
+        tile(m0, std::min<int64_t>(MR, M - m0), panel.data(), n0, n_valid);
+      }
     }
   });
 }

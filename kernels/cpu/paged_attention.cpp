@@ -13,16 +13,20 @@
 // output is put back. W keys at a time share one reduction of their dot products.
 //
 // Decodes only, four or more of them (two per thread): a task per sequence instead, its kv heads side by side block
-// by block, so that each block's cache rows are read whole. Each task asks for the next block's rows (into L1) while
-// it computes the block before: a block's 16 keys are one short run per kv head, which the hardware prefetcher barely
-// starts on. Both against the earlier per-head tasks without a prefetch (the op alone, SmolLM2's 9/3 heads, bf16
-// cache, 30 layers' caches cycled so that each call reads from memory, alternating in one process, median of 15 to 41;
-// AVX-512 EPYC, 2026-12-03), ms a call: 64 decodes of 137 keys over scattered blocks 1.018 -> 0.847, over contiguous
-// ones 1.024 -> 0.934, fp32 cache 1.620 -> 1.477; 16 decodes of 1,024 keys 2.156 -> 1.970; 4 of 500 0.282 -> 0.251;
-// one of 300 0.0266 -> 0.0239 (per-head tasks, with the prefetch); one of 70 0.0106 -> 0.0111, the prefetch's own
-// cost where a sequence is a few blocks. Each half alone gave about half (per-sequence tasks 4%, the prefetch 4%, 64
-// decodes of 137 keys, scattered). An earlier prefetch into L2 with per-head tasks had run level with none. What is
-// left is the arithmetic: with its KV resident in L2 a key and kv head take 21.4 ns of one thread (fp32; bf16 21.7).
+// by block, so that each block's cache rows are read whole.
+//
+// Every task asks for the next block's rows (into L2) while it computes the block before, a share of them before each
+// piece of the arithmetic (NextBlock); a sequence's task on its last block asks for the first block of the thread's
+// next sequence. A block's 16 keys are one short run per kv head, which the hardware prefetcher barely starts on, and
+// the whole block asked for at once (as on 2026-12-03, into L1) filled the core's queue of misses: the arithmetic
+// waited behind it, and a call took about the time of touching its blocks (0.40-0.43 ms at 64 decodes of 137 keys,
+// bf16) plus that of its arithmetic with the cache in L3 (0.36 ms). The op alone, SmolLM2's 9/3 heads, 30 layers'
+// caches cycled so that each call reads from memory, alternating in one process, median of 11 (AVX-512 EPYC,
+// 2026-12-04), ms a call, the whole block at once -> shared out: 64 decodes of 137 keys over scattered blocks, bf16
+// cache 1.018 -> 0.543, fp32 1.120 -> 0.780; over contiguous blocks 0.765 -> 0.460; 16 decodes of 1,024 keys 1.294
+// -> 0.622; 4 of 500 0.225 -> 0.108; one of 300 0.0166 -> 0.0157, one of 70 0.0107 -> 0.0110. The next sequence's
+// first block then took 64 x 137 from 0.561 to 0.512 ms (fp32 1.009 -> 0.910). Asked for two or more blocks ahead,
+// a call ran slower.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -238,14 +242,43 @@ inline float softmax_update(float* pr, int64_t visible, float& m, float& l) {
   return corr;
 }
 
+// The next block's cache rows (`lines` 64-byte lines of K and as many of V, `row_lines` to a token), asked for into
+// L2 a share at a time between the pieces of the current block's arithmetic. Asked for all at once, they filled the
+// core's queue of misses and the arithmetic waited behind them: the op ran at about the time of its loads plus
+// the time of its arithmetic, with no overlap.
+struct NextBlock {
+  int64_t row_lines, token_bytes;
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t lines = 0, share = 0, done = 0;
+
+  // the rows of `tokens` tokens from k and v, in `pieces` shares
+  void aim(const void* k_rows, const void* v_rows, int64_t tokens, int64_t pieces) {
+    k = static_cast<const char*>(k_rows);
+    v = static_cast<const char*>(v_rows);
+    lines = tokens * row_lines;
+    share = (lines + pieces - 1) / pieces;
+    done = 0;
+  }
+
+  void ask_some() {
+    for (const int64_t stop = std::min(lines, done + share); done < stop; ++done) {
+      const int64_t at = done / row_lines * token_bytes + done % row_lines * 64;
+      _mm_prefetch(k + at, _MM_HINT_T1);
+      _mm_prefetch(v + at, _MM_HINT_T1);
+    }
+  }
+};
+
 // The rows of `heads` consecutive kv heads (kv head h: its `rows` query rows at q + h * rows * q_stride, its keys
 // and values at h * D of each cache row, its outputs as its query rows) over one sequence's blocks; `limits[r]`: the
-// keys row r of each head sees. Each block's rows are asked for (into L1) while the block before is computed: a
-// block's 16 keys are one short run per kv head, too short for the hardware prefetcher to follow.
+// keys row r of each head sees. The next block's rows are asked for while a block is computed (NextBlock); after the
+// last block, `then_tokens` keys' rows of block `then_block` (the next task's first, or none where it is -1).
 template <typename L, typename C>
 void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limits, const C* k_cache,
                  const C* v_cache, const int32_t* table, int64_t block_size, int64_t token_stride,
-                 int64_t block_stride, int64_t D, float scale, float* out, int64_t out_stride, int64_t heads) {
+                 int64_t block_stride, int64_t D, float scale, float* out, int64_t out_stride, int64_t heads,
+                 int64_t then_block = -1, int64_t then_tokens = 0) {
   const int64_t Dv = D - D % (2 * L::W), all_rows = heads * rows;
   // per thread, grown once: no allocation per task
   thread_local std::vector<float> acc, p, qs, m, l, corr;
@@ -260,19 +293,16 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
   int64_t end = 0;
   for (int r = 0; r < rows; ++r) end = std::max(end, limits[r]);
   const int64_t row_bytes = heads * D * static_cast<int64_t>(sizeof(C));  // of a cache row, what this task reads
+  NextBlock next{(row_bytes + 63) / 64, token_stride * static_cast<int64_t>(sizeof(C))};
   for (int64_t start = 0; start < end; start += block_size) {
     const int64_t blk = table[start / block_size];
     const int64_t n_tok = std::min(block_size, end - start);
-    if (start + block_size < end) {
-      const int64_t next = table[start / block_size + 1], n_next = std::min(block_size, end - start - block_size);
-      const char* kn = reinterpret_cast<const char*>(k_cache + next * block_stride);
-      const char* vn = reinterpret_cast<const char*>(v_cache + next * block_stride);
-      for (int64_t u = 0; u < n_next; ++u)
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          _mm_prefetch(kn + u * token_stride * static_cast<int64_t>(sizeof(C)) + b, _MM_HINT_T0);
-          _mm_prefetch(vn + u * token_stride * static_cast<int64_t>(sizeof(C)) + b, _MM_HINT_T0);
-        }
-    }
+    // the rows to ask for during this block: the sequence's next block, or after its last the next task's first
+    const bool last = start + block_size >= end;
+    const int64_t nb = last ? then_block : table[start / block_size + 1];
+    const int64_t n_next = nb < 0 ? 0 : std::min(block_size, last ? then_tokens : end - start - block_size);
+    next.aim(k_cache + std::max<int64_t>(nb, 0) * block_stride, v_cache + std::max<int64_t>(nb, 0) * block_stride,
+             n_next, heads * (rows + 1));  // a share before each row's scores, and one before the values
     for (int64_t h = 0; h < heads; ++h) {
       const C* kb = k_cache + blk * block_stride + h * D;
       const C* vb = v_cache + blk * block_stride + h * D;
@@ -283,12 +313,14 @@ void attend_rows(const float* q, int64_t q_stride, int rows, const int64_t* limi
         float* pr = p.data() + r * p_stride;
         n_any = std::max(n_any, visible);
         corr[r0 + r] = 1.f;
+        next.ask_some();
         if (visible > 0) {
           block_scores<L>(qs.data() + (r0 + r) * D, kb, token_stride, visible, Dv, D, pr);
           corr[r0 + r] = softmax_update(pr, visible, m[r0 + r], l[r0 + r]);
         }
         std::fill(pr + visible, pr + n_tok, 0.f);  // keys past the row's causal limit weigh nothing
       }
+      next.ask_some();
       if (n_any > 0)
         block_values<L>(p.data(), p_stride, rows, vb, token_stride, n_any, Dv, D, corr.data() + r0,
                         acc.data() + r0 * D);
@@ -328,7 +360,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
         int64_t limits[ROWS];
         std::fill(limits, limits + G, static_cast<int64_t>(lens[s]));
         attend_rows<L, C>(qp + s * Hq * D, D, G, limits, kc, vc, tables + s * max_blocks, block_size, token_stride,
-                          block_stride, D, static_cast<float>(scale), op + s * Hq * D, D, Hkv);
+                          block_stride, D, static_cast<float>(scale), op + s * Hq * D, D, Hkv,
+                          s + 1 < s1 ? tables[(s + 1) * max_blocks] : -1, s + 1 < s1 ? lens[s + 1] : 0);
       }
     });
     return;

@@ -417,6 +417,8 @@ void with_rows(int64_t rows, const F& f) {
 // the model's 121 linears (AVX-512 EPYC, 2 threads, same process, alternating, median of 11, 2026-12-04), without /
 // with, ms: bf16 32 rows 39.5 / 36.5, 64 rows 59.2 / 55.5 (62.0 / 59.2 in another run); int8 20 rows 18.8 / 15.5,
 // 64 rows 39.6 / 33.5; the AVX2 build's int8, 20 rows 38.7 / 28.9, 64 rows 96.8 / 86.7. Two panels ahead ran the same.
+// Asked for a line per step of the tile's loop instead, slower (both built alike, a slower hour, median of 15, a share
+// at the tile's start / a line per step: bf16 32 rows 44.1 / 47.6, 64 rows 62.3 / 69.4; int8 20 rows 18.5 / 22.5).
 template <int MR, typename Tile>
 void panel_gemm(int64_t M, const uint32_t* w, int64_t P, int64_t N, uint32_t flip, const Tile& tile) {
   at::parallel_for(0, (N + GEMM_NR - 1) / GEMM_NR, 1, [&](int64_t q0, int64_t q1) {

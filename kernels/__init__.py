@@ -154,12 +154,14 @@ def llama_decoder_layers(
     num_kv_heads: int,
     scale: float,
     eps: float,
+    row_limit: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A run of Llama decoder layers (in each: norms, q/k/v, RoPE, KV write, paged attention, o_proj, the SiLU MLP)
     in one call, bit for bit the layers' ops one by one, where the device has such an op for these inputs (the C++
     CPU op: float32 activations; a few rows over float32 weights, up to BF16_ROW_LIMIT over bfloat16, any over int8).
     `params`: each layer's ``LlamaDecoderLayer.fused_params``, end to end; `kv_caches`: each layer's K and V;
-    `tree_mask`: a draft tree's (``tree_attention`` in each layer), or None.
+    `tree_mask`: a draft tree's (``tree_attention`` in each layer), or None; `row_limit`: what
+    ``fused_row_limit(params)`` returned, from a caller that keeps `params` across steps (None: worked out here).
     Returns the last layer's (hidden, residual), or None where it does not apply: the caller then runs the layers'
     ops one by one."""
     if not (FUSED_LAYERS and hidden.device.type == "cpu"):
@@ -179,7 +181,15 @@ def llama_decoder_layers(
         num_kv_heads,
         scale,
         eps,
+        row_limit,
     )
+
+
+def fused_row_limit(params: list[torch.Tensor | None]) -> int:
+    """Rows of input up to which ``llama_decoder_layers`` can run layers of these `params` (each layer's
+    ``LlamaDecoderLayer.fused_params``, end to end) on their device: 0 where it never can."""
+    device = next((p.device.type for p in params if p is not None), "cpu")
+    return _impl("fused_row_limit", device)(params)
 
 
 def warm_up_paged_attention(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> int:

@@ -219,6 +219,11 @@ def llama_decoder_layers(*args: object) -> None:
     return None
 
 
+def fused_row_limit(params: list[torch.Tensor | None]) -> int:
+    """No fused decoder stack here: it runs no rows."""
+    return 0
+
+
 TREE_MASK_BITS = 64  # keys this close to a query row are masked by its tree_mask bits; farther ones are context
 
 

@@ -149,6 +149,9 @@ class EagleProposer(Proposer):
         the target's embedding, and the tree each proposal expands (None: a chain)."""
         config = target.config
         self.head = head
+        # the head runs at the target's positions, which its own config may declare fewer of
+        rope = cast(RotaryEmbedding, head.rotary_emb)
+        rope.max_positions = max(rope.max_positions, target.causal_lm.shape.max_position_embeddings)
         self.vocab = vocab
         self.embed: Callable[[torch.Tensor], torch.Tensor] = target.causal_lm.model.embed_tokens
         self.block_size = config.block_size

@@ -26,7 +26,8 @@ SMALL_M = 24
 # With AVX512-BF16 (vdpbf16ps, 32 products per instruction) and int8 (W8A8 on VNNI or AVX2's vpmaddubsw) our op
 # takes every size: bf16 from 25 rows as a GEMM over packed weight panels (kernels/cpu/linear.cpp), at or above
 # oneDNN's bf16 GEMM, which would also round every output to bf16.
-BF16_ROW_LIMIT = 1 << 62 if has_isa("avx512_bf16") else 256
+ANY_ROWS = 1 << 62
+BF16_ROW_LIMIT = ANY_ROWS if has_isa("avx512_bf16") else 256
 # Above SMALL_M rows a float32 linear is a GEMM, on oneDNN with the weight as is: over a 3072x576 layer it ran 1.5-2x
 # torch's default (MKL) at 16 and 64 rows and level at 256 (same process, alternating, on a loaded machine); the
 # roofline benchmark reports both rates at 2048^3.
@@ -138,25 +139,25 @@ PARAMS_PER_LAYER = 14  # LlamaDecoderLayer.fused_params: two norms and four line
 _NORMS, _WEIGHTS, _SCALES = (0, 7), (1, 4, 8, 11), (2, 5, 9, 12)  # where each sits in a layer's PARAMS_PER_LAYER
 
 
-def _linear_ops_apply(params: list[torch.Tensor | None], rows: int) -> bool:
-    """Whether `linear` above sends `rows` rows of float32 input on every linear of `params` to one of the C++
-    linear ops (int8 weights with their scales at any rows; bfloat16 ones up to BF16_ROW_LIMIT; float32 ones up to
-    SMALL_M, past which oneDNN's GEMM takes them), and the norms are float32. A step of smollm2's 30 layers asks
-    this of 180 tensors: read as sets of dtypes, 29 us, where a call per linear took 107 (the AVX-512 EPYC,
-    2026-12-03): a hundredth of a batch-1 bfloat16 step."""
+def fused_row_limit(params: list[torch.Tensor | None]) -> int:
+    """Rows of float32 input up to which `linear` above sends every linear of `params` to one of the C++ linear ops
+    (int8 weights with their scales at any rows; bfloat16 ones up to BF16_ROW_LIMIT; float32 ones up to SMALL_M,
+    past which oneDNN's GEMM takes them) and the norms are float32; 0 where it never does. Read as sets of the dtypes
+    of smollm2's 180 tensors: 29 us hot, 0.07 ms in a step, whose weights have just streamed through the caches (the
+    AVX-512 EPYC, 2026-12-04); LlamaModel works it out once for the params it keeps."""
 
     def dtypes(slots: tuple[int, ...]) -> set[torch.dtype | None]:
         return {getattr(p, "dtype", None) for j in slots for p in params[j::PARAMS_PER_LAYER]}
 
     if dtypes(_NORMS) != {torch.float32}:
-        return False
+        return 0
     weights = dtypes(_WEIGHTS)
     scaled = {p is not None for j in _SCALES for p in params[j::PARAMS_PER_LAYER]}
     if weights == {torch.int8}:
-        return scaled == {True}
-    if weights <= {torch.bfloat16, torch.float32}:
-        return scaled == {False} and rows <= (SMALL_M if torch.float32 in weights else BF16_ROW_LIMIT)
-    return False  # a missing linear, another dtype, or int8 beside unscaled weights: the layers run op by op
+        return ANY_ROWS if scaled == {True} else 0
+    if weights <= {torch.bfloat16, torch.float32} and scaled == {False}:
+        return SMALL_M if torch.float32 in weights else BF16_ROW_LIMIT
+    return 0  # a missing linear, another dtype, or int8 beside unscaled weights: the layers run op by op
 
 
 def llama_decoder_layers(
@@ -174,6 +175,7 @@ def llama_decoder_layers(
     num_kv_heads: int,
     scale: float,
     eps: float,
+    row_limit: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     # the op calls the ops the functions above would pick for these inputs; where any of them would fall back to
     # the reference (or to oneDNN: float32 weights at more than SMALL_M rows), the layers are left to run op by op.
@@ -186,7 +188,7 @@ def llama_decoder_layers(
         and hidden.dim() == 2
         and {cache.dtype for cache in kv_caches} <= {torch.float32, torch.bfloat16}
         and num_heads // num_kv_heads <= 8
-        and _linear_ops_apply(params, hidden.shape[0])
+        and hidden.shape[0] <= (fused_row_limit(params) if row_limit is None else row_limit)
     )
     if not applies:
         return None

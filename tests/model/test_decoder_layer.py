@@ -10,6 +10,7 @@ import torch
 
 import kernels
 from engine import LLM, SamplingParams
+from kernels import reference
 from kernels.cpu import ops
 from kernels.cpu.build import available
 
@@ -114,9 +115,11 @@ def test_fused_layers_are_left_to_the_ops_where_they_would_not_all_run(tiny_mode
     # CPU has AVX512-BF16; the fused steps of that many rows: test_fused_layers_are_bit_for_bit_the_ops_one_by_one)
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, ops.SMALL_M + 1)) is None
     bf16 = [p.to(torch.bfloat16) if i in (1, 4, 8, 11) else p for i, p in enumerate(params)]
-    assert ops._linear_ops_apply(bf16, min(ops.BF16_ROW_LIMIT, 4096)) and ops._linear_ops_apply(params, ops.SMALL_M)
-    assert not ops._linear_ops_apply(bf16, ops.BF16_ROW_LIMIT + 1)
-    assert not ops._linear_ops_apply(params, ops.SMALL_M + 1)
+    assert ops.fused_row_limit(bf16) == ops.BF16_ROW_LIMIT and ops.fused_row_limit(params) == ops.SMALL_M
+    assert kernels.fused_row_limit(params) == ops.SMALL_M and reference.fused_row_limit(params) == 0
+    # a caller's kept limit stands in for the dtypes' (LlamaModel works it out once for the params it keeps)
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, 2), 1) is None
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, 2), 2) is not None
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, hidden_dtype=torch.bfloat16)) is None
     float16_linear = [*params[:1], params[1].to(torch.float16), *params[2:]]
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1, params=float16_linear)) is None

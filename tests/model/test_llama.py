@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine.model.attention import AttentionMetadata
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM, RotaryEmbedding
 from engine.model.registry import load_model
 
 BLOCK_SIZE = 4
@@ -226,3 +226,25 @@ def test_missing_weight_is_reported(tmp_path, tiny_model_path):
     (tmp_path / "config.json").write_bytes((tiny_model_path / "config.json").read_bytes())
     with pytest.raises(ValueError, match="model.layers.1.self_attn.qkv_proj.weight"):
         load_model(tmp_path, torch.float32, CPU)
+
+
+def test_rope_looks_positions_up_in_a_table_of_their_cos_and_sin():
+    """RotaryEmbedding keeps the cos and sin of every position below max_position_embeddings (vLLM's
+    cos_sin_cache): a step's rows are exactly what computing them at its positions gives."""
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    rope = RotaryEmbedding(config)
+    positions = torch.tensor([0, 7, 255, 3])
+    cos, sin = rope(positions, torch.float32)
+    assert rope.cos_sin is not None and rope.cos_sin[0].shape == (256, 32)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 32, 2).float() / 32))
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    assert torch.equal(cos, emb.cos()) and torch.equal(sin, emb.sin())
+    assert rope(positions, torch.bfloat16)[0].dtype == torch.bfloat16
+    with pytest.raises(IndexError):  # past the model's positions: no row
+        rope(torch.tensor([256]), torch.float32)

@@ -73,6 +73,23 @@ def test_paged_attention_over_a_bfloat16_cache_equals_the_reference_widened(shap
     torch.testing.assert_close(got, reference.paged_attention(*case), atol=ATOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_lone_decode_split_between_threads_equals_the_reference(shape, dtype):
+    """With fewer decode tasks than twice the threads (one decode over 2 or 3 kv heads, on 2 threads), each
+    sequence's blocks are split in a part per thread and the parts' softmaxes merged; a part may hold no block
+    (one block of keys). The test workers run one thread each: this test asks for two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for specs in ([(1, 1)], [(1, 16)], [(1, 17)], [(1, 33)], [(1, 700)]):
+            case = paged_case(*SHAPES[shape], specs, dtype=dtype)
+            got = torch.ops.workbench_cpu.paged_attention(*case)
+            torch.testing.assert_close(got, reference.paged_attention(*case), atol=ATOL, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_cpu_attention_fails_when_the_causal_rule_is_off():
     """The comparison can fail: queries that see the whole context (no causal rule) differ, except the last."""
     q, kc, vc, tables, seq_lens, qsl, scale = paged_case(9, 3, 64, 16, [(6, 40)])

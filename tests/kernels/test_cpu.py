@@ -73,7 +73,10 @@ def test_paged_attention_over_a_bfloat16_cache_equals_the_reference_widened(shap
     torch.testing.assert_close(got, reference.paged_attention(*case), atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+SPLIT_SHAPES = [name for name, (_, kv_heads, _, _) in SHAPES.items() if kv_heads < 4]  # one decode's tasks < 2 x 2
+
+
+@pytest.mark.parametrize("shape", SPLIT_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_lone_decode_split_between_threads_equals_the_reference(shape, dtype):
     """With fewer decode tasks than twice the threads (one decode over 2 or 3 kv heads, on 2 threads), each

@@ -223,6 +223,8 @@ def test_a_head_made_elsewhere_drops_in(tmp_path, head) -> None:
         "tiny-llama", "defaults", K
     )
     assert llm.engine.spec_stats.num_accepted_tokens > 0
+    # its config names no max_position_embeddings (Llama's default, 2048): its RoPE table covers the target's 4096
+    assert llm.engine.runner.spec.proposer.head.rotary_emb.max_positions == 4096
 
 
 def test_heads_that_do_not_fit_the_target_are_refused(tmp_path, head) -> None:

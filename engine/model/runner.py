@@ -22,7 +22,7 @@ from engine.model.attention import AttentionMetadata, allocate_kv_caches
 from engine.model.block_table import BlockTable
 from engine.model.registry import load_model
 from engine.sample.logits_processors import LogitsInputs
-from engine.sample.sampler import Sampler, SamplingMetadata
+from engine.sample.sampler import Sampler, SamplingMetadata, argmax_only, greedy_sample
 from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.proposer import TargetModel
 
@@ -47,6 +47,52 @@ class _BatchInputs:
     logits_indices: torch.Tensor
     sampling_rows: list[ScheduledRequest]  # those that sample, in batch order
     first_rows: list[int]  # each one's first logits row (a verify request has one per draft, plus one)
+
+
+class DecodeInputs:
+    """Owns the host buffers of a decode step's inputs, reused every step as vLLM's runner reuses its input
+    buffers, and their tensor views by batch shape: int64 [ids | positions | slots | logits rows] and int32
+    [seq lens | query start locs | block tables]. A step's views hold the last step's values once the next one is
+    prepared."""
+
+    MAX_VIEWS = 64  # shapes (requests, blocks) whose views are kept
+
+    def __init__(self, max_num_reqs: int, max_blocks: int, device: torch.device) -> None:
+        self.device = device
+        self.i64 = torch.zeros(4 * max_num_reqs, dtype=torch.int64)
+        self.i32 = torch.zeros(2 * max_num_reqs + 1 + max_num_reqs * max_blocks, dtype=torch.int32)
+        self.i64_np, self.i32_np = self.i64.numpy(), self.i32.numpy()
+        self.views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    def fill(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        table: np.ndarray,
+        rows: list[int],
+        blocks: int,
+    ) -> tuple[torch.Tensor, ...]:
+        """input_ids, positions, slot_mapping, logits_indices, seq_lens, query_start_loc and block_tables of S
+        requests with one token each (rows: their block table rows; blocks: the most any holds)."""
+        n = len(ids)
+        self.i64_np[: 4 * n] = ids + positions + slots + list(range(n))
+        self.i32_np[: 2 * n + 1] = [p + 1 for p in positions] + list(range(n + 1))
+        self.i32_np[2 * n + 1 : 2 * n + 1 + n * blocks].reshape(n, blocks)[:] = table[rows, :blocks]
+        i64, i32 = self.i64[: 4 * n], self.i32[: 2 * n + 1 + n * blocks]
+        if self.device.type != "cpu":  # two copies to the device, split there
+            return self._split(i64.to(self.device), i32.to(self.device), n, blocks)
+        views = self.views.get((n, blocks))
+        if views is None:
+            if len(self.views) >= self.MAX_VIEWS:
+                self.views.clear()
+            views = self.views[(n, blocks)] = self._split(i64, i32, n, blocks)
+        return views
+
+    @staticmethod
+    def _split(i64: torch.Tensor, i32: torch.Tensor, n: int, blocks: int) -> tuple[torch.Tensor, ...]:
+        seq_lens, query_start_loc, tables = i32.split([n, n + 1, n * blocks])
+        return (*i64.split(n), seq_lens, query_start_loc, tables.view(n, blocks))
 
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits exist at once
@@ -85,6 +131,7 @@ class ModelRunner:
         )
         max_blocks_per_req = -(-(shape.max_position_embeddings or self.num_blocks * self.block_size) // self.block_size)
         self.block_table = BlockTable(self.block_size, config.max_num_seqs, min(self.num_blocks, max_blocks_per_req))
+        self.decode_inputs = DecodeInputs(config.max_num_seqs, self.block_table.block_table_np.shape[1], self.device)
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.spec = None if config.speculative is None else SpecDecoder(config, self._as_target(), self.sampler, events)
@@ -138,7 +185,9 @@ class ModelRunner:
             return ModelRunnerOutput(
                 {}, {}, forward_ms=(time.perf_counter() - t0) * 1e3, prompt_logprobs=prompt_logprobs
             )
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        # logits rows rise through [0, T): as many as the tokens is every row, in order (a decode step)
+        sampled_hidden = hidden if len(batch.logits_indices) == len(hidden) else hidden[batch.logits_indices]
+        logits = self.model.compute_logits(sampled_hidden)
         if grammar_bitmask is not None:
             from engine.structured_output.backend_xgrammar import apply_bitmask
 
@@ -218,9 +267,12 @@ class ModelRunner:
         if plain:
             rows = [s for s, _ in plain]
             plain_logits = logits if not verify else logits[[r for _, r in plain]]
-            out = self.sampler(plain_logits, self._sampling_metadata(rows))
-            sampled = {s.request_id: [t] for s, t in zip(rows, out.sampled_token_ids.tolist())}
-            logprobs = self._logprobs(rows, out.logprobs)
+            if all(argmax_only(s.request.sampling_params) for s in rows):
+                sampled = {s.request_id: [t] for s, t in zip(rows, greedy_sample(plain_logits).tolist())}
+            else:
+                out = self.sampler(plain_logits, self._sampling_metadata(rows))
+                sampled = {s.request_id: [t] for s, t in zip(rows, out.sampled_token_ids.tolist())}
+                logprobs = self._logprobs(rows, out.logprobs)
         if verify:
             assert self.spec is not None, "drafts come only from a proposer"
             sampled.update(
@@ -231,11 +283,38 @@ class ModelRunner:
         return sampled, logprobs
 
     def prepare_inputs(self, output: SchedulerOutput) -> _BatchInputs:
-        """The step's flat inputs: one Python pass over the requests, then positions, slots, query start locs and
+        """The step's flat inputs: where every request decodes one token and samples it (the steady state, and no
+        proposer), by `DecodeInputs`; else `prepare_any_inputs`. Public so that it can be timed alone (bench
+        profile): run again on an output this runner was given, it writes the same block table rows and returns
+        the same inputs."""
+        batch = self._prepare_decodes(output) if self.spec is None else None
+        return batch if batch is not None else self.prepare_any_inputs(output)
+
+    def _prepare_decodes(self, output: SchedulerOutput) -> _BatchInputs | None:
+        """A step of one sampled token per request in plain Python, into `DecodeInputs`'s buffers; None where a
+        request runs more than one token, drafts or does not sample. Every numpy or torch call a step makes costs
+        tens of microseconds right after the weights streamed through the caches; Python's own arithmetic, less."""
+        bs = self.block_size
+        rows, ids, positions, slots, blocks = [], [], [], [], 0
+        for s in output.scheduled:
+            pos = s.num_computed_tokens
+            tokens = s.request.all_token_ids
+            if s.num_new_tokens != 1 or not s.samples or s.spec_token_ids or pos >= len(tokens):
+                return None
+            rows.append(self.block_table.append(s.request_id, s.block_ids))
+            ids.append(tokens[pos])
+            positions.append(pos)
+            slots.append(s.block_ids[pos // bs] * bs + pos % bs)
+            blocks = max(blocks, len(s.block_ids))
+        inputs = self.decode_inputs.fill(ids, positions, slots, self.block_table.block_table_np, rows, blocks)
+        input_ids, positions_t, slot_mapping, logits_idx, seq_lens, query_start_loc, tables = inputs
+        attn = AttentionMetadata(slot_mapping, tables, seq_lens, query_start_loc)
+        return _BatchInputs(input_ids, positions_t, attn, logits_idx, list(output.scheduled), list(range(len(rows))))
+
+    def prepare_any_inputs(self, output: SchedulerOutput) -> _BatchInputs:
+        """Any step's flat inputs: one Python pass over the requests, then positions, slots, query start locs and
         logits rows by numpy arithmetic over per-request counts, and one int64 plus one int32 array to the device
-        (two host-to-device copies on an accelerator). Public so that it can be timed alone (bench profile): run
-        again on an output this runner was given, it writes the same block table rows and returns the same
-        inputs."""
+        (two host-to-device copies on an accelerator)."""
         rows, ids, counts, sampling_rows = self._scan_requests(output)
         starts, query_lens, num_logits, num_blocks = counts
         cu_query, cu_logits = np.cumsum(query_lens), np.cumsum(num_logits)

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import torch
 
 import kernels
-from engine.sample.logits_processors import LogitsInputs
+from engine.sample.logits_processors import LogitsInputs, uses_logits_options
+from engine.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5
 # Top-p first looks for the nucleus among this many most likely tokens (a partial sort);
@@ -102,6 +103,13 @@ class Sampler:
             apply_min_p(logits, min_p)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, self.top_p_candidates)
         return logits.softmax(dim=-1)
+
+
+def argmax_only(params: SamplingParams) -> bool:
+    """Whether the sampler's whole work for a request is `greedy_sample`: greedy, no logprobs, no logits options
+    (penalties, bias, bad words, allowed ids, min_tokens). A step of such requests skips `SamplingMetadata`, whose
+    per-row tensors cost tens of microseconds right after a step's weights have streamed through the caches."""
+    return params.greedy and params.logprobs is None and not params.min_tokens and not uses_logits_options(params)
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:

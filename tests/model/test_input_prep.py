@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model.block_table import BlockTable
+from engine.model.runner import DecodeInputs
 
 BLOCK_SIZE = 4
 DRAFT = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 3}
@@ -106,6 +107,7 @@ class Checker:
         self.seen: set[str] = set()
         self.first_seen: set[str] = set()
         self.steps = 0
+        self.decode_steps = 0  # batches in DecodeInputs' buffers
         runner.prepare_inputs = self
 
     def __call__(self, output):
@@ -115,6 +117,8 @@ class Checker:
         assert {k: getattr(batch, k).dtype for k in DTYPES} == DTYPES
         assert {k: getattr(batch.attn, k).dtype for k in ATTN_DTYPES} == ATTN_DTYPES
         self._note(output)
+        buffer = self.runner.decode_inputs.i64.untyped_storage().data_ptr()
+        self.decode_steps += batch.input_ids.untyped_storage().data_ptr() == buffer
         return batch
 
     def _note(self, output) -> None:
@@ -141,15 +145,17 @@ def prompts() -> list[list[int]]:
     ]
 
 
-def test_every_batch_matches_the_reference_and_rows_are_freed(prompts) -> None:
-    # a small cache (preemption), a small budget (chunks), a shared prefix (hits), drafts (verification)
+@pytest.mark.parametrize("drafts", [True, False], ids=["drafts", "no-drafts"])
+def test_every_batch_matches_the_reference_and_rows_are_freed(prompts, drafts) -> None:
+    # a small cache (preemption), a small budget (chunks), a shared prefix (hits), drafts (verification); without
+    # drafts, the steps where every request decodes go through DecodeInputs
     llm = LLM(
         model="tiny-llama",
         block_size=BLOCK_SIZE,
         num_kv_blocks=40,
         max_num_batched_tokens=24,
         long_prefill_token_threshold=16,
-        speculative_config=DRAFT,
+        speculative_config=DRAFT if drafts else None,
     )
     eng = llm.engine
     checker = Checker(eng.runner)
@@ -164,8 +170,28 @@ def test_every_batch_matches_the_reference_and_rows_are_freed(prompts) -> None:
     eng.add_request(prompts[0][:20], params, request_id="r3")
     while eng.has_unfinished_requests():
         eng.step()
-    assert {"chunk", "verify", "preempted", "prefix hit"} <= checker.seen
+    assert {"chunk", "preempted", "prefix hit"} | ({"verify"} if drafts else {"decode"}) <= checker.seen
+    assert (checker.decode_steps > 0) is not drafts  # a proposer's steps never take the decode path
     assert len(eng.runner.block_table) > 0  # the last step's requests finished after it ran
     eng.step()  # the next step tells the runner who finished
     assert len(eng.runner.block_table) == 0
     assert not eng.runner.block_table.block_table_np.any()
+
+
+def test_decode_inputs_reuse_their_buffers_and_views_by_shape() -> None:
+    table = np.arange(24, dtype=np.int32).reshape(4, 6)
+    inputs = DecodeInputs(max_num_reqs=4, max_blocks=6, device=torch.device("cpu"))
+    first = inputs.fill([11, 12], [5, 9], [21, 37], table, [2, 0], 3)
+    assert [t.tolist() for t in first[:6]] == [[11, 12], [5, 9], [21, 37], [0, 1], [6, 10], [0, 1, 2]]
+    assert first[6].tolist() == [[12, 13, 14], [0, 1, 2]]
+    again = inputs.fill([13, 14], [6, 10], [22, 38], table, [2, 0], 3)
+    assert all(a is b for a, b in zip(first, again))  # the same views, now holding this step's values
+    assert first[0].tolist() == [13, 14] and first[4].tolist() == [7, 11]
+    one = inputs.fill([15], [7], [23], table, [3], 2)
+    assert [t.tolist() for t in one] == [[15], [7], [23], [0], [8], [0, 1], [[18, 19]]]
+    many = DecodeInputs(max_num_reqs=8, max_blocks=16, device=torch.device("cpu"))
+    wide = np.ones((8, 16), dtype=np.int32)
+    for n in range(1, 9):  # 128 shapes: the views of every shape met are not kept forever
+        for blocks in range(1, 17):
+            assert many.fill([1] * n, [0] * n, [0] * n, wide, list(range(n)), blocks)[6].shape == (n, blocks)
+    assert 0 < len(many.views) <= DecodeInputs.MAX_VIEWS

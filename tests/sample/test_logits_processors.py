@@ -14,7 +14,7 @@ from transformers import (
 from engine import LLM, SamplingParams
 from engine.request import Request
 from engine.sample.logits_processors import LogitsInputs, bad_words_token_ids
-from engine.sample.sampler import Sampler
+from engine.sample.sampler import Sampler, argmax_only
 from tests.sample.test_sampler import chi_square, chi_square_critical, make_metadata, softmax
 
 V = 64
@@ -127,6 +127,28 @@ def test_a_batch_without_options_builds_nothing_and_plain_rows_stay_untouched():
     logits = random_logits(2, 4)
     got = processed([SamplingParams(), SamplingParams(repetition_penalty=1.5)], PROMPTS[:2], OUTPUTS[:2], logits)
     assert torch.equal(got[0], logits[0]) and not torch.equal(got[1], logits[1])
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"logprobs": 0},
+        {"min_tokens": 1},
+        {"repetition_penalty": 1.2},
+        {"frequency_penalty": 0.5},
+        {"presence_penalty": 0.5},
+        {"logit_bias": {3: 1.0}},
+        {"allowed_token_ids": [3]},
+        {"bad_words": ["x"]},
+        {"temperature": 0.5},
+    ],
+)
+def test_only_a_plain_greedy_request_skips_the_sampler(option):
+    # the runner takes the argmax alone for a step whose every request is argmax_only: anything it would skip must
+    # send the step through the sampler
+    assert argmax_only(SamplingParams(temperature=0.0))
+    assert argmax_only(SamplingParams(temperature=0.0, seed=3, max_tokens=5))
+    assert not argmax_only(SamplingParams(**{"temperature": 0.0, **option}))
 
 
 def test_min_tokens_bans_eos_and_the_stop_ids_until_that_many_tokens_are_out():

@@ -133,9 +133,9 @@ def tree_attention(
     )
 
 
-# Where the CPU op exists, a step runs its Llama decoder layers in one C++ call (llama_decoder_layers): of a few rows
-# with float32 weights, of any number with int8 ones and with bfloat16 ones up to BF16_ROW_LIMIT (no limit where the
-# CPU has AVX512-BF16); `workbench bench profile` turns it off to time the layers' ops one by one.
+# Where the CPU op exists, a step runs its Llama decoder layers in one C++ call (llama_decoder_layers): of any number
+# of rows with float32 and int8 weights, and with bfloat16 ones up to BF16_ROW_LIMIT (no limit where the CPU has
+# AVX512-BF16); `workbench bench profile` turns it off to time the layers' ops one by one.
 FUSED_LAYERS = True
 
 
@@ -158,7 +158,7 @@ def llama_decoder_layers(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A run of Llama decoder layers (in each: norms, q/k/v, RoPE, KV write, paged attention, o_proj, the SiLU MLP)
     in one call, bit for bit the layers' ops one by one, where the device has such an op for these inputs (the C++
-    CPU op: float32 activations; a few rows over float32 weights, up to BF16_ROW_LIMIT over bfloat16, any over int8).
+    CPU op: float32 activations; any number of rows over float32 and int8 weights, up to BF16_ROW_LIMIT over bfloat16).
     `params`: each layer's ``LlamaDecoderLayer.fused_params``, end to end; `kv_caches`: each layer's K and V;
     `tree_mask`: a draft tree's (``tree_attention`` in each layer), or None; `row_limit`: what
     ``fused_row_limit(params)`` returned, from a caller that keeps `params` across steps (None: worked out here).

@@ -6,8 +6,8 @@
 // 300 op calls from Python, each through a module, a dispatching function and torch's op lookup, several
 // microseconds apiece against a kernel of tens; here the whole stack is one call (a few where EAGLE-3 reads the
 // residual stream between layers) and the ops meet through the C++ dispatcher.
-// kernels/cpu/ops.py says when it applies (float32 activations; a few rows over float32 weights, up to its
-// BF16_ROW_LIMIT over bfloat16, any number over int8; no sliding window, q/k norm or TP). A draft tree's verification passes its mask, and each
+// kernels/cpu/ops.py says when it applies (float32 activations; any number of rows over float32 and int8 weights, up
+// to its BF16_ROW_LIMIT over bfloat16; no sliding window, q/k norm or TP). A draft tree's verification passes its mask, and each
 // layer attends with tree_attention instead.
 #include <torch/extension.h>
 
@@ -22,19 +22,18 @@ c10::TypedOperatorHandle<Sig> workbench_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-// the linear op kernels/cpu/ops.py's linear picks for float32 input, by how the weight is stored (float32 weights
-// come here only for a few rows: ops.py leaves more to oneDNN, and the layers then to the ops one by one)
+// the linear op kernels/cpu/ops.py's linear picks for float32 input, by how the weight is stored
 at::Tensor linear(const at::Tensor& x, const OptTensor& weight, const OptTensor& scale, const OptTensor& bias) {
   static const auto w8a8 = workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                    const OptTensor&)>("workbench_cpu::linear_w8a8");
   static const auto bf16 =
       workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>("workbench_cpu::linear_bf16");
-  static const auto small_m = workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                                      const OptTensor&)>("workbench_cpu::linear_small_m");
+  static const auto f32 = workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                                  const OptTensor&)>("workbench_cpu::linear_f32");
   const at::Tensor& w = *weight;
   if (w.scalar_type() == at::kChar) return w8a8.call(x, w, *scale, bias);
   if (w.scalar_type() == at::kBFloat16) return bf16.call(x, w, bias);
-  return small_m.call(x, w, scale, bias);
+  return f32.call(x, w, scale, bias);
 }
 
 constexpr size_t PARAMS_PER_LAYER = 14;

@@ -39,7 +39,7 @@ def _store_kvcache(*args: object) -> None:
 
 
 FAKES: dict[str, Callable[..., object]] = {
-    "linear_small_m": _linear,
+    "linear_f32": _linear,
     "linear_bf16": _linear,
     "linear_w8a8": _linear,
     "paged_attention": _like_first,

@@ -1,6 +1,6 @@
 // The linear layers, out[m, n] = dot(x[m], w[n]) scaled + bias[n], for the three ways a weight is stored:
-//   linear_small_m  float32 weights (or bf16 on a CPU without AVX512-BF16) in float32 arithmetic, exact; for a few
-//                   rows (kernels/cpu/ops.py sends more to oneDNN's GEMM)
+//   linear_f32      float32 weights in float32 arithmetic, exact (bf16 ones widened to float32 the same way, on a
+//                   CPU without AVX512-BF16)
 //   linear_bf16     bfloat16 weights times the input rounded to bfloat16, products summed in float32: AVX512-BF16's
 //                   dot product (vdpbf16ps) where the CPU has it, the weights widened to float32 where not
 //   linear_w8a8     int8 weights (a scale per row) times the input quantized to int8 in blocks of 32 columns (a
@@ -9,8 +9,8 @@
 // All three stream each weight row once for all rows of x: up to 8 rows at a time in registers, more in tiles of 8
 // over a run of weight rows that stays in L1. At a small batch a linear layer is a stream of its weights, and the
 // point is to read them at the memory's speed; at a large one, to keep the vector units busy: from *_GEMM_MIN_ROWS
-// rows, bf16 with AVX512-BF16 and int8 (AVX512-VNNI, or AVX2) are GEMMs over packed panels of weights instead
-// (bf16_gemm, w8a8_gemm).
+// rows, float32, bf16 with AVX512-BF16 and int8 (AVX512-VNNI, or AVX2) are GEMMs over packed panels of weights
+// instead (f32_gemm, bf16_gemm, w8a8_gemm).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -265,6 +265,7 @@ void linear_tiles(int64_t M, const typename D::X* x, const float* ls, const type
 // rows 23.0 / 22.8, 16 rows 28.1 / 26.2, 20 rows 34.2 / 28.3.
 constexpr int64_t BF16_GEMM_MIN_ROWS = 25;
 constexpr int64_t W8A8_GEMM_MIN_ROWS = 17;
+constexpr int64_t F32_GEMM_MIN_ROWS = 17;
 
 #if defined(__AVX512F__)
 // r[i], 16 dwords of row i, becomes r[q], dword q of rows 0-15: pairs within 128-bit lanes, then quads, then lanes.
@@ -307,6 +308,7 @@ struct GemmVec {
   static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static __mmask16 mask(int64_t n) { return n >= 16 ? 0xffff : (1u << n) - 1; }
   static F fload(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(mask(n), p); }
+  static F fload(const float* p) { return _mm512_loadu_ps(p); }
   static void fstore(float* p, int64_t n, F v) { _mm512_mask_storeu_ps(p, mask(n), v); }
   static F fsub(F a, F b) { return _mm512_sub_ps(a, b); }
   static void transpose(I r[16]) { transpose16x16(r); }
@@ -354,6 +356,7 @@ struct GemmVec {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
   static F fload(const float* p, int64_t n) { return _mm256_maskload_ps(p, mask(n)); }
+  static F fload(const float* p) { return _mm256_loadu_ps(p); }
   static void fstore(float* p, int64_t n, F v) { _mm256_maskstore_ps(p, mask(n), v); }
   static F fsub(F a, F b) { return _mm256_sub_ps(a, b); }
   static void transpose(I r[8]) { transpose8x8(r); }
@@ -435,6 +438,47 @@ void panel_gemm(int64_t M, const uint32_t* w, int64_t P, int64_t N, uint32_t fli
       }
     }
   });
+}
+
+// float32: MR rows of x (K floats a row) against a panel of float32 weights, one FMA per weight vector and row. With
+// 16 lanes 8 x 48 outputs (24 of the 32 registers); with AVX2's 8 lanes and 16 registers, 6 x 16 (12). Where oneDNN's
+// GEMM had taken float32 linears of more than 24 rows (the weight as stored, packed by each call as here): smollm2's
+// 120 layer linears (AVX-512 EPYC, 2 threads, same process, alternating, median of 7, 2026-12-04), this / oneDNN /
+// the tiles, ms: 24 rows 47.1 / 58.9 / 60.4; 32 rows 56.2 / 64.8 / 79.2; 64 rows 87.8 / 110.6 / 136.1; 512 rows
+// 537 / 552; the AVX2 build against oneDNN held to AVX2: 17 rows 44.1 / 62.2 / 44.3; 24 rows 50.3 / 69.0 / 57.8;
+// 64 rows 106.7 / 147.6 / 151.2; 512 rows 613 / 605.
+#if defined(__AVX512F__)
+constexpr int F32_GEMM_MR = 8;
+#else
+constexpr int F32_GEMM_MR = 6;
+#endif
+
+template <int MR>
+void f32_tile(const float* x, int64_t K, const uint32_t* panel, float* out, int64_t N, int64_t n0, int64_t n_valid,
+              const float* scale, const float* bias) {
+  GF acc[MR][GEMM_NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < GEMM_NV; ++v) acc[m][v] = GemmVec::fzero();
+  const float* wp = reinterpret_cast<const float*>(panel);
+  for (int64_t p = 0; p < K; ++p) {
+    GF wv[GEMM_NV];
+    for (int v = 0; v < GEMM_NV; ++v) wv[v] = GemmVec::fload(wp + p * GEMM_NR + GemmVec::L * v);
+    for (int m = 0; m < MR; ++m) {
+      const GF xv = GemmVec::fset(x[m * K + p]);
+      for (int v = 0; v < GEMM_NV; ++v) acc[m][v] = GemmVec::fmadd(wv[v], xv, acc[m][v]);
+    }
+  }
+  store_tile<MR>(acc, out, N, n0, n_valid, nullptr, scale, bias);
+}
+
+void f32_gemm(int64_t M, const float* x, const float* w, const float* scale, const float* bias, float* out, int64_t K,
+              int64_t N) {
+  const auto tile = [&](int64_t m0, int64_t rows, const uint32_t* panel, int64_t n0, int64_t n_valid) {
+    with_rows<F32_GEMM_MR>(rows, [&](auto mr) {
+      f32_tile<decltype(mr)::value>(x + m0 * K, K, panel, out + m0 * N, N, n0, n_valid, scale, bias);
+    });
+  };
+  panel_gemm<F32_GEMM_MR>(M, reinterpret_cast<const uint32_t*>(w), K, N, 0u, tile);
 }
 
 #if defined(__AVX512BF16__)
@@ -574,15 +618,21 @@ inline void round_to_bf16(const float* x, float* out, int64_t n) {
   }
 }
 
-at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                          const c10::optional<at::Tensor>& bias) {
-  check_linear("linear_small_m", x, weight);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "linear_small_m: weight must be float32");
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                      const c10::optional<at::Tensor>& bias) {
+  check_linear("linear_f32", x, weight);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "linear_f32: weight must be float32");
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
   auto out = at::empty({xc.size(0), wc.size(0)}, xc.options());
   at::Tensor keep_scale, keep_bias;
-  float_linear(xc.size(0), xc.size(1), xc.data_ptr<float>(), wc.data_ptr<float>(), optional_data(scale, keep_scale),
+  const int64_t M = xc.size(0), K = xc.size(1);
+  if (M >= F32_GEMM_MIN_ROWS) {
+    f32_gemm(M, xc.data_ptr<float>(), wc.data_ptr<float>(), optional_data(scale, keep_scale),
+             optional_data(bias, keep_bias), out.data_ptr<float>(), K, wc.size(0));
+    return out;
+  }
+  float_linear(M, K, xc.data_ptr<float>(), wc.data_ptr<float>(), optional_data(scale, keep_scale),
                optional_data(bias, keep_bias), out);
   return out;
 }
@@ -712,13 +762,13 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& weight, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
-  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("linear_f32(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_w8a8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
-  m.impl("linear_small_m", &linear_small_m);
+  m.impl("linear_f32", &linear_f32);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_w8a8", &linear_w8a8);
 }

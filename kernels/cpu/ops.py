@@ -1,7 +1,6 @@
 """The C++ CPU ops with the signatures of ``kernels.reference``, each falling back to the reference for what it
-does not cover (float16 or bfloat16 activations, groups of more than 8 query heads per kv head); a float32 linear of
-more rows than SMALL_M is oneDNN's, a bfloat16 one of more than BF16_ROW_LIMIT rows on a CPU without AVX512-BF16 the
-reference's."""
+does not cover (float16 or bfloat16 activations, groups of more than 8 query heads per kv head); a bfloat16 linear of
+more than BF16_ROW_LIMIT rows on a CPU without AVX512-BF16 is the reference's."""
 
 from __future__ import annotations
 
@@ -10,16 +9,18 @@ import torch
 from kernels import reference
 from kernels.cpu.build import has_isa
 
-# Rows of input up to which a float32 linear streams its weights once through our op (above: oneDNN's GEMM). The op
-# takes any number of rows (tiles of 8 over weight rows held in L1). Over smollm2's 120 layer linears, same process,
-# alternating, median of 9, ours / oneDNN's, ms: on the AVX-512 EPYC (2 threads, 2026-12-03, after the linears'
+# Rows of input up to which a float32 linear streams its weights once (tiles of up to 8 rows over weight rows held in
+# L1); from one more, kernels/cpu/linear.cpp's F32_GEMM_MIN_ROWS, our op is a GEMM over packed panels of weights, which
+# ran at or above oneDNN's at every size measured (17 to 512 rows, both builds: linear.cpp), so it takes every float32
+# linear. Where the tiles had ended, at 24 rows (smollm2's 120 layer linears, same process, alternating, median of 9,
+# the tiles / oneDNN's GEMM, ms): on the AVX-512 EPYC (2 threads, 2026-12-03, after the linears'
 # prefetch moved to 8 KiB ahead) 29.7 / 53.3 at 8 rows, 41.8 / 52.4 at 16, 49.6 / 53.2 at 20, 57.7 / 60.3 at 24,
 # 66.9 / 65.9 at 28, 71.9 / 63.8 at 32; the AVX2 build forced there (against oneDNN's AVX-512 kernels, which an
 # AVX2-only CPU lacks) 50.5 / 60.5 at 16, 70.8 / 70.4 at 24, 92.3 / 80.5 at 32. Earlier, on an AVX2-only EPYC with
 # the old prefetch (1 thread, at load 10): 145 / 151 at 24 rows, 169 / 165 at 32. A decode step's forward of 12 / 16 /
 # 24 requests (same process, alternating with the earlier limit of 11, median of 30 steps): 74.6 -> 48.1, 82.8 -> 62.1,
 # 123.9 -> 126.4 ms.
-SMALL_M = 24
+SMALL_M = 16
 # bfloat16 weights without AVX512-BF16 are widened to float32 as they are read; against the reference (which widens
 # the whole weight on every call; same machine and method, 2 threads, paused: 120 linears) that took 18 / 38 / 70 /
 # 275 / 577 ms at 16 / 32 / 64 / 256 / 512 rows where the reference took 33 / 48 / 117 / 307 / 532: ours up to 256.
@@ -28,10 +29,6 @@ SMALL_M = 24
 # oneDNN's bf16 GEMM, which would also round every output to bf16.
 ANY_ROWS = 1 << 62
 BF16_ROW_LIMIT = ANY_ROWS if has_isa("avx512_bf16") else 256
-# Above SMALL_M rows a float32 linear is a GEMM, on oneDNN with the weight as is: over a 3072x576 layer it ran 1.5-2x
-# torch's default (MKL) at 16 and 64 rows and level at 256 (same process, alternating, on a loaded machine); the
-# roofline benchmark reports both rates at 2048^3.
-_ONEDNN = torch.backends.mkldnn.is_available()
 
 
 def linear(
@@ -43,11 +40,7 @@ def linear(
         if weight.dtype == torch.bfloat16 and scale is None and x.shape[0] <= BF16_ROW_LIMIT:
             return torch.ops.workbench_cpu.linear_bf16(x, weight, bias)
         if weight.dtype == torch.float32 and scale is None:
-            if x.shape[0] <= SMALL_M:
-                return torch.ops.workbench_cpu.linear_small_m(x, weight, None, bias)
-            # Inductor cannot lower the oneDNN op on an unpacked weight: under torch.compile the reference's F.linear
-            if _ONEDNN and not torch.compiler.is_compiling():
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+            return torch.ops.workbench_cpu.linear_f32(x, weight, None, bias)
     return reference.linear(x, weight, scale, bias)
 
 
@@ -141,8 +134,8 @@ _NORMS, _WEIGHTS, _SCALES = (0, 7), (1, 4, 8, 11), (2, 5, 9, 12)  # where each s
 
 def fused_row_limit(params: list[torch.Tensor | None]) -> int:
     """Rows of float32 input up to which `linear` above sends every linear of `params` to one of the C++ linear ops
-    (int8 weights with their scales at any rows; bfloat16 ones up to BF16_ROW_LIMIT; float32 ones up to SMALL_M,
-    past which oneDNN's GEMM takes them) and the norms are float32; 0 where it never does. Read as sets of the dtypes
+    (int8 weights with their scales and float32 ones at any rows; bfloat16 ones up to BF16_ROW_LIMIT) and the norms
+    are float32; 0 where it never does. Read as sets of the dtypes
     of smollm2's 180 tensors: 29 us hot, 0.07 ms in a step, whose weights have just streamed through the caches (the
     AVX-512 EPYC, 2026-12-04); LlamaModel works it out once for the params it keeps."""
 
@@ -156,7 +149,7 @@ def fused_row_limit(params: list[torch.Tensor | None]) -> int:
     if weights == {torch.int8}:
         return ANY_ROWS if scaled == {True} else 0
     if weights <= {torch.bfloat16, torch.float32} and scaled == {False}:
-        return SMALL_M if torch.float32 in weights else BF16_ROW_LIMIT
+        return BF16_ROW_LIMIT if torch.bfloat16 in weights else ANY_ROWS
     return 0  # a missing linear, another dtype, or int8 beside unscaled weights: the layers run op by op
 
 
@@ -178,7 +171,7 @@ def llama_decoder_layers(
     row_limit: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     # the op calls the ops the functions above would pick for these inputs; where any of them would fall back to
-    # the reference (or to oneDNN: float32 weights at more than SMALL_M rows), the layers are left to run op by op.
+    # the reference, the layers are left to run op by op.
     # int8 weights fuse at any batch, bfloat16 ones up to BF16_ROW_LIMIT (any, with AVX512-BF16): a bf16 step of 64
     # decodes ran its forward in 115.2 ms fused against 123.9 op by op, int8 101.1 against 111.7 (smollm2-135m,
     # alternating in one process, AVX-512 EPYC, 2026-12-03)

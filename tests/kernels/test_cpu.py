@@ -128,10 +128,11 @@ def test_linear_equals_the_reference_for_each_stored_dtype(rows, out_features, i
         )
 
 
-@pytest.mark.parametrize("rows", [25, 64, 300])
+@pytest.mark.parametrize("rows", [17, 25, 64, 300])
 def test_linear_past_small_m_rows_equals_the_reference_for_each_stored_dtype(rows):
-    """Float32 weights go to oneDNN's GEMM past SMALL_M rows; bf16 stays on our op to 256 rows (300: the reference),
-    int8 at every size: each equals the reference."""
+    """Past SMALL_M rows float32 weights go to our GEMM over packed panels (tiles of 8 or 6 rows, and a last one of
+    fewer: 17, 25 and 300 rows leave one), bf16 stays on our op to 256 rows (300: the reference where the CPU lacks
+    AVX512-BF16), int8 at every size: each equals the reference."""
     gen = torch.Generator().manual_seed(rows)
     x, weight, bias = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen), torch.randn(960)
     for stored, scale in ((weight, None), (weight.to(torch.bfloat16), None), quantized(weight)):

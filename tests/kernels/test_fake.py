@@ -35,7 +35,7 @@ def _cases() -> dict[str, tuple]:
     cos, sin = torch.randn(5, 64, generator=gen), torch.randn(5, 64, generator=gen)
     tree = tree_case()
     return {
-        "linear_small_m": (x, w, None, torch.randn(96, generator=gen)),
+        "linear_f32": (x, w, None, torch.randn(96, generator=gen)),
         "linear_bf16": (x, w.bfloat16(), None),
         "linear_w8a8": (x, q8, scale, None),
         "paged_attention": (q, *cache_args, attn_scale),

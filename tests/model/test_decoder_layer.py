@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not available(), reason="the C++ CPU ops are not
 
 FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
 # three prompts of three tokens: a first step of 9 rows (<= SMALL_M) from three sequences, then decodes of 3 rows;
-# the fourth prompt is longer than SMALL_M: its prefill runs op by op over float32 weights (oneDNN takes its
-# linears), fused over bfloat16 and int8 ones (their GEMMs and paged attention's prefill tiles in the one call)
+# the fourth prompt is longer than SMALL_M: its prefill is fused too (the GEMMs over packed panels and paged
+# attention's prefill tiles in the one call)
 PROMPTS = [[11, 12, 13], [21, 22, 23], [31, 32, 33], list(range(100, 130))]
 
 
@@ -43,10 +43,7 @@ def test_fused_layers_are_bit_for_bit_the_ops_one_by_one(tiny_model_path, weight
 
     monkeypatch.setitem(kernels._IMPLS, ("llama_decoder_layers", "cpu"), counted)  # what kernels dispatches to
     fused = _generate(llm, True, monkeypatch)
-    if weights == "float32":
-        assert any(calls) and not all(calls)  # the short steps fused, the 30-token prefill did not
-    else:
-        assert calls and all(calls)  # every step fused, the 30-token prefill too
+    assert calls and all(calls)  # every step fused, the 30-token prefill too
     calls.clear()
     by_op = _generate(llm, False, monkeypatch)
     assert not calls
@@ -111,12 +108,12 @@ def test_fused_layers_are_left_to_the_ops_where_they_would_not_all_run(tiny_mode
     params = llm.engine.runner.model.model.layers[0].fused_params()
     caches = list(llm.engine.runner.kv_caches[0])
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 1)) is not None
-    # oneDNN's GEMM takes a float32 linear of more rows; the bf16 op takes up to BF16_ROW_LIMIT (any number where the
-    # CPU has AVX512-BF16; the fused steps of that many rows: test_fused_layers_are_bit_for_bit_the_ops_one_by_one)
-    assert ops.llama_decoder_layers(*_stack_args(llm, 1, ops.SMALL_M + 1)) is None
+    # float32 and int8 linears take any number of rows; the bf16 op up to BF16_ROW_LIMIT (any number where the CPU
+    # has AVX512-BF16; the fused steps of that many rows: test_fused_layers_are_bit_for_bit_the_ops_one_by_one)
+    assert ops.llama_decoder_layers(*_stack_args(llm, 1, ops.SMALL_M + 1)) is not None
     bf16 = [p.to(torch.bfloat16) if i in (1, 4, 8, 11) else p for i, p in enumerate(params)]
-    assert ops.fused_row_limit(bf16) == ops.BF16_ROW_LIMIT and ops.fused_row_limit(params) == ops.SMALL_M
-    assert kernels.fused_row_limit(params) == ops.SMALL_M and reference.fused_row_limit(params) == 0
+    assert ops.fused_row_limit(bf16) == ops.BF16_ROW_LIMIT and ops.fused_row_limit(params) == ops.ANY_ROWS
+    assert kernels.fused_row_limit(params) == ops.ANY_ROWS and reference.fused_row_limit(params) == 0
     # a caller's kept limit stands in for the dtypes' (LlamaModel works it out once for the params it keeps)
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 2), 1) is None
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, 2), 2) is not None

@@ -72,8 +72,8 @@ def test_each_side_makes_the_model_call_its_own_forward():
 @pytest.mark.skipif(not available(), reason="the C++ CPU ops are not built here (no compiler?)")
 def test_the_forward_traces_whole_through_the_cpu_ops_and_makes_eagers_tokens():
     """fullgraph=True makes any graph break an error: the C++ ops need their fake kernels and the kernel dispatch
-    must not resolve under trace. A decode of one sequence runs the fused decoder stack, a prompt longer than
-    SMALL_M the layers' ops one by one: both traced, both making eager's tokens."""
+    must not resolve under trace. The steps run the fused decoder stack, then (FUSED_LAYERS off) the layers' ops one
+    by one, a prompt longer than SMALL_M through the float32 GEMM: both traced, both making eager's tokens."""
     llm = LLM(model="tiny-llama", seed=0)
     model = llm.engine.runner.model
     prompts = [[1, 2, 3], list(range(10, 40))]
@@ -87,8 +87,12 @@ def test_the_forward_traces_whole_through_the_cpu_ops_and_makes_eagers_tokens():
         with pytest.MonkeyPatch.context() as patch:
             patch.setitem(kernels._IMPLS, ("llama_decoder_layers", "cpu"), lambda *a: fused.append(1) or fused_op(*a))
             compiled = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+            assert fused  # the fused op was traced (its fake) and run
+            fused.clear()
+            patch.setattr(kernels, "FUSED_LAYERS", False)
+            one_by_one = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+            assert not fused
     finally:
         del model.forward
         torch._dynamo.reset()
-    assert compiled == eager
-    assert fused  # the fused op was traced (its fake) and run
+    assert compiled == eager and one_by_one == eager

@@ -50,15 +50,13 @@ class _BatchInputs:
 
 
 class DecodeInputs:
-    """Owns the host buffers of a decode step's inputs, reused every step as vLLM's runner reuses its input
-    buffers, and their tensor views by batch shape: int64 [ids | positions | slots | logits rows] and int32
-    [seq lens | query start locs | block tables]. A step's views hold the last step's values once the next one is
-    prepared."""
+    """Owns the CPU buffers of a decode step's inputs, reused every step as vLLM's runner reuses its input buffers,
+    and their tensor views by batch shape: int64 [ids | positions | slots | logits rows] and int32 [seq lens | query
+    start locs | block tables]. A step's views hold the last step's values once the next one is prepared."""
 
     MAX_VIEWS = 64  # shapes (requests, blocks) whose views are kept
 
-    def __init__(self, max_num_reqs: int, max_blocks: int, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, max_num_reqs: int, max_blocks: int) -> None:
         self.i64 = torch.zeros(4 * max_num_reqs, dtype=torch.int64)
         self.i32 = torch.zeros(2 * max_num_reqs + 1 + max_num_reqs * max_blocks, dtype=torch.int32)
         self.i64_np, self.i32_np = self.i64.numpy(), self.i32.numpy()
@@ -79,20 +77,14 @@ class DecodeInputs:
         self.i64_np[: 4 * n] = ids + positions + slots + list(range(n))
         self.i32_np[: 2 * n + 1] = [p + 1 for p in positions] + list(range(n + 1))
         self.i32_np[2 * n + 1 : 2 * n + 1 + n * blocks].reshape(n, blocks)[:] = table[rows, :blocks]
-        i64, i32 = self.i64[: 4 * n], self.i32[: 2 * n + 1 + n * blocks]
-        if self.device.type != "cpu":  # two copies to the device, split there
-            return self._split(i64.to(self.device), i32.to(self.device), n, blocks)
         views = self.views.get((n, blocks))
         if views is None:
             if len(self.views) >= self.MAX_VIEWS:
                 self.views.clear()
-            views = self.views[(n, blocks)] = self._split(i64, i32, n, blocks)
+            seq_lens, query_start_loc, tables = self.i32[: 2 * n + 1 + n * blocks].split([n, n + 1, n * blocks])
+            views = (*self.i64[: 4 * n].split(n), seq_lens, query_start_loc, tables.view(n, blocks))
+            self.views[(n, blocks)] = views
         return views
-
-    @staticmethod
-    def _split(i64: torch.Tensor, i32: torch.Tensor, n: int, blocks: int) -> tuple[torch.Tensor, ...]:
-        seq_lens, query_start_loc, tables = i32.split([n, n + 1, n * blocks])
-        return (*i64.split(n), seq_lens, query_start_loc, tables.view(n, blocks))
 
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions whose logits exist at once
@@ -131,7 +123,9 @@ class ModelRunner:
         )
         max_blocks_per_req = -(-(shape.max_position_embeddings or self.num_blocks * self.block_size) // self.block_size)
         self.block_table = BlockTable(self.block_size, config.max_num_seqs, min(self.num_blocks, max_blocks_per_req))
-        self.decode_inputs = DecodeInputs(config.max_num_seqs, self.block_table.block_table_np.shape[1], self.device)
+        # on an accelerator every step's inputs take the general path (two copies to the device)
+        max_blocks = self.block_table.block_table_np.shape[1]
+        self.decode_inputs = DecodeInputs(config.max_num_seqs, max_blocks) if self.device.type == "cpu" else None
         self.sampler = Sampler()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.spec = None if config.speculative is None else SpecDecoder(config, self._as_target(), self.sampler, events)
@@ -283,14 +277,15 @@ class ModelRunner:
         return sampled, logprobs
 
     def prepare_inputs(self, output: SchedulerOutput) -> _BatchInputs:
-        """The step's flat inputs: where every request decodes one token and samples it (the steady state, and no
-        proposer), by `DecodeInputs`; else `prepare_any_inputs`. Public so that it can be timed alone (bench
-        profile): run again on an output this runner was given, it writes the same block table rows and returns
-        the same inputs."""
-        batch = self._prepare_decodes(output) if self.spec is None else None
+        """The step's flat inputs: where every request decodes one token and samples it (the steady state, no
+        proposer, on the CPU), by `DecodeInputs`; else `prepare_any_inputs`. Public so that it can be timed alone
+        (bench profile): run again on an output this runner was given, it writes the same block table rows and
+        returns the same inputs."""
+        decodes = self.decode_inputs if self.spec is None else None
+        batch = None if decodes is None else self._prepare_decodes(decodes, output)
         return batch if batch is not None else self.prepare_any_inputs(output)
 
-    def _prepare_decodes(self, output: SchedulerOutput) -> _BatchInputs | None:
+    def _prepare_decodes(self, inputs: DecodeInputs, output: SchedulerOutput) -> _BatchInputs | None:
         """A step of one sampled token per request in plain Python, into `DecodeInputs`'s buffers; None where a
         request runs more than one token, drafts or does not sample. Every numpy or torch call a step makes costs
         tens of microseconds right after the weights streamed through the caches; Python's own arithmetic, less."""
@@ -306,8 +301,8 @@ class ModelRunner:
             positions.append(pos)
             slots.append(s.block_ids[pos // bs] * bs + pos % bs)
             blocks = max(blocks, len(s.block_ids))
-        inputs = self.decode_inputs.fill(ids, positions, slots, self.block_table.block_table_np, rows, blocks)
-        input_ids, positions_t, slot_mapping, logits_idx, seq_lens, query_start_loc, tables = inputs
+        views = inputs.fill(ids, positions, slots, self.block_table.block_table_np, rows, blocks)
+        input_ids, positions_t, slot_mapping, logits_idx, seq_lens, query_start_loc, tables = views
         attn = AttentionMetadata(slot_mapping, tables, seq_lens, query_start_loc)
         return _BatchInputs(input_ids, positions_t, attn, logits_idx, list(output.scheduled), list(range(len(rows))))
 

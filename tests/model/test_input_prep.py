@@ -117,7 +117,7 @@ class Checker:
         assert {k: getattr(batch, k).dtype for k in DTYPES} == DTYPES
         assert {k: getattr(batch.attn, k).dtype for k in ATTN_DTYPES} == ATTN_DTYPES
         self._note(output)
-        buffer = self.runner.decode_inputs.i64.untyped_storage().data_ptr()
+        buffer = self.runner.decode_inputs.i64.untyped_storage().data_ptr()  # a CPU runner has them
         self.decode_steps += batch.input_ids.untyped_storage().data_ptr() == buffer
         return batch
 
@@ -180,7 +180,7 @@ def test_every_batch_matches_the_reference_and_rows_are_freed(prompts, drafts) -
 
 def test_decode_inputs_reuse_their_buffers_and_views_by_shape() -> None:
     table = np.arange(24, dtype=np.int32).reshape(4, 6)
-    inputs = DecodeInputs(max_num_reqs=4, max_blocks=6, device=torch.device("cpu"))
+    inputs = DecodeInputs(max_num_reqs=4, max_blocks=6)
     first = inputs.fill([11, 12], [5, 9], [21, 37], table, [2, 0], 3)
     assert [t.tolist() for t in first[:6]] == [[11, 12], [5, 9], [21, 37], [0, 1], [6, 10], [0, 1, 2]]
     assert first[6].tolist() == [[12, 13, 14], [0, 1, 2]]
@@ -189,7 +189,7 @@ def test_decode_inputs_reuse_their_buffers_and_views_by_shape() -> None:
     assert first[0].tolist() == [13, 14] and first[4].tolist() == [7, 11]
     one = inputs.fill([15], [7], [23], table, [3], 2)
     assert [t.tolist() for t in one] == [[15], [7], [23], [0], [8], [0, 1], [[18, 19]]]
-    many = DecodeInputs(max_num_reqs=8, max_blocks=16, device=torch.device("cpu"))
+    many = DecodeInputs(max_num_reqs=8, max_blocks=16)
     wide = np.ones((8, 16), dtype=np.int32)
     for n in range(1, 9):  # 128 shapes: the views of every shape met are not kept forever
         for blocks in range(1, 17):

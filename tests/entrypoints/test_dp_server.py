@@ -148,16 +148,19 @@ def test_metrics_follow_the_front_ends_records(dp_served):
 
 
 def test_a_killed_replica_fails_only_its_stream_and_no_replica_outlives_the_server(tiny_model_path, offline):
-    expected = offline.generate(
-        [PROMPT], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), use_tqdm=False
-    )[0]
+    expected, expected_long = (
+        offline.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+        for n in (200, 1500)
+    )
     gen = serving(_dp_llm())
     served = next(gen)
     procs = [inst.process for inst in served.llm.engine.instances]
     try:
         client = served.client()
         kwargs = dict(model=MODEL, prompt=PROMPT, temperature=0, stream=True, extra_body={"ignore_eos": True})
-        first = client.completions.create(max_tokens=200, **kwargs)  # dp-0: both idle, ties to the lowest
+        # dp-0: both idle, ties to the lowest; as long as the second, so that it still runs when the second is routed
+        # however fast the host (200 tokens of the tiny model once ended first on a busy machine)
+        first = client.completions.create(max_tokens=1500, **kwargs)
         second = client.completions.create(max_tokens=1500, **kwargs)  # dp-1: dp-0 holds a request
         assert [e.replica for e in _routed(served)] == ["dp-0", "dp-1"]
         text = next(iter(second)).choices[0].text  # running on dp-1
@@ -165,7 +168,7 @@ def test_a_killed_replica_fails_only_its_stream_and_no_replica_outlives_the_serv
         with pytest.raises(openai.APIError, match="dp-1"):
             for chunk in second:
                 text += chunk.choices[0].text
-        assert "".join(c.choices[0].text for c in first) == expected.text  # dp-0's stream, untouched
+        assert "".join(c.choices[0].text for c in first) == expected_long.text  # dp-0's stream, untouched
         later = client.completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, extra_body={"ignore_eos": True}
         )

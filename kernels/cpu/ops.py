@@ -12,14 +12,10 @@ from kernels.cpu.build import has_isa
 # Rows of input up to which a float32 linear streams its weights once (tiles of up to 8 rows over weight rows held in
 # L1); from one more, kernels/cpu/linear.cpp's F32_GEMM_MIN_ROWS, our op is a GEMM over packed panels of weights, which
 # ran at or above oneDNN's at every size measured (17 to 512 rows, both builds: linear.cpp), so it takes every float32
-# linear. Where the tiles had ended, at 24 rows (smollm2's 120 layer linears, same process, alternating, median of 9,
-# the tiles / oneDNN's GEMM, ms): on the AVX-512 EPYC (2 threads, 2026-12-03, after the linears'
-# prefetch moved to 8 KiB ahead) 29.7 / 53.3 at 8 rows, 41.8 / 52.4 at 16, 49.6 / 53.2 at 20, 57.7 / 60.3 at 24,
-# 66.9 / 65.9 at 28, 71.9 / 63.8 at 32; the AVX2 build forced there (against oneDNN's AVX-512 kernels, which an
-# AVX2-only CPU lacks) 50.5 / 60.5 at 16, 70.8 / 70.4 at 24, 92.3 / 80.5 at 32. Earlier, on an AVX2-only EPYC with
-# the old prefetch (1 thread, at load 10): 145 / 151 at 24 rows, 169 / 165 at 32. A decode step's forward of 12 / 16 /
-# 24 requests (same process, alternating with the earlier limit of 11, median of 30 steps): 74.6 -> 48.1, 82.8 -> 62.1,
-# 123.9 -> 126.4 ms.
+# linear. When oneDNN's GEMM took them past 24 rows (smollm2's 120 layer linears, same process, alternating, median
+# of 9, the tiles / oneDNN, ms; AVX-512 EPYC, 2 threads, 2026-12-03): 29.7 / 53.3 at 8 rows, 41.8 / 52.4 at 16, 49.6 /
+# 53.2 at 20, 57.7 / 60.3 at 24, 66.9 / 65.9 at 28, 71.9 / 63.8 at 32; the AVX2 build forced there (against oneDNN's
+# AVX-512 kernels, which an AVX2-only CPU lacks) 50.5 / 60.5 at 16, 70.8 / 70.4 at 24, 92.3 / 80.5 at 32.
 SMALL_M = 16
 # bfloat16 weights without AVX512-BF16 are widened to float32 as they are read; against the reference (which widens
 # the whole weight on every call; same machine and method, 2 threads, paused: 120 linears) that took 18 / 38 / 70 /

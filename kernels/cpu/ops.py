@@ -11,7 +11,7 @@ from kernels.cpu.build import has_isa
 
 # Rows of input up to which a float32 linear streams its weights once (tiles of up to 8 rows over weight rows held in
 # L1); from one more, kernels/cpu/linear.cpp's F32_GEMM_MIN_ROWS, our op is a GEMM over packed panels of weights, which
-# ran at or above oneDNN's at every size measured (17 to 512 rows, both builds: linear.cpp), so it takes every float32
+# ran faster than oneDNN's from 17 to 64 rows and level at 512 (both builds: linear.cpp), so it takes every float32
 # linear. When oneDNN's GEMM took them past 24 rows (smollm2's 120 layer linears, same process, alternating, median
 # of 9, the tiles / oneDNN, ms; AVX-512 EPYC, 2 threads, 2026-12-03): 29.7 / 53.3 at 8 rows, 41.8 / 52.4 at 16, 49.6 /
 # 53.2 at 20, 57.7 / 60.3 at 24, 66.9 / 65.9 at 28, 71.9 / 63.8 at 32; the AVX2 build forced there (against oneDNN's

@@ -108,7 +108,8 @@ def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scale[:, None]).to(torch.int8), scale
 
 
-# past 8: tiles of 8 rows and a shorter last one; bf16 from 25 rows: the GEMM over packed panels of 48 weight rows,
+# past 8: tiles of 8 rows and a shorter last one; float32 from 17 rows: the GEMM over packed panels (8 x 48 or, AVX2,
+# 6 x 16: (7, 13) a lone short panel of 13 columns); bf16 from 25 rows: the GEMM over packed panels of 48 weight rows,
 # (100, 46) a last panel of 4 rows and 23 column pairs (one block of 16 pairs transposed, 7 packed one by one);
 # int8 from 17 rows likewise where the columns are whole blocks of 32: (100, 96), 24 quads (16 transposed, 8 not)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 21, 25])

@@ -52,11 +52,29 @@ def _resolve(name: str, device_type: str) -> Callable:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` through a linear layer whose weight is stored float32, bfloat16 or int8 (``scale`` per
-    output row); see ``kernels.reference``."""
-    return _impl("linear", x.device.type)(x, weight, scale, bias)
+    output row); see ``kernels.reference``. ``packed``: the weight's panels from ``pack_gemm_weight``, which the
+    C++ CPU op reads in place of packing them at each call (the same result)."""
+    impl = _impl("linear", x.device.type)
+    return impl(x, weight, scale, bias) if packed is None else impl(x, weight, scale, bias, packed)
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` ``[N, K]`` packed once into the panels that the C++ CPU op's GEMM (the linears of 17 rows and more)
+    otherwise packs at every call; None where no GEMM of this build takes the weight (another device, no C++ ops,
+    bfloat16 without AVX512-BF16, int8 rows that are not whole blocks of 32). The panels are a second copy of the
+    weight, in the layout of the build that packed them."""
+    if weight.device.type != "cpu" or _impl("linear", "cpu") is reference.linear:
+        return None
+    from kernels.cpu import ops
+
+    return ops.pack_gemm_weight(weight)
 
 
 def reads_bf16_weights(device: torch.device) -> bool:

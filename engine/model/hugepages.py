@@ -48,9 +48,10 @@ def _aligned(n: int, to: int) -> int:
 
 
 def move_to_hugepages(model: nn.Module) -> HugePageArena:
-    """Copy every CPU parameter of `model` (a tied one once) into one huge-page arena and point it there. The
-    arena lives as long as any parameter views it."""
-    params = [p for p in model.parameters() if p.device.type == "cpu" and p.numel() > 0]
+    """Copy every CPU parameter and buffer of `model` (the linears' packed panels among them; a tied one once) into
+    one huge-page arena and point it there. The arena lives as long as any tensor views it."""
+    tensors = [*model.parameters(), *model.buffers()]
+    params = [p for p in tensors if p.device.type == "cpu" and p.numel() > 0]
     if not params:
         return HugePageArena(0, 0, False)
     offsets, size = [], 0

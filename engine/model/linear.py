@@ -12,7 +12,8 @@ import kernels
 
 
 class Linear(nn.Module):
-    """Owns one layer's weight ``[out, in]`` as stored (and its per-row scale when int8) and its bias."""
+    """Owns one layer's weight ``[out, in]`` as stored (and its per-row scale when int8), its bias, and, once
+    `pack` has run, the weight's second copy as the CPU GEMM's panels."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -20,13 +21,23 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.weight_scale: torch.Tensor | None = None
+        self.weight_packed: torch.Tensor | None
+        self.register_buffer("weight_packed", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.weight_scale, self.bias)
+        return kernels.linear(x, self.weight, self.weight_scale, self.bias, self.weight_packed)
 
-    def parts(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The weight as stored, its per-row scale (int8) and its bias: what a kernel given the whole layer takes."""
-        return self.weight, self.weight_scale, self.bias
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The weight as stored, its per-row scale (int8), its bias and its packed panels: what a kernel given the
+        whole layer takes."""
+        return self.weight, self.weight_scale, self.bias, self.weight_packed
+
+    def pack(self) -> None:
+        """Keep the weight also in the panels that the CPU GEMM (a linear of 17 rows or more) would otherwise pack
+        from it at every call (kernels.pack_gemm_weight), or none where no GEMM takes it. The weight stays as
+        stored for the rest: a call of a few rows streams it as it is, and others (a tied embedding, the draft
+        heads) read it."""
+        self.weight_packed = kernels.pack_gemm_weight(self.weight.data)
 
     def store(self, dtype: torch.dtype, quantization: str | None = None) -> None:
         """Keep the (loaded, full-precision) weight as `dtype`, or as int8 with a scale per output row (W8A8)."""
@@ -37,6 +48,8 @@ class Linear(nn.Module):
             self.weight_scale = scale
         else:
             self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        if self.weight_packed is not None:
+            self.pack()  # panels of the weight as it was before
 
     def extra_repr(self) -> str:
         quant = ", int8 weights" if self.weight_scale is not None else ""
@@ -54,5 +67,5 @@ class RowParallelLinear(Linear):
         from engine.distributed.parallel_state import get_tp_group
 
         tp = get_tp_group()
-        out = kernels.linear(x, self.weight, self.weight_scale, self.bias if tp.rank == 0 else None)
+        out = kernels.linear(x, self.weight, self.weight_scale, self.bias if tp.rank == 0 else None, self.weight_packed)
         return tp.all_reduce(out)

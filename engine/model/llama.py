@@ -462,6 +462,17 @@ class LlamaForCausalLM(nn.Module):
                 module.store(dtype, quantization)
         if self.config.tie_word_embeddings and quantization is None:
             self.tie_weights()
+            if self.lm_head.weight_packed is not None:
+                self.lm_head.pack()  # panels of the embedding as it was stored before
+        self.model.forget_fused_params()
+
+    def pack_weights(self) -> None:
+        """Keep every linear's weight also as the CPU GEMM's panels (Linear.pack), which a linear of 17 rows or more
+        (a batch of decodes, a prefill) reads instead of packing the weight at each call: a second copy of the
+        weights in memory for a quicker step."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
         self.model.forget_fused_params()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -493,6 +504,9 @@ class LlamaForCausalLM(nn.Module):
         if "lm_head.weight" in missing and missing["lm_head.weight"] == params["lm_head.weight"].numel():
             self.tie_weights()
             del missing["lm_head.weight"]
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight_packed is not None:
+                module.pack()  # panels of the weights just replaced
         self.model.forget_fused_params()
         incomplete = sorted(name for name, n in missing.items() if n)
         if incomplete:

@@ -57,7 +57,8 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
     """Build the model from an HF folder's config and safetensors on ``device``. On CUDA it computes and stores
     in ``dtype``; on a CPU it computes in float32 and stores the weights as ``dtype`` (or int8 with
-    ``quantization="int8"``), the weights on huge pages (engine/model/hugepages.py)."""
+    ``quantization="int8"``), the linears' weights also as the GEMM's panels (``pack_weights``), all on huge pages
+    (engine/model/hugepages.py)."""
     config = AutoConfig.from_pretrained(path)
     cls = model_class(config)
     check_weights_format(path)
@@ -72,5 +73,6 @@ def load_model(
     if dtype != compute or quantization is not None:
         model.store_weights(dtype, quantization)
     if device.type == "cpu":
+        model.pack_weights()
         move_to_hugepages(model)
     return model.eval().requires_grad_(False), config

@@ -22,24 +22,27 @@ c10::TypedOperatorHandle<Sig> workbench_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-// the linear op kernels/cpu/ops.py's linear picks for float32 input, by how the weight is stored
-at::Tensor linear(const at::Tensor& x, const OptTensor& weight, const OptTensor& scale, const OptTensor& bias) {
+// the linear op kernels/cpu/ops.py's linear picks for float32 input, by how the weight is stored; `packed`: its
+// panels for the GEMM, where the layer keeps them (Linear.weight_packed)
+at::Tensor linear(const at::Tensor& x, const OptTensor& weight, const OptTensor& scale, const OptTensor& bias,
+                  const OptTensor& packed) {
   static const auto w8a8 = workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                   const OptTensor&)>("workbench_cpu::linear_w8a8");
-  static const auto bf16 =
-      workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>("workbench_cpu::linear_bf16");
+                                                   const OptTensor&, const OptTensor&)>("workbench_cpu::linear_w8a8");
+  static const auto bf16 = workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                                   const OptTensor&)>("workbench_cpu::linear_bf16");
   static const auto f32 = workbench_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                                  const OptTensor&)>("workbench_cpu::linear_f32");
+                                                  const OptTensor&, const OptTensor&)>("workbench_cpu::linear_f32");
   const at::Tensor& w = *weight;
-  if (w.scalar_type() == at::kChar) return w8a8.call(x, w, *scale, bias);
-  if (w.scalar_type() == at::kBFloat16) return bf16.call(x, w, bias);
-  return f32.call(x, w, scale, bias);
+  if (w.scalar_type() == at::kChar) return w8a8.call(x, w, *scale, bias, packed);
+  if (w.scalar_type() == at::kBFloat16) return bf16.call(x, w, bias, packed);
+  return f32.call(x, w, scale, bias, packed);
 }
 
-constexpr size_t PARAMS_PER_LAYER = 14;
+constexpr size_t PARAMS_PER_LAYER = 18;
 
-// One layer. p(i): input_layernorm, then q/k/v's weight, scale, bias, o_proj's three, post_attention_layernorm,
-// gate/up's three, down's three (None where a linear has no scale or bias): LlamaDecoderLayer.fused_params's order.
+// One layer. p(i): input_layernorm, then q/k/v's weight, scale, bias and packed panels, o_proj's four,
+// post_attention_layernorm, gate/up's four, down's four (None where a linear has no scale, bias or panels):
+// LlamaDecoderLayer.fused_params's order.
 template <typename P>
 std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& hidden, const OptTensor& residual, const P& p,
                                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
@@ -73,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& hidden, const
     h = rms_norm.call(hidden, *p(0), eps);
     res = hidden;
   }
-  const at::Tensor qkv = linear(h, p(1), p(2), p(3));
+  const at::Tensor qkv = linear(h, p(1), p(2), p(3), p(4));
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
@@ -83,10 +86,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& hidden, const
       tree_mask.has_value()
           ? tree_attention.call(q_rot, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *tree_mask, scale)
           : attention.call(q_rot, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
-  const at::Tensor attn_out = linear(out.reshape({T, q_size}), p(4), p(5), p(6));
-  std::tie(h, res) = add_rms_norm.call(attn_out, res, *p(7), eps);
-  const at::Tensor gate_up = linear(h, p(8), p(9), p(10));
-  return {linear(silu_and_mul.call(gate_up), p(11), p(12), p(13)), res};
+  const at::Tensor attn_out = linear(out.reshape({T, q_size}), p(5), p(6), p(7), p(8));
+  std::tie(h, res) = add_rms_norm.call(attn_out, res, *p(9), eps);
+  const at::Tensor gate_up = linear(h, p(10), p(11), p(12), p(13));
+  return {linear(silu_and_mul.call(gate_up), p(14), p(15), p(16), p(17)), res};
 }
 
 // The layers of `params` (PARAMS_PER_LAYER each) in turn, layer i over kv_caches[2i], kv_caches[2i + 1]; the

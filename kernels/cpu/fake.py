@@ -54,6 +54,10 @@ FAKES: dict[str, Callable[..., object]] = {
 }
 
 
+# ops that run when a model is loaded, never inside a step that torch.compile traces: no fake kernel
+UNTRACED = frozenset({"pack_gemm_weight"})
+
+
 @functools.cache  # torch refuses a second fake kernel for an op
 def register() -> None:
     """Give every op in FAKES its fake kernel, once per process (the library must be loaded)."""

@@ -242,14 +242,15 @@ void linear_tiles(int64_t M, const typename D::X* x, const float* ls, const type
   });
 }
 
-// ---- many rows: a GEMM over packed panels of weights (bf16 and int8) ------------------------------------------
+// ---- many rows: a GEMM over packed panels of weights (float32, bf16 and int8) ---------------------------------
 // Past a few rows a linear is compute-bound, and the dot form above is then bound by its loads: each dot product
 // loads its own vector of x (a tile of 8 rows takes 9 loads for 8 products), and every output ends in a horizontal
 // sum. Here a panel of GEMM_NR weight rows is packed into the dot instruction's layout (lane j of vector p holds
 // dword p of weight row j: columns 2p, 2p + 1 of bf16 for vdpbf16ps, 4p..4p + 3 of int8 for vpdpbusd), and a tile of
 // MR rows of x takes GEMM_NV loads of weights and MR broadcasts of x per MR * GEMM_NV products, summed straight into
-// the outputs' lanes. Each call packs its panels (no second copy of the weights is kept), 16 rows by 16 dwords at a
-// time, transposed in registers. The model's 121 bf16 linears (AVX-512 EPYC, 2 threads, same process, alternating,
+// the outputs' lanes. The panels are packed 16 rows by 16 dwords at a time, transposed in registers: once, when the
+// model is loaded (pack_gemm_weight, kept beside the weight by engine/model/linear.py's Linear.pack), or by each call
+// that is given none. The model's 121 bf16 linears (AVX-512 EPYC, 2 threads, same process, alternating,
 // median of 9, 2026-12-03), tiles / this GEMM / oneDNN's bf16 GEMM, ms:
 //   16 rows 30.9 / 32.8 / 47.7; 20 rows 42.2 / 36.6 / 51.4; 64 rows 90.9 / 59.4 / 71.8; 512 rows 793 / 433 / 461
 // (packed by gathers instead, a 16-row call took 58.9 ms where the tiles took 36.3; packed as here, 29.9 to 30.5).
@@ -368,6 +369,7 @@ constexpr int GEMM_NV = 2;
 constexpr int64_t GEMM_NR = GemmVec::L * GEMM_NV;
 using GI = GemmVec::I;
 using GF = GemmVec::F;
+constexpr uint32_t W8A8_FLIP = Int8Dot::OFFSET ? 0x80808080u : 0u;  // Int8Dot::OFFSET, added to each weight byte
 
 // panel[p * GEMM_NR + j] = dword p of weight row n0 + j (P dwords a row) XOR flip, zero for rows past n1: L rows by L
 // dwords at a time, transposed in registers.
@@ -414,27 +416,34 @@ void with_rows(int64_t rows, const F& f) {
   f(std::integral_constant<int, MR>{});
 }
 
-// Threads split the panels; each packs its panel (P dwords by GEMM_NR rows: L2-sized) and runs every tile of up to MR
-// rows of x over it: tile(first row, rows, panel, n0, n_valid). Each tile first asks for its share of the next
-// panel's weights (its rows lie end to end) into L2, so that packing it reads from L2 instead of waiting on memory:
+// Threads split the panels; each reads its panel (P dwords by GEMM_NR rows: L2-sized) from `packed`, the panels made
+// at load, or packs it from w, and runs every tile of up to MR rows of x over it: tile(first row, rows, panel, n0,
+// n_valid). Panels packed at load against packed by each call, the model's 121 linears (AVX-512 EPYC, 2 threads,
+// same process, alternating, median of 9, 2026-12-04), ms: float32 32 rows 56.3 / 66.4, 64 rows 94.0 / 101.5, 512
+// rows 702 / 704; bf16 32 rows 31.5 / 38.2, 64 rows 54.6 / 60.8, 512 rows 438 / 437; int8 32 rows 17.6 / 19.7, 64
+// rows 29.5 / 31.6, 512 rows 320 / 321. Each tile first asks for its share of the next panel (the packed one, or the
+// weight rows it is packed from, which lie end to end) into L2, so that reading or packing it does not wait on memory:
 // the model's 121 linears (AVX-512 EPYC, 2 threads, same process, alternating, median of 11, 2026-12-04), without /
 // with, ms: bf16 32 rows 39.5 / 36.5, 64 rows 59.2 / 55.5 (62.0 / 59.2 in another run); int8 20 rows 18.8 / 15.5,
 // 64 rows 39.6 / 33.5; the AVX2 build's int8, 20 rows 38.7 / 28.9, 64 rows 96.8 / 86.7. Two panels ahead ran the same.
 // Asked for a line per step of the tile's loop instead, slower (both built alike, a slower hour, median of 15, a share
 // at the tile's start / a line per step: bf16 32 rows 44.1 / 47.6, 64 rows 62.3 / 69.4; int8 20 rows 18.5 / 22.5).
 template <int MR, typename Tile>
-void panel_gemm(int64_t M, const uint32_t* w, int64_t P, int64_t N, uint32_t flip, const Tile& tile) {
+void panel_gemm(int64_t M, const uint32_t* w, const uint32_t* packed, int64_t P, int64_t N, uint32_t flip,
+                const Tile& tile) {
   at::parallel_for(0, (N + GEMM_NR - 1) / GEMM_NR, 1, [&](int64_t q0, int64_t q1) {
-    std::vector<uint32_t> panel(P * GEMM_NR);
+    std::vector<uint32_t> buffer(packed ? 0 : P * GEMM_NR);
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t n0 = q * GEMM_NR, n_valid = std::min(GEMM_NR, N - n0);
-      pack_panel(w, P, n0, n0 + n_valid, flip, panel.data());
-      const char* next = reinterpret_cast<const char*>(w + (n0 + GEMM_NR) * P);
-      const int64_t next_rows = q + 1 < q1 ? std::min(GEMM_NR, N - n0 - GEMM_NR) : 0;
+      const uint32_t* panel = packed ? packed + q * P * GEMM_NR : buffer.data();
+      if (!packed) pack_panel(w, P, n0, n0 + n_valid, flip, buffer.data());
+      // what the next panel is read from: the packed panels end to end, or the weight rows it is packed from
+      const char* next = reinterpret_cast<const char*>(packed ? panel + P * GEMM_NR : w + (n0 + GEMM_NR) * P);
+      const int64_t next_rows = q + 1 < q1 ? (packed ? GEMM_NR : std::min(GEMM_NR, N - n0 - GEMM_NR)) : 0;
       const int64_t lines = next_rows * P * 4 / 64, tiles = (M + MR - 1) / MR, share = (lines + tiles - 1) / tiles;
       for (int64_t m0 = 0, i = 0; m0 < M; m0 += MR, ++i) {
         for (int64_t l = i * share; l < std::min(lines, (i + 1) * share); ++l) _mm_prefetch(next + l * 64, _MM_HINT_T1);
-        tile(m0, std::min<int64_t>(MR, M - m0), panel.data(), n0, n_valid);
+        tile(m0, std::min<int64_t>(MR, M - m0), panel, n0, n_valid);
       }
     }
   });
@@ -471,14 +480,14 @@ void f32_tile(const float* x, int64_t K, const uint32_t* panel, float* out, int6
   store_tile<MR>(acc, out, N, n0, n_valid, nullptr, scale, bias);
 }
 
-void f32_gemm(int64_t M, const float* x, const float* w, const float* scale, const float* bias, float* out, int64_t K,
-              int64_t N) {
+void f32_gemm(int64_t M, const float* x, const float* w, const uint32_t* packed, const float* scale, const float* bias,
+              float* out, int64_t K, int64_t N) {
   const auto tile = [&](int64_t m0, int64_t rows, const uint32_t* panel, int64_t n0, int64_t n_valid) {
     with_rows<F32_GEMM_MR>(rows, [&](auto mr) {
       f32_tile<decltype(mr)::value>(x + m0 * K, K, panel, out + m0 * N, N, n0, n_valid, scale, bias);
     });
   };
-  panel_gemm<F32_GEMM_MR>(M, reinterpret_cast<const uint32_t*>(w), K, N, 0u, tile);
+  panel_gemm<F32_GEMM_MR>(M, reinterpret_cast<const uint32_t*>(w), packed, K, N, 0u, tile);
 }
 
 #if defined(__AVX512BF16__)
@@ -500,8 +509,8 @@ void bf16_tile(const uint32_t* x, int64_t P, const uint32_t* panel, float* out, 
   store_tile<MR>(acc, out, N, n0, n_valid, nullptr, nullptr, bias);
 }
 
-void bf16_gemm(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const float* bias, float* out, int64_t K,
-               int64_t N) {
+void bf16_gemm(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const uint32_t* packed, const float* bias,
+               float* out, int64_t K, int64_t N) {
   const int64_t P = K / 2;
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
   const auto tile = [&](int64_t m0, int64_t rows, const uint32_t* panel, int64_t n0, int64_t n_valid) {
@@ -509,7 +518,7 @@ void bf16_gemm(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const fl
       bf16_tile<decltype(mr)::value>(xp + m0 * P, P, panel, out + m0 * N, N, n0, n_valid, bias);
     });
   };
-  panel_gemm<8>(M, reinterpret_cast<const uint32_t*>(w), P, N, 0u, tile);
+  panel_gemm<8>(M, reinterpret_cast<const uint32_t*>(w), packed, P, N, 0u, tile);
 }
 #endif
 
@@ -543,8 +552,8 @@ void w8a8_tile(const uint32_t* x, const float* ls, int64_t P, const uint32_t* pa
   store_tile<MR>(acc, out, N, n0, n_valid, off, scale, bias);
 }
 
-void w8a8_gemm(int64_t M, const int8_t* xq, const float* ls, const float* off, const int8_t* w, const float* scale,
-               const float* bias, float* out, int64_t K, int64_t N) {
+void w8a8_gemm(int64_t M, const int8_t* xq, const float* ls, const float* off, const int8_t* w, const uint32_t* packed,
+               const float* scale, const float* bias, float* out, int64_t K, int64_t N) {
   const int64_t P = K / 4;
   const auto* xp = reinterpret_cast<const uint32_t*>(xq);
   const auto tile = [&](int64_t m0, int64_t rows, const uint32_t* panel, int64_t n0, int64_t n_valid) {
@@ -553,9 +562,56 @@ void w8a8_gemm(int64_t M, const int8_t* xq, const float* ls, const float* off, c
                                      scale, bias);
     });
   };
-  panel_gemm<4>(M, reinterpret_cast<const uint32_t*>(w), P, N, Int8Dot::OFFSET ? 0x80808080u : 0u, tile);
+  panel_gemm<4>(M, reinterpret_cast<const uint32_t*>(w), packed, P, N, W8A8_FLIP, tile);
 }
 #endif
+
+// Dwords per weight row of the GEMM that this build runs over `weight`'s dtype (float32: a column each; bf16: pairs;
+// int8: quads), or 0 where it has none for this dtype and width: bf16 without AVX512-BF16, int8 whose rows are not
+// whole blocks of 32.
+int64_t gemm_dwords(const at::Tensor& weight) {
+  const int64_t K = weight.size(1);
+  switch (weight.scalar_type()) {
+    case at::kFloat: return K;
+#if defined(__AVX512BF16__)
+    case at::kBFloat16: return K % 2 == 0 ? K / 2 : 0;
+#endif
+#if defined(WB_W8A8_GEMM)
+    case at::kChar: return K % QBLOCK == 0 ? K / 4 : 0;
+#endif
+    default: return 0;
+  }
+}
+
+// The weight [N, K] as the GEMM's panels, packed once (at load) instead of at every call: [ceil(N / GEMM_NR), P,
+// GEMM_NR] dwords, panel q being what pack_panel makes of rows q * GEMM_NR on; None where gemm_dwords has no GEMM.
+// GEMM_NR is the build's (48 under AVX-512, 16 under AVX2), so panels are made and read by the same build.
+c10::optional<at::Tensor> pack_gemm_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "pack_gemm_weight: weight must be [N, K]");
+  const int64_t P = gemm_dwords(weight), N = weight.size(0), Q = (N + GEMM_NR - 1) / GEMM_NR;
+  if (P == 0) return c10::nullopt;
+  const auto wc = weight.contiguous();
+  auto panels = at::empty({Q, P, GEMM_NR}, wc.options().dtype(at::kInt));
+  const auto* w = static_cast<const uint32_t*>(wc.data_ptr());
+  auto* out = reinterpret_cast<uint32_t*>(panels.data_ptr<int32_t>());
+  const uint32_t flip = weight.scalar_type() == at::kChar ? W8A8_FLIP : 0u;
+  at::parallel_for(0, Q, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q)
+      pack_panel(w, P, q * GEMM_NR, std::min(N, (q + 1) * GEMM_NR), flip, out + q * P * GEMM_NR);
+  });
+  return panels;
+}
+
+// The packed panels' data, checked against the weight they were packed from; null where there are none.
+const uint32_t* packed_data(const c10::optional<at::Tensor>& packed, const at::Tensor& weight) {
+  if (!packed.has_value()) return nullptr;
+  const int64_t P = gemm_dwords(weight), Q = (weight.size(0) + GEMM_NR - 1) / GEMM_NR;
+  TORCH_CHECK(packed->scalar_type() == at::kInt && packed->is_contiguous() && P > 0 &&
+                  packed->sizes() == at::IntArrayRef({Q, P, GEMM_NR}),
+              "packed: expected pack_gemm_weight's [", Q, ", ", P, ", ", GEMM_NR, "] int32 panels of this weight, got ",
+              packed->sizes());
+  return reinterpret_cast<const uint32_t*>(packed->data_ptr<int32_t>());
+}
 
 void check_linear(const char* name, const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be [M, K] float32");
@@ -619,7 +675,7 @@ inline void round_to_bf16(const float* x, float* out, int64_t n) {
 }
 
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                      const c10::optional<at::Tensor>& bias) {
+                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& packed) {
   check_linear("linear_f32", x, weight);
   TORCH_CHECK(weight.scalar_type() == at::kFloat, "linear_f32: weight must be float32");
   auto xc = x.contiguous();
@@ -628,7 +684,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::
   at::Tensor keep_scale, keep_bias;
   const int64_t M = xc.size(0), K = xc.size(1);
   if (M >= F32_GEMM_MIN_ROWS) {
-    f32_gemm(M, xc.data_ptr<float>(), wc.data_ptr<float>(), optional_data(scale, keep_scale),
+    f32_gemm(M, xc.data_ptr<float>(), wc.data_ptr<float>(), packed_data(packed, wc), optional_data(scale, keep_scale),
              optional_data(bias, keep_bias), out.data_ptr<float>(), K, wc.size(0));
     return out;
   }
@@ -637,7 +693,8 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::
   return out;
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& packed) {
   check_linear("linear_bf16", x, weight);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: weight must be bfloat16");
   auto wc = weight.contiguous();
@@ -654,7 +711,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10:
   const auto* xp = reinterpret_cast<const at::BFloat16*>(xb.data());
   float* o = out.data_ptr<float>();
   if (M >= BF16_GEMM_MIN_ROWS && K % 2 == 0) {
-    bf16_gemm(M, xp, w, b, o, K, N);
+    bf16_gemm(M, xp, w, packed_data(packed, wc), b, o, K, N);
     return out;
   }
   const auto epilogue = [&](int64_t m, int64_t n, float s) { o[m * N + n] = s + (b ? b[n] : 0.f); };
@@ -731,7 +788,7 @@ void quantize_blocks(const float* x, int64_t M, int64_t K, int8_t* xq, float* ls
 }
 
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& packed) {
   check_linear("linear_w8a8", x, weight);
   TORCH_CHECK(weight.scalar_type() == at::kChar, "linear_w8a8: weight must be int8");
   auto xc = x.contiguous();
@@ -750,7 +807,8 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& weight, const at::
   float* o = out.data_ptr<float>();
 #if defined(WB_W8A8_GEMM)
   if (M >= W8A8_GEMM_MIN_ROWS && K % QBLOCK == 0) {
-    w8a8_gemm(M, xq.data_ptr<int8_t>(), ls.data_ptr<float>(), off, wc.data_ptr<int8_t>(), sw, b, o, K, N);
+    w8a8_gemm(M, xq.data_ptr<int8_t>(), ls.data_ptr<float>(), off, wc.data_ptr<int8_t>(), packed_data(packed, wc), sw,
+              b, o, K, N);
     return out;
   }
 #endif
@@ -762,13 +820,15 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& weight, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(workbench_cpu, m) {
-  m.def("linear_f32(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
-  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("linear_w8a8(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("linear_f32(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, Tensor? packed=None) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias, Tensor? packed=None) -> Tensor");
+  m.def("linear_w8a8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? packed=None) -> Tensor");
+  m.def("pack_gemm_weight(Tensor weight) -> Tensor?");
 }
 
 TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
   m.impl("linear_f32", &linear_f32);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_w8a8", &linear_w8a8);
+  m.impl("pack_gemm_weight", &pack_gemm_weight);
 }

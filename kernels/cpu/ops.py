@@ -28,16 +28,24 @@ BF16_ROW_LIMIT = ANY_ROWS if has_isa("avx512_bf16") else 256
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if x.dtype == torch.float32 and x.dim() == 2:
         if weight.dtype == torch.int8 and scale is not None:
-            return torch.ops.workbench_cpu.linear_w8a8(x, weight, scale, bias)
+            return torch.ops.workbench_cpu.linear_w8a8(x, weight, scale, bias, packed)
         if weight.dtype == torch.bfloat16 and scale is None and x.shape[0] <= BF16_ROW_LIMIT:
-            return torch.ops.workbench_cpu.linear_bf16(x, weight, bias)
+            return torch.ops.workbench_cpu.linear_bf16(x, weight, bias, packed)
         if weight.dtype == torch.float32 and scale is None:
-            return torch.ops.workbench_cpu.linear_f32(x, weight, None, bias)
+            return torch.ops.workbench_cpu.linear_f32(x, weight, None, bias, packed)
     return reference.linear(x, weight, scale, bias)
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    return torch.ops.workbench_cpu.pack_gemm_weight(weight)
 
 
 def store_kvcache(
@@ -124,8 +132,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(x)
 
 
-PARAMS_PER_LAYER = 14  # LlamaDecoderLayer.fused_params: two norms and four linears' (weight, scale, bias)
-_NORMS, _WEIGHTS, _SCALES = (0, 7), (1, 4, 8, 11), (2, 5, 9, 12)  # where each sits in a layer's PARAMS_PER_LAYER
+# LlamaDecoderLayer.fused_params: two norms and four linears' (weight, scale, bias, packed panels)
+PARAMS_PER_LAYER = 18
+_NORMS, _WEIGHTS, _SCALES = (0, 9), (1, 5, 10, 14), (2, 6, 11, 15)  # where each sits in a layer's PARAMS_PER_LAYER
 
 
 def fused_row_limit(params: list[torch.Tensor | None]) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from kernels import reference
 from kernels.cpu import ops
-from kernels.cpu.build import available
+from kernels.cpu.build import available, has_isa
 from kernels.cpu.cpuinfo import cpu_info
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,6 +142,37 @@ def test_linear_past_small_m_rows_equals_the_reference_for_each_stored_dtype(row
                 ops.linear(x, stored, scale, b), reference.linear(x, stored, scale, b), atol=1e-4 * 576**0.5, rtol=1e-5
             )
     assert rows > ops.SMALL_M
+
+
+@pytest.mark.parametrize("rows", [1, 17, 25, 64])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 96), (7, 64), (100, 46)])
+def test_linear_over_panels_packed_at_load_equals_packing_at_each_call(rows, out_features, in_features):
+    """pack_gemm_weight's panels (made once at load: Linear.pack) stand in for the GEMM's packing at each call, bit
+    for bit: a last panel of fewer rows (100, 7), pairs and quads left over by the 16 x 16 transposes (46, 96). A
+    weight that no GEMM of this build takes gets no panels: bf16 without AVX512-BF16, int8 rows not whole blocks."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    for stored, scale in ((weight, None), (weight.to(torch.bfloat16), None), quantized(weight)):
+        packed = ops.pack_gemm_weight(stored)
+        has_gemm = {
+            torch.float32: True,
+            torch.bfloat16: has_isa("avx512_bf16") and in_features % 2 == 0,
+            # VNNI's vpdpbusd under AVX-512 (with BW), AVX2's vpmaddubsw otherwise
+            torch.int8: in_features % 32 == 0 and (has_isa("avx512_vnni") or not has_isa("avx512f")),
+        }[stored.dtype]
+        assert (packed is not None) == has_gemm
+        if packed is not None:
+            assert torch.equal(ops.linear(x, stored, scale, bias, packed), ops.linear(x, stored, scale, bias))
+
+
+def test_panels_of_another_weight_are_refused():
+    x, weight = torch.randn(64, 96), torch.randn(100, 96)
+    with pytest.raises(RuntimeError, match="packed: expected"):
+        ops.linear(x, weight, None, None, ops.pack_gemm_weight(weight[:50]))
+    with pytest.raises(RuntimeError, match="packed: expected"):
+        ops.linear(x, weight, None, None, ops.pack_gemm_weight(torch.randn(100, 64)))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 25])

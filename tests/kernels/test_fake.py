@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.cpu.build import available
-from kernels.cpu.fake import FAKES
+from kernels.cpu.fake import FAKES, UNTRACED
 from tests.kernels.test_cpu import paged_case, quantized
 from tests.kernels.test_tree_attention import tree_case
 
@@ -22,7 +22,7 @@ def test_every_op_has_a_fake_kernel():
     names = {
         name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("workbench_cpu::")
     }
-    assert names == set(FAKES)
+    assert names == set(FAKES) | UNTRACED and not UNTRACED & set(FAKES)
 
 
 def _cases() -> dict[str, tuple]:

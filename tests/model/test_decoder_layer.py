@@ -111,7 +111,11 @@ def test_fused_layers_are_left_to_the_ops_where_they_would_not_all_run(tiny_mode
     # float32 and int8 linears take any number of rows; the bf16 op up to BF16_ROW_LIMIT (any number where the CPU
     # has AVX512-BF16; the fused steps of that many rows: test_fused_layers_are_bit_for_bit_the_ops_one_by_one)
     assert ops.llama_decoder_layers(*_stack_args(llm, 1, ops.SMALL_M + 1)) is not None
-    bf16 = [p.to(torch.bfloat16) if i in (1, 4, 8, 11) else p for i, p in enumerate(params)]
+    # each linear's (weight, scale, bias, packed panels) at 1, 5, 10 and 14; float32 panels go with float32 weights
+    bf16 = [
+        p.to(torch.bfloat16) if i in (1, 5, 10, 14) else None if i in (4, 8, 13, 17) else p
+        for i, p in enumerate(params)
+    ]
     assert ops.fused_row_limit(bf16) == ops.BF16_ROW_LIMIT and ops.fused_row_limit(params) == ops.ANY_ROWS
     assert kernels.fused_row_limit(params) == ops.ANY_ROWS and reference.fused_row_limit(params) == 0
     # a caller's kept limit stands in for the dtypes' (LlamaModel works it out once for the params it keeps)

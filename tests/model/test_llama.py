@@ -8,9 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
+import kernels
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM, RotaryEmbedding
 from engine.model.registry import load_model
+from kernels.cpu.build import available
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -207,6 +209,32 @@ def test_tied_model_shares_head_and_embedding(tiny_model_path):
     model, _ = load_model(tiny_model_path, torch.float32, CPU)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert (model.shape.num_layers, model.shape.num_kv_heads, model.shape.head_dim) == (4, 2, 16)
+
+
+@pytest.mark.skipif(not available(), reason="the C++ CPU ops are not built here (no compiler?)")
+def test_the_linears_keep_gemm_panels_that_follow_their_weights(tiny_model_path):
+    """load_model packs every linear's weight for the CPU GEMM once (Linear.pack, the tied head's from the
+    embedding); where the weights are replaced (load_weights, store_weights) the panels are packed again, so a
+    batch never reads panels of weights gone."""
+    from engine.model.linear import Linear
+    from engine.model.llama import iter_safetensors
+
+    model, _ = load_model(tiny_model_path, torch.float32, CPU)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+
+    def follow() -> bool:
+        fresh = [kernels.pack_gemm_weight(m.weight) for m in linears]
+        return all(
+            f is None and m.weight_packed is None or torch.equal(f, m.weight_packed) for f, m in zip(fresh, linears)
+        )
+
+    assert all(m.weight_packed is not None for m in linears) and follow()
+    model.load_weights((name, tensor * 2) for name, tensor in iter_safetensors(tiny_model_path))
+    assert follow()
+    model.store_weights(torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16 and follow()
+    model.store_weights(torch.float32, "int8")
+    assert model.lm_head.weight.dtype == torch.int8 and follow()
 
 
 def test_unsupported_model_type_is_rejected(tmp_path):

@@ -421,14 +421,19 @@ void with_rows(int64_t rows, const F& f) {
 // n_valid). Panels packed at load against packed by each call, the model's 121 linears (AVX-512 EPYC, 2 threads,
 // same process, alternating, median of 9, 2026-12-04), ms: float32 32 rows 56.3 / 66.4, 64 rows 94.0 / 101.5, 512
 // rows 702 / 704; bf16 32 rows 31.5 / 38.2, 64 rows 54.6 / 60.8, 512 rows 438 / 437; int8 32 rows 17.6 / 19.7, 64
-// rows 29.5 / 31.6, 512 rows 320 / 321. Each tile first asks for its share of the next panel (the packed one, or the
-// weight rows it is packed from, which lie end to end) into L2, so that reading or packing it does not wait on memory:
+// rows 29.5 / 31.6, 512 rows 320 / 321. A thread's panels packed at load lie end to end, a stream that the hardware
+// prefetcher follows; asked for as below as well (ASK_PACKED), float32 and bf16 ran slower and int8 level or faster
+// (same method, ms, asked for / not: float32 17 rows 34.9 / 27.1, 32 rows 51.3 / 43.4, 64 rows 91.8 / 82.8, 256 rows
+// 351 / 348; bf16 32 rows 32.6 / 28.6, 64 rows 54.2 / 50.6; int8 32 rows 19.8 / 19.6, 64 rows 32.4 / 32.6; the AVX2
+// build: float32 32 rows 57.7 / 55.4, 64 rows 97.8 / 97.6; int8 32 rows 45.0 / 47.0, 64 rows 143.5 / 159.1). Each tile
+// first asks for its share of the next panel (or of the weight rows it is packed from) into L2, so that packing it
+// does not wait on memory:
 // the model's 121 linears (AVX-512 EPYC, 2 threads, same process, alternating, median of 11, 2026-12-04), without /
 // with, ms: bf16 32 rows 39.5 / 36.5, 64 rows 59.2 / 55.5 (62.0 / 59.2 in another run); int8 20 rows 18.8 / 15.5,
 // 64 rows 39.6 / 33.5; the AVX2 build's int8, 20 rows 38.7 / 28.9, 64 rows 96.8 / 86.7. Two panels ahead ran the same.
 // Asked for a line per step of the tile's loop instead, slower (both built alike, a slower hour, median of 15, a share
 // at the tile's start / a line per step: bf16 32 rows 44.1 / 47.6, 64 rows 62.3 / 69.4; int8 20 rows 18.5 / 22.5).
-template <int MR, typename Tile>
+template <int MR, bool ASK_PACKED, typename Tile>
 void panel_gemm(int64_t M, const uint32_t* w, const uint32_t* packed, int64_t P, int64_t N, uint32_t flip,
                 const Tile& tile) {
   at::parallel_for(0, (N + GEMM_NR - 1) / GEMM_NR, 1, [&](int64_t q0, int64_t q1) {
@@ -437,9 +442,10 @@ void panel_gemm(int64_t M, const uint32_t* w, const uint32_t* packed, int64_t P,
       const int64_t n0 = q * GEMM_NR, n_valid = std::min(GEMM_NR, N - n0);
       const uint32_t* panel = packed ? packed + q * P * GEMM_NR : buffer.data();
       if (!packed) pack_panel(w, P, n0, n0 + n_valid, flip, buffer.data());
-      // what the next panel is read from: the packed panels end to end, or the weight rows it is packed from
+      // what the next panel is read from: the weight rows it is packed from, or the panel packed at load, which the
+      // int8 GEMM alone asks for (ASK_PACKED)
       const char* next = reinterpret_cast<const char*>(packed ? panel + P * GEMM_NR : w + (n0 + GEMM_NR) * P);
-      const int64_t next_rows = q + 1 < q1 ? (packed ? GEMM_NR : std::min(GEMM_NR, N - n0 - GEMM_NR)) : 0;
+      const int64_t next_rows = q + 1 < q1 && (!packed || ASK_PACKED) ? std::min(GEMM_NR, N - n0 - GEMM_NR) : 0;
       const int64_t lines = next_rows * P * 4 / 64, tiles = (M + MR - 1) / MR, share = (lines + tiles - 1) / tiles;
       for (int64_t m0 = 0, i = 0; m0 < M; m0 += MR, ++i) {
         for (int64_t l = i * share; l < std::min(lines, (i + 1) * share); ++l) _mm_prefetch(next + l * 64, _MM_HINT_T1);
@@ -487,7 +493,7 @@ void f32_gemm(int64_t M, const float* x, const float* w, const uint32_t* packed,
       f32_tile<decltype(mr)::value>(x + m0 * K, K, panel, out + m0 * N, N, n0, n_valid, scale, bias);
     });
   };
-  panel_gemm<F32_GEMM_MR>(M, reinterpret_cast<const uint32_t*>(w), packed, K, N, 0u, tile);
+  panel_gemm<F32_GEMM_MR, false>(M, reinterpret_cast<const uint32_t*>(w), packed, K, N, 0u, tile);
 }
 
 #if defined(__AVX512BF16__)
@@ -518,7 +524,7 @@ void bf16_gemm(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const ui
       bf16_tile<decltype(mr)::value>(xp + m0 * P, P, panel, out + m0 * N, N, n0, n_valid, bias);
     });
   };
-  panel_gemm<8>(M, reinterpret_cast<const uint32_t*>(w), packed, P, N, 0u, tile);
+  panel_gemm<8, false>(M, reinterpret_cast<const uint32_t*>(w), packed, P, N, 0u, tile);
 }
 #endif
 
@@ -562,7 +568,7 @@ void w8a8_gemm(int64_t M, const int8_t* xq, const float* ls, const float* off, c
                                      scale, bias);
     });
   };
-  panel_gemm<4>(M, reinterpret_cast<const uint32_t*>(w), packed, P, N, W8A8_FLIP, tile);
+  panel_gemm<4, true>(M, reinterpret_cast<const uint32_t*>(w), packed, P, N, W8A8_FLIP, tile);
 }
 #endif
 

@@ -10,7 +10,8 @@
 // over a run of weight rows that stays in L1. At a small batch a linear layer is a stream of its weights, and the
 // point is to read them at the memory's speed; at a large one, to keep the vector units busy: from *_GEMM_MIN_ROWS
 // rows, float32, bf16 with AVX512-BF16 and int8 (AVX512-VNNI, or AVX2) are GEMMs over packed panels of weights
-// instead (f32_gemm, bf16_gemm, w8a8_gemm).
+// instead (f32_gemm, bf16_gemm, w8a8_gemm), and from a few rows (PACKED_*_MIN_ROWS) where the panels were packed at
+// load (pack_gemm_weight), as every linear of a model the engine loads on a CPU is.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -267,6 +268,21 @@ void linear_tiles(int64_t M, const typename D::X* x, const float* ls, const type
 constexpr int64_t BF16_GEMM_MIN_ROWS = 25;
 constexpr int64_t W8A8_GEMM_MIN_ROWS = 17;
 constexpr int64_t F32_GEMM_MIN_ROWS = 17;
+// Where the weight's panels were packed at load there is no packing to pay for, and the GEMM takes over far sooner:
+// the model's 121 linears over panels packed at load (AVX-512 EPYC, 2 threads, same process, alternating, median of
+// 9, 2026-12-04), the tiles / this GEMM, ms: float32 1 row 17.7 / 17.5, 2 rows 15.3 / 12.3, 4 rows 19.6 / 17.9, 8 rows
+// 22.0 / 21.2, 16 rows 43.5 / 26.1, 24 rows 57.7 / 34.6; bf16 1 row 10.0 / 9.8, 2 rows 10.6 / 9.9, 8 rows 11.2 / 10.1,
+// 16 rows 24.6 / 16.5, 24 rows 36.9 / 22.6; int8 1 row 5.8 / 6.1, 2 rows 6.4 / 6.4, 4 rows 8.6 / 7.1, 16 rows 18.8 /
+// 12.0. The AVX2 build: float32 2 rows 15.7 / 13.5, 4 rows 15.6 / 18.4 (20.3 / 20.1 in another run), 8 rows 22.9 /
+// 24.2, 10 rows 33.5 / 31.1, 16 rows 47.4 / 38.9; int8 1 row 6.1 / 7.3, 2 rows 7.7 / 9.3, 4 rows 11.9 / 11.6 (14.2 /
+// 12.9), 8 rows 19.1 / 14.8. One row stays on the tiles (kernels/cpu/ops.py's PACKED_SMALL_M mirrors float32's).
+#if defined(__AVX512F__)
+constexpr int64_t PACKED_F32_MIN_ROWS = 2;
+constexpr int64_t PACKED_BF16_MIN_ROWS = 2;
+#else
+constexpr int64_t PACKED_F32_MIN_ROWS = 9;
+#endif
+constexpr int64_t PACKED_W8A8_MIN_ROWS = 4;
 
 #if defined(__AVX512F__)
 // r[i], 16 dwords of row i, becomes r[q], dword q of rows 0-15: pairs within 128-bit lanes, then quads, then lanes.
@@ -689,7 +705,7 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::
   auto out = at::empty({xc.size(0), wc.size(0)}, xc.options());
   at::Tensor keep_scale, keep_bias;
   const int64_t M = xc.size(0), K = xc.size(1);
-  if (M >= F32_GEMM_MIN_ROWS) {
+  if (M >= (packed.has_value() ? PACKED_F32_MIN_ROWS : F32_GEMM_MIN_ROWS)) {
     f32_gemm(M, xc.data_ptr<float>(), wc.data_ptr<float>(), packed_data(packed, wc), optional_data(scale, keep_scale),
              optional_data(bias, keep_bias), out.data_ptr<float>(), K, wc.size(0));
     return out;
@@ -716,7 +732,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10:
   round_to_bf16(xc.data_ptr<float>(), xb.data(), M * K);
   const auto* xp = reinterpret_cast<const at::BFloat16*>(xb.data());
   float* o = out.data_ptr<float>();
-  if (M >= BF16_GEMM_MIN_ROWS && K % 2 == 0) {
+  if (M >= (packed.has_value() ? PACKED_BF16_MIN_ROWS : BF16_GEMM_MIN_ROWS) && K % 2 == 0) {
     bf16_gemm(M, xp, w, packed_data(packed, wc), b, o, K, N);
     return out;
   }
@@ -812,7 +828,7 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& weight, const at::
   const float* off = offset.data_ptr<float>();
   float* o = out.data_ptr<float>();
 #if defined(WB_W8A8_GEMM)
-  if (M >= W8A8_GEMM_MIN_ROWS && K % QBLOCK == 0) {
+  if (M >= (packed.has_value() ? PACKED_W8A8_MIN_ROWS : W8A8_GEMM_MIN_ROWS) && K % QBLOCK == 0) {
     w8a8_gemm(M, xq.data_ptr<int8_t>(), ls.data_ptr<float>(), off, wc.data_ptr<int8_t>(), packed_data(packed, wc), sw,
               b, o, K, N);
     return out;

@@ -17,6 +17,10 @@ from kernels.cpu.build import has_isa
 # 53.2 at 20, 57.7 / 60.3 at 24, 66.9 / 65.9 at 28, 71.9 / 63.8 at 32; the AVX2 build forced there (against oneDNN's
 # AVX-512 kernels, which an AVX2-only CPU lacks) 50.5 / 60.5 at 16, 70.8 / 70.4 at 24, 92.3 / 80.5 at 32.
 SMALL_M = 16
+# Where the weight's panels were packed at load (kernels.pack_gemm_weight: every linear of a model that load_model
+# built, Linear.pack), the GEMM needs no packing and takes float32 from PACKED_SMALL_M + 1 rows (linear.cpp's
+# PACKED_F32_MIN_ROWS, where its measurements are): one row is the tiles' under AVX-512, up to 8 under AVX2.
+PACKED_SMALL_M = 1 if has_isa("avx512f") else 8
 # bfloat16 weights without AVX512-BF16 are widened to float32 as they are read; against the reference (which widens
 # the whole weight on every call; same machine and method, 2 threads, paused: 120 linears) that took 18 / 38 / 70 /
 # 275 / 577 ms at 16 / 32 / 64 / 256 / 512 rows where the reference took 33 / 48 / 117 / 307 / 532: ours up to 256.

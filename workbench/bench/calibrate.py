@@ -4,7 +4,8 @@ different, held-out one.
 1. Measure the machine as `bench roofline` does (read bandwidth, fp32 matmul peak).
 2. Calibration workload (random prompts of mixed lengths, all at once): run the real engine, keep every StepRecord,
    and fit the efficiency factors (compute, memory, attention and a GEMM's unfilled tile rows: a grid, coarse then
-   fine; the GEMV/GEMM switch is the CPU kernels' own SMALL_M) and the fixed costs (per step, per request, per token:
+   fine; the GEMV/GEMM switch is the CPU kernels' own PACKED_SMALL_M, the engine's linears having their panels
+   packed at load) and the fixed costs (per step, per request, per token:
    least squares on what the roofline leaves) that minimise the median relative error of the predicted step time
    over its steps.
 3. Held-out workload (shared prefixes and mixed lengths, Poisson arrivals, a smaller token budget, so chunked prefill
@@ -32,7 +33,7 @@ from engine.events import PrefixLookup, RequestScheduled, RequestTokens
 from engine.executor.sim.cost_model import CostModel, ScheduledShape
 from engine.executor.sim.hardware import CALIBRATION_PATH, Efficiency, get_hardware, hardware_table
 from engine.executor.sim.model_spec import load_model_spec
-from kernels.cpu.ops import SMALL_M
+from kernels.cpu.ops import PACKED_SMALL_M
 from workbench.bench.args import add_common_args, positive_float, positive_int, run_with_flags
 from workbench.bench.datasets import prefix_repetition_requests, random_dataset, token_id_range
 from workbench.bench.report import Part, Table, bold, described, formatters, machine_info, percentile, run_settings
@@ -174,7 +175,7 @@ def run_calibrate(
     batches = [step_shapes(r) for r in calib_records]
     measured = [r.timing["total"] / 1e3 for r in calib_records]
     cost_model = CostModel(spec, get_hardware({**measured_hw, "name": "cpu"}), 1, dtype)
-    eff, calib_error = fit_efficiency(cost_model, batches, measured, SMALL_M)
+    eff, calib_error = fit_efficiency(cost_model, batches, measured, PACKED_SMALL_M)
     log(f"calibrated on {len(batches)} steps: median step-time error {calib_error:.1%}, {eff}")
 
     # the held-out workload, real: a fresh engine with its own token budget

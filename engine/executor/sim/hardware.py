@@ -24,7 +24,7 @@ class Efficiency:
     interconnect: float = 1.0  # of interconnect bandwidth, for tensor-parallel collectives
     # A GEMM computes whole tiles of rows: at M rows it does the work of M + gemm_fill_rows, so its share of the
     # compute peak is M / (M + fill). Up to gemv_max_rows rows a linear is a GEMV instead, which streams the
-    # weights once and fills no tiles (the CPU kernels' SMALL_M). 0 and 0: every GEMM at the full factor.
+    # weights once and fills no tiles (the CPU kernels' PACKED_SMALL_M). 0 and 0: every GEMM at the full factor.
     gemm_fill_rows: float = 0.0
     gemv_max_rows: int = 0
     step_overhead_s: float = 0.0  # per step

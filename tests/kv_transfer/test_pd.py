@@ -159,8 +159,12 @@ def test_a_decode_process_killed_holding_a_request_fails_it_by_name(cluster) -> 
 def test_a_prefill_killed_before_answering_fails_its_requests_only(two_prefills, want) -> None:
     p0, p1 = (i for i in two_prefills.instances if i.role == "prefill")
     os.kill(p1.process.pid, signal.SIGSTOP)  # it never answers
+    # prefill-0 paused too until both are routed: a prefill answered between the two submits would leave it the least
+    # loaded again, and the second request would follow the first there
+    os.kill(p0.process.pid, signal.SIGSTOP)
     ok = two_prefills.submit(PROMPTS[0], GREEDY)  # the least loaded: prefill-0, then prefill-1
     lost = two_prefills.submit(PROMPTS[1], GREEDY)
+    os.kill(p0.process.pid, signal.SIGCONT)
     p1.process.kill()
     by_request = _collect(two_prefills.stream(timeout=60))
     assert (

@@ -11,7 +11,8 @@
 // point is to read them at the memory's speed; at a large one, to keep the vector units busy: from *_GEMM_MIN_ROWS
 // rows, float32, bf16 with AVX512-BF16 and int8 (AVX512-VNNI, or AVX2) are GEMMs over packed panels of weights
 // instead (f32_gemm, bf16_gemm, w8a8_gemm), and from a few rows (PACKED_*_MIN_ROWS) where the panels were packed at
-// load (pack_gemm_weight), as every linear of a model the engine loads on a CPU is.
+// load (pack_gemm_weight), as every linear of a model the engine loads on a CPU is; there bf16 without AVX512-BF16
+// is a GEMM too, its pairs widened to float32 (bf16w_gemm).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -283,6 +284,10 @@ constexpr int64_t PACKED_BF16_MIN_ROWS = 2;
 constexpr int64_t PACKED_F32_MIN_ROWS = 9;
 #endif
 constexpr int64_t PACKED_W8A8_MIN_ROWS = 4;
+// bf16 without AVX512-BF16, widened in the GEMM (bf16w_gemm, panels packed at load only), against the widening tiles
+// (the AVX2 build, same method), ms: 1 row 10.1 / 10.9, 2 rows 11.4 / 13.9, 4 rows 16.5 / 16.6, 8 rows 23.4 / 22.9, 16
+// rows 47.4 / 42.8, 64 rows 166.3 / 119.7.
+constexpr int64_t PACKED_BF16W_MIN_ROWS = 8;
 
 #if defined(__AVX512F__)
 // r[i], 16 dwords of row i, becomes r[q], dword q of rows 0-15: pairs within 128-bit lanes, then quads, then lanes.
@@ -329,6 +334,9 @@ struct GemmVec {
   static void fstore(float* p, int64_t n, F v) { _mm512_mask_storeu_ps(p, mask(n), v); }
   static F fsub(F a, F b) { return _mm512_sub_ps(a, b); }
   static void transpose(I r[16]) { transpose16x16(r); }
+  // each lane's pair of bf16 (low half: the even column) as two float32 vectors: the even columns, the odd ones
+  static F bf16_even(I v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+  static F bf16_odd(I v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))); }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define WB_W8A8_GEMM 1
   static I dot4(I sum, I w, I x) { return Int8Dot::dot4(sum, w, x); }  // w packed with Int8Dot::OFFSET folded in
@@ -377,6 +385,8 @@ struct GemmVec {
   static void fstore(float* p, int64_t n, F v) { _mm256_maskstore_ps(p, mask(n), v); }
   static F fsub(F a, F b) { return _mm256_sub_ps(a, b); }
   static void transpose(I r[8]) { transpose8x8(r); }
+  static F bf16_even(I v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static F bf16_odd(I v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536))); }
 #define WB_W8A8_GEMM 1
   static I dot4(I sum, I w, I x) { return Int8Dot::dot4(sum, w, x); }
 };
@@ -544,6 +554,49 @@ void bf16_gemm(int64_t M, const at::BFloat16* x, const at::BFloat16* w, const ui
 }
 #endif
 
+#if !defined(__AVX512BF16__)
+// bf16 without AVX512-BF16: MR rows of x (rounded to bf16, as float32: K a row) against a panel of bf16 pairs, each
+// widened to float32 as it is loaded (its even and its odd columns), in float32 FMAs: the arithmetic of the widening
+// tiles (FloatDot<bf16>), over panels packed at load only. Registers: MR x GEMM_NV sums, 2 x GEMM_NV widened weights
+// and two broadcasts: 4 x 16 of AVX2's 16, 6 x 48 of AVX-512's 32.
+#if defined(__AVX512F__)
+constexpr int BF16W_GEMM_MR = 6;
+#else
+constexpr int BF16W_GEMM_MR = 4;
+#endif
+
+template <int MR>
+void bf16w_tile(const float* x, int64_t K, const uint32_t* panel, float* out, int64_t N, int64_t n0, int64_t n_valid,
+                const float* bias) {
+  GF acc[MR][GEMM_NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < GEMM_NV; ++v) acc[m][v] = GemmVec::fzero();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    GF even[GEMM_NV], odd[GEMM_NV];
+    for (int v = 0; v < GEMM_NV; ++v) {
+      const GI pairs = GemmVec::load(panel + p * GEMM_NR + GemmVec::L * v);
+      even[v] = GemmVec::bf16_even(pairs);
+      odd[v] = GemmVec::bf16_odd(pairs);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const GF xe = GemmVec::fset(x[m * K + 2 * p]), xo = GemmVec::fset(x[m * K + 2 * p + 1]);
+      for (int v = 0; v < GEMM_NV; ++v) acc[m][v] = GemmVec::fmadd(odd[v], xo, GemmVec::fmadd(even[v], xe, acc[m][v]));
+    }
+  }
+  store_tile<MR>(acc, out, N, n0, n_valid, nullptr, nullptr, bias);
+}
+
+void bf16w_gemm(int64_t M, const float* x, const uint32_t* packed, const float* bias, float* out, int64_t K,
+                int64_t N) {
+  const auto tile = [&](int64_t m0, int64_t rows, const uint32_t* panel, int64_t n0, int64_t n_valid) {
+    with_rows<BF16W_GEMM_MR>(rows, [&](auto mr) {
+      bf16w_tile<decltype(mr)::value>(x + m0 * K, K, panel, out + m0 * N, N, n0, n_valid, bias);
+    });
+  };
+  panel_gemm<BF16W_GEMM_MR, false>(M, nullptr, packed, K / 2, N, 0u, tile);
+}
+#endif
+
 #if defined(WB_W8A8_GEMM)
 // MR rows of int8 x (P quads a row; ls: their lane scales, one per quad, as quantize_blocks writes them) against a
 // panel of int8 weights (+ Int8Dot::OFFSET): each block of 32 columns (8 quads) sums exactly in int32, then into
@@ -589,15 +642,13 @@ void w8a8_gemm(int64_t M, const int8_t* xq, const float* ls, const float* off, c
 #endif
 
 // Dwords per weight row of the GEMM that this build runs over `weight`'s dtype (float32: a column each; bf16: pairs;
-// int8: quads), or 0 where it has none for this dtype and width: bf16 without AVX512-BF16, int8 whose rows are not
-// whole blocks of 32.
+// int8: quads), or 0 where it has none for this dtype and width: bf16 of an odd width, int8 whose rows are not whole
+// blocks of 32.
 int64_t gemm_dwords(const at::Tensor& weight) {
   const int64_t K = weight.size(1);
   switch (weight.scalar_type()) {
     case at::kFloat: return K;
-#if defined(__AVX512BF16__)
-    case at::kBFloat16: return K % 2 == 0 ? K / 2 : 0;
-#endif
+    case at::kBFloat16: return K % 2 == 0 ? K / 2 : 0;  // vdpbf16ps's pairs, or widened by bf16w_gemm
 #if defined(WB_W8A8_GEMM)
     case at::kChar: return K % QBLOCK == 0 ? K / 4 : 0;
 #endif
@@ -742,6 +793,10 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const c10:
   thread_local std::vector<float> xr;  // x rounded to bf16, as float32
   xr.resize(static_cast<size_t>(M * K));
   round_to_bf16(xc.data_ptr<float>(), xr.data(), M * K);
+  if (packed.has_value() && M >= PACKED_BF16W_MIN_ROWS) {
+    bf16w_gemm(M, xr.data(), packed_data(packed, wc), b, out.data_ptr<float>(), K, N);
+    return out;
+  }
   float_linear(M, K, xr.data(), w, nullptr, b, out);
 #endif
   return out;

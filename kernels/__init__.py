@@ -66,10 +66,10 @@ def linear(
 
 
 def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` ``[N, K]`` packed once into the panels that the C++ CPU op's GEMM (the linears of 17 rows and more)
-    otherwise packs at every call; None where no GEMM of this build takes the weight (another device, no C++ ops,
-    bfloat16 without AVX512-BF16, int8 rows that are not whole blocks of 32). The panels are a second copy of the
-    weight, in the layout of the build that packed them."""
+    """`weight` ``[N, K]`` packed once into the panels that the C++ CPU op's GEMM otherwise packs at every call,
+    over which it takes a linear from a few rows; None where no GEMM of this build takes the weight (another
+    device, no C++ ops, bfloat16 of an odd width, int8 rows that are not whole blocks of 32). The panels are a
+    second copy of the weight, in the layout of the build that packed them."""
     if weight.device.type != "cpu" or _impl("linear", "cpu") is reference.linear:
         return None
     from kernels.cpu import ops

@@ -33,10 +33,10 @@ class Linear(nn.Module):
         return self.weight, self.weight_scale, self.bias, self.weight_packed
 
     def pack(self) -> None:
-        """Keep the weight also in the panels that the CPU GEMM (a linear of 17 rows or more) would otherwise pack
-        from it at every call (kernels.pack_gemm_weight), or none where no GEMM takes it. The weight stays as
-        stored for the rest: a call of a few rows streams it as it is, and others (a tied embedding, the draft
-        heads) read it."""
+        """Keep the weight also in the panels that the CPU GEMM would otherwise pack from it at every call
+        (kernels.pack_gemm_weight), or none where no GEMM takes it. Over them the GEMM takes a linear from a few
+        rows (kernels/cpu/linear.cpp's PACKED_*_MIN_ROWS); the weight stays as stored for the rest: a call of one
+        row streams it as it is, and others (a tied embedding, the draft heads) read it."""
         self.weight_packed = kernels.pack_gemm_weight(self.weight.data)
 
     def store(self, dtype: torch.dtype, quantization: str | None = None) -> None:

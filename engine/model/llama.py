@@ -467,9 +467,9 @@ class LlamaForCausalLM(nn.Module):
         self.model.forget_fused_params()
 
     def pack_weights(self) -> None:
-        """Keep every linear's weight also as the CPU GEMM's panels (Linear.pack), which a linear of 17 rows or more
-        (a batch of decodes, a prefill) reads instead of packing the weight at each call: a second copy of the
-        weights in memory for a quicker step."""
+        """Keep every linear's weight also as the CPU GEMM's panels (Linear.pack), which a linear of a few rows or
+        more (a batch of decodes, a draft's verification, a prefill) reads instead of packing the weight at each
+        call: a second copy of the weights in memory for a quicker step."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()

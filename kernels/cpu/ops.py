@@ -23,7 +23,9 @@ SMALL_M = 16
 PACKED_SMALL_M = 1 if has_isa("avx512f") else 8
 # bfloat16 weights without AVX512-BF16 are widened to float32 as they are read; against the reference (which widens
 # the whole weight on every call; same machine and method, 2 threads, paused: 120 linears) that took 18 / 38 / 70 /
-# 275 / 577 ms at 16 / 32 / 64 / 256 / 512 rows where the reference took 33 / 48 / 117 / 307 / 532: ours up to 256.
+# 275 / 577 ms at 16 / 32 / 64 / 256 / 512 rows where the reference took 33 / 48 / 117 / 307 / 532: ours up to 256
+# (over panels packed at load, from 8 rows a GEMM that widens them: 423 ms at 256 rows against the reference's 472,
+# level at 512, so the limit stands).
 # With AVX512-BF16 (vdpbf16ps, 32 products per instruction) and int8 (W8A8 on VNNI or AVX2's vpmaddubsw) our op
 # takes every size: bf16 from 25 rows as a GEMM over packed weight panels (kernels/cpu/linear.cpp), at or above
 # oneDNN's bf16 GEMM, which would also round every output to bf16.

@@ -27,7 +27,7 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 @dataclass(frozen=True)
 class HugePageArena:
-    """What `move_to_hugepages` did: the parameters moved, their bytes, and whether the kernel was asked for huge
+    """What `move_to_hugepages` did: the tensors moved, their bytes, and whether the kernel was asked for huge
     pages (madvise accepted and transparent huge pages not "never")."""
 
     num_tensors: int
@@ -50,12 +50,11 @@ def _aligned(n: int, to: int) -> int:
 def move_to_hugepages(model: nn.Module) -> HugePageArena:
     """Copy every CPU parameter and buffer of `model` (the linears' packed panels among them; a tied one once) into
     one huge-page arena and point it there. The arena lives as long as any tensor views it."""
-    tensors = [*model.parameters(), *model.buffers()]
-    params = [p for p in tensors if p.device.type == "cpu" and p.numel() > 0]
-    if not params:
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu" and t.numel() > 0]
+    if not tensors:
         return HugePageArena(0, 0, False)
     offsets, size = [], 0
-    for p in params:
+    for p in tensors:
         offsets.append(size)
         size = _aligned(size + p.numel() * p.element_size(), ALIGN)
     arena = mmap.mmap(-1, _aligned(size, HUGE_PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -63,8 +62,8 @@ def move_to_hugepages(model: nn.Module) -> HugePageArena:
     if huge:
         arena.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the copies below fault the pages in
     data = torch.frombuffer(arena, dtype=torch.uint8)
-    for p, offset in zip(params, offsets, strict=True):
+    for p, offset in zip(tensors, offsets, strict=True):
         view = data[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
         view.copy_(p.data)
         p.data = view  # the Parameter object stays: modules that share it (a tied LM head) see the move
-    return HugePageArena(len(params), size, huge)
+    return HugePageArena(len(tensors), size, huge)

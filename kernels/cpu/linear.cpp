@@ -452,8 +452,8 @@ void with_rows(int64_t rows, const F& f) {
 // (same method, ms, asked for / not: float32 17 rows 34.9 / 27.1, 32 rows 51.3 / 43.4, 64 rows 91.8 / 82.8, 256 rows
 // 351 / 348; bf16 32 rows 32.6 / 28.6, 64 rows 54.2 / 50.6; int8 32 rows 19.8 / 19.6, 64 rows 32.4 / 32.6; the AVX2
 // build: float32 32 rows 57.7 / 55.4, 64 rows 97.8 / 97.6; int8 32 rows 45.0 / 47.0, 64 rows 143.5 / 159.1). Each tile
-// first asks for its share of the next panel (or of the weight rows it is packed from) into L2, so that packing it
-// does not wait on memory:
+// first asks for its share of the next panel (or of the weight rows it is packed from) into L2, so that packing or
+// reading it does not wait on memory:
 // the model's 121 linears (AVX-512 EPYC, 2 threads, same process, alternating, median of 11, 2026-12-04), without /
 // with, ms: bf16 32 rows 39.5 / 36.5, 64 rows 59.2 / 55.5 (62.0 / 59.2 in another run); int8 20 rows 18.8 / 15.5,
 // 64 rows 39.6 / 33.5; the AVX2 build's int8, 20 rows 38.7 / 28.9, 64 rows 96.8 / 86.7. Two panels ahead ran the same.

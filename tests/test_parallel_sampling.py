@@ -22,6 +22,8 @@ def llm(tiny_model_path):
 
 def test_children_share_the_prompts_blocks_and_output_together(llm):
     eng = llm.engine
+    # The module's other tests run the same prompt, in any order under `--dist worksteal`: start with no cached block.
+    assert eng.reset_prefix_cache()
     rid = eng.add_request(PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True))
     children = eng.child_ids(rid)
     assert children == [f"{i}_{rid}" for i in range(3)]

@@ -63,7 +63,10 @@ struct PagedInputs {
   at::Tensor q, tables, lens, qsl;
 };
 
-// The checks both ops make: q float32 [T, Hq, D]; caches contiguous [num_blocks, block_size, Hkv, D], Hkv dividing Hq.
+// The checks both ops make: q float32 [T, Hq, D]; caches contiguous [num_blocks, block_size, Hkv, D], Hkv dividing Hq;
+// each sequence's new tokens within its length, and the blocks its length covers in its table and in the cache. The
+// ops read wherever a table points: a table too short for its sequence (a test's one-block table under 33 tokens)
+// had them read past it and crash now and then.
 inline PagedInputs paged_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                 const at::Tensor& query_start_loc) {
@@ -71,8 +74,25 @@ inline PagedInputs paged_inputs(const char* op, const at::Tensor& q, const at::T
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), op,
               ": caches must be contiguous [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, op, ": query heads must be a multiple of kv heads");
-  return {q.contiguous(), block_tables.to(at::kInt).contiguous(), seq_lens.to(at::kInt).contiguous(),
-          query_start_loc.to(at::kInt).contiguous()};
+  PagedInputs in{q.contiguous(), block_tables.to(at::kInt).contiguous(), seq_lens.to(at::kInt).contiguous(),
+                 query_start_loc.to(at::kInt).contiguous()};
+  const int64_t S = in.lens.numel(), num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  TORCH_CHECK(in.qsl.numel() == S + 1 && in.tables.dim() == 2 && in.tables.size(0) >= S, op,
+              ": query_start_loc must have one more entry than seq_lens, block_tables a row per sequence");
+  const int32_t *lens = in.lens.data_ptr<int32_t>(), *qsl = in.qsl.data_ptr<int32_t>();
+  const int64_t max_blocks = in.tables.size(1);
+  TORCH_CHECK(qsl[0] == 0 && qsl[S] == q.size(0), op, ": query_start_loc must run from 0 to q's ", q.size(0), " rows");
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s], blocks = (lens[s] + block_size - 1) / block_size;
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[s], op, ": sequence ", s, " has ", q_len, " new tokens of ", lens[s]);
+    TORCH_CHECK(blocks <= max_blocks, op, ": sequence ", s, " of ", lens[s], " tokens needs ", blocks,
+                " blocks; block_tables has ", max_blocks, " a row");
+    const int32_t* row = in.tables.data_ptr<int32_t>() + s * max_blocks;
+    for (int64_t b = 0; b < blocks; ++b)
+      TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, op, ": sequence ", s, " block ", b, " is ", row[b],
+                  ", not one of the cache's ", num_blocks);
+  }
+  return in;
 }
 
 // f(C{}) for the cache's element type C: float or at::BFloat16.

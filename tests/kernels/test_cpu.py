@@ -103,6 +103,32 @@ def test_the_cpu_attention_fails_when_the_causal_rule_is_off():
     torch.testing.assert_close(got[5], sees_all[5], atol=ATOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["paged_attention", "tree_attention"])
+def test_block_tables_that_do_not_cover_their_sequences_are_refused_naming_them(op):
+    """The ops read wherever a table points: a table too short for its sequence, or a block that is not in the cache,
+    is an error naming the sequence, never a read past the table (a one-block table under 33 tokens crashed a test
+    process now and then)."""
+    q, kc, vc, tables, seq_lens, qsl, scale = paged_case(9, 3, 64, 16, [(1, 20), (1, 40)])
+
+    def call(tables=tables, seq_lens=seq_lens, qsl=qsl):
+        if op == "tree_attention":  # masks of -1: plain causal attention
+            mask = torch.full((q.shape[0],), -1, dtype=torch.long)
+            return torch.ops.workbench_cpu.tree_attention(q, kc, vc, tables, seq_lens, qsl, mask, scale)
+        return torch.ops.workbench_cpu.paged_attention(q, kc, vc, tables, seq_lens, qsl, scale)
+
+    assert call().shape == q.shape
+    with pytest.raises(RuntimeError, match="sequence 1 of 40 tokens needs 3 blocks; block_tables has 2 a row"):
+        call(tables=tables[:, :2])
+    bad = tables.clone()
+    bad[1, 2] = kc.shape[0]
+    with pytest.raises(RuntimeError, match=f"sequence 1 block 2 is {kc.shape[0]}, not one of the cache's"):
+        call(tables=bad)
+    with pytest.raises(RuntimeError, match="sequence 0 has 2 new tokens of 1"):
+        call(seq_lens=torch.tensor([1, 40], dtype=torch.int32), qsl=torch.tensor([0, 2, 2], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="query_start_loc must run from 0 to q's 2 rows"):
+        call(qsl=torch.tensor([0, 1, 3], dtype=torch.int32))
+
+
 def quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = weight.abs().amax(dim=1) / 127
     return torch.round(weight / scale[:, None]).to(torch.int8), scale

@@ -91,7 +91,7 @@ def _stack_args(llm: LLM, num_layers: int, rows: int, hidden_dtype=torch.float32
         engine_caches if kv_caches is None else kv_caches,
         model.model.rotary_emb(torch.arange(rows), torch.float32),
         torch.full((rows,), -1) if kv_caches is None else torch.arange(rows),
-        torch.zeros(1, 1, dtype=torch.int32),
+        torch.zeros(1, rows, dtype=torch.int32),  # block 0 for each block the rows cover (with room to spare)
         torch.tensor([rows], dtype=torch.int32),
         torch.tensor([0, rows], dtype=torch.int32),
         None,

@@ -710,43 +710,6 @@ void float_linear(int64_t M, int64_t K, const float* x, const W* w, const float*
   linear_tiles<FloatDot<W>>(M, x, nullptr, w, epilogue, K, N);
 }
 
-// x rounded to bfloat16 as torch rounds it (to nearest, ties to even; NaN to 0x7FC0), 8 at a time: each 32-bit lane
-// holds its bf16's bits. In place of x.to(kBFloat16), a tensor allocated and dispatched for each of a step's 121
-// linears (batch-1 bf16 decode, alternating in one process, median of 8: 84.2 -> 84.9 tok/s, AVX-512 EPYC).
-inline __m256i bf16_bits8(__m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-}
-
-inline uint16_t bf16_bits(float x) {
-  return static_cast<uint16_t>(_mm256_cvtsi256_si32(bf16_bits8(_mm256_set1_ps(x))));
-}
-
-// n values of x into bf16
-inline void round_to_bf16(const float* x, uint16_t* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i lo = bf16_bits8(_mm256_loadu_ps(x + i)), hi = bf16_bits8(_mm256_loadu_ps(x + i + 8));
-    const __m256i packed = _mm256_packus_epi32(lo, hi);  // 128-bit lanes: lo 0-3, hi 0-3, lo 4-7, hi 4-7
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permute4x64_epi64(packed, 0xD8));
-  }
-  for (; i < n; ++i) out[i] = bf16_bits(x[i]);
-}
-
-// the same rounded values as float32 (the widened path of a CPU without AVX512-BF16)
-inline void round_to_bf16(const float* x, float* out, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(_mm256_loadu_ps(x + i)), 16)));
-  for (; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(bf16_bits(x[i])) << 16;
-    std::memcpy(out + i, &bits, sizeof(bits));
-  }
-}
-
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                       const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& packed) {
   check_linear("linear_f32", x, weight);

@@ -22,10 +22,18 @@ namespace {
 
 using namespace wbcpu;
 
+// ---- the small per-layer ops -----------------------------------------------------------------------------------
+// Rows are independent; a task takes whole rows, enough of them to be worth a thread (a decode step's single row
+// runs inline). The arithmetic follows the torch reference's order where it is a sequence of roundings.
+constexpr int64_t ELEMENTS_PER_TASK = 16384;
+
+inline int64_t row_grain(int64_t row_len) { return std::max<int64_t>(1, ELEMENTS_PER_TASK / std::max<int64_t>(row_len, 1)); }
+
 // ---- KV cache write ----------------------------------------------------------------------------------------------
-template <typename C>
-inline void store_row(const float* src, C* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<C>(src[i]);
+inline void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+// at::BFloat16's own rounding, 16 values at a time (vec.h's, which linear_bf16 rounds its input with)
+inline void store_row(const float* src, at::BFloat16* dst, int64_t n) {
+  round_to_bf16(src, reinterpret_cast<uint16_t*>(dst), n);
 }
 
 void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -33,19 +41,31 @@ void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   TORCH_CHECK(key.dim() == 3 && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
               "store_kvcache: key and value must be [T, Hkv, D] float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kvcache: caches must be contiguous");
-  auto k = key.contiguous(), v = value.contiguous();
+  TORCH_CHECK(key.sizes() == value.sizes(), "store_kvcache: key and value must have the same shape");
+  // A token's rows are read where they lie, at any token stride, once its heads lie side by side: v is a view into
+  // the fused q/k/v projection's output, and a contiguous copy of it was an aten clone per layer (8-14 us at 64
+  // tokens). Any other layout is copied first.
+  const auto rows_of = [](const at::Tensor& x) {
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  const at::Tensor k = rows_of(key), v = rows_of(value);
   auto slots = slot_mapping.to(at::kLong).contiguous();
   const int64_t T = k.size(0), row = k.size(1) * k.size(2), num_slots = k_cache.numel() / row;
+  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] < num_slots, "store_kvcache: slot ", sp[t], " is past the cache's ", num_slots, " slots");
+  // Tokens split over the threads: a decode step's rows go to as many scattered blocks, and each write waits on its
+  // cache lines.
   auto write = [&](auto* kc, auto* vc) {
-    for (int64_t t = 0; t < T; ++t) {
-      if (sp[t] < 0) continue;  // a token that must not be written (its slot is -1)
-      store_row(kp + t * row, kc + sp[t] * row, row);
-      store_row(vp + t * row, vc + sp[t] * row, row);
-    }
+    at::parallel_for(0, T, row_grain(2 * row), [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        if (sp[t] < 0) continue;  // a token that must not be written (its slot is -1)
+        store_row(kp + t * k_stride, kc + sp[t] * row, row);
+        store_row(vp + t * v_stride, vc + sp[t] * row, row);
+      }
+    });
   };
   if (k_cache.scalar_type() == at::kFloat)
     write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
@@ -54,13 +74,6 @@ void store_kvcache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
   else
     TORCH_CHECK(false, "store_kvcache: the cache must be float32 or bfloat16");
 }
-
-// ---- the small per-layer ops -----------------------------------------------------------------------------------
-// Rows are independent; a task takes whole rows, enough of them to be worth a thread (a decode step's single row
-// runs inline). The arithmetic follows the torch reference's order where it is a sequence of roundings.
-constexpr int64_t ELEMENTS_PER_TASK = 16384;
-
-inline int64_t row_grain(int64_t row_len) { return std::max<int64_t>(1, ELEMENTS_PER_TASK / std::max<int64_t>(row_len, 1)); }
 
 // out = w * (r * rsqrt(mean(r^2) + eps)), r = x (+ residual, kept in new_residual)
 std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps,
@@ -120,9 +133,18 @@ void rotate_heads(const float* x, int64_t token_stride, int64_t heads, int64_t D
   for (int64_t h = 0; h < heads; ++h) {
     const float* xi = x + t * token_stride + h * D;
     float* oi = out + (t * heads + h) * D;
-    for (int64_t d = 0; d < half; ++d) {
-      oi[d] = xi[d] * c[d] + (-xi[d + half]) * s[d];
-      oi[d + half] = xi[d + half] * c[d + half] + xi[d] * s[d + half];
+    // 8 lanes by hand: the loop below was left scalar by the compiler (out may alias x), 32 us a call at 64 tokens
+    // of SmolLM2's 12 heads on one thread
+    int64_t d = 0;
+    for (; d + 8 <= half; d += 8) {
+      const __m256 x1 = _mm256_loadu_ps(xi + d), x2 = _mm256_loadu_ps(xi + d + half);
+      _mm256_storeu_ps(oi + d, _mm256_fnmadd_ps(x2, _mm256_loadu_ps(s + d), _mm256_mul_ps(x1, _mm256_loadu_ps(c + d))));
+      _mm256_storeu_ps(oi + d + half, _mm256_fmadd_ps(x1, _mm256_loadu_ps(s + d + half),
+                                                      _mm256_mul_ps(x2, _mm256_loadu_ps(c + d + half))));
+    }
+    for (; d < half; ++d) {
+      oi[d] = std::fma(-xi[d + half], s[d], xi[d] * c[d]);
+      oi[d + half] = std::fma(xi[d], s[d + half], xi[d + half] * c[d + half]);
     }
   }
 }
@@ -168,9 +190,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       for (; i + 8 <= I; i += 8) {
         const __m256 g = _mm256_loadu_ps(gate + i);
         const __m256 e = exp8(_mm256_or_ps(g, sign));  // exp(-|g|)
-        const __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));
-        const __m256 neg = _mm256_div_ps(e, _mm256_add_ps(one, e));
-        const __m256 sig = _mm256_blendv_ps(pos, neg, g);  // g's sign bit picks
+        // 1 / (1 + e) where g >= 0, e / (1 + e) where g < 0 (its sign bit picks): one division, where two (each
+        // computed, one kept) had bound the op
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, g), _mm256_add_ps(one, e));
         _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
       }
       for (; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];

@@ -244,7 +244,9 @@ def test_rms_norm_with_and_without_the_residual_equals_the_reference(rows, hidde
     assert torch.equal(got[1], want[1])  # the residual add is one rounding either way
 
 
-@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 9, 3, 64), (20, 32, 8, 128), (5, 2, 1, 6)])
+@pytest.mark.parametrize(
+    "tokens, heads, kv_heads, head_dim", [(1, 9, 3, 64), (20, 32, 8, 128), (5, 2, 1, 6), (3, 4, 2, 24)]
+)
 def test_rotary_reads_q_and_k_in_place_in_the_fused_projection_and_equals_the_reference(
     tokens, heads, kv_heads, head_dim
 ):
@@ -284,16 +286,28 @@ def test_argmax_rows_equals_torchs_max_indices_with_ties_nan_and_infinities(voca
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kvcache_writes_each_slot_skips_minus_one_and_equals_the_reference(dtype):
+@pytest.mark.parametrize("head_dim", [64, 6])  # rows of 192 values (whole vectors of 16) and of 18 (2 left over)
+def test_store_kvcache_writes_each_slot_skips_minus_one_and_equals_the_reference(dtype, head_dim):
+    """Exactly the reference's conversion: bf16's ties to even, NaN and infinities, in the vectors and after; rows
+    read at their own token stride, and a layout whose heads are not side by side (a transposed view) copied first."""
     gen = torch.Generator().manual_seed(0)
-    key, value = torch.randn(5, 3, 64, generator=gen), torch.randn(5, 3, 64, generator=gen)
+    # key whole, value a view into a fused projection's rows (read in place), as a decoder layer passes them
+    key = torch.randn(5, 3, head_dim, generator=gen)
+    value = torch.randn(5, 4 * 3 * head_dim, generator=gen)[:, 3 * head_dim : 6 * head_dim].view(5, 3, head_dim)
+    special = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), torch.nan, torch.inf, -torch.inf])
+    key[0, 0, : len(special)] = special
+    key[0, 2, -len(special) :] = special  # the last values of a row: past the last whole vector where head_dim is 6
     slots = torch.tensor([17, -1, 0, 63, 40])
-    caches = [[torch.zeros(4, 16, 3, 64, dtype=dtype) for _ in range(2)] for _ in range(2)]
+    caches = [[torch.zeros(4, 16, 3, head_dim, dtype=dtype) for _ in range(2)] for _ in range(2)]
     torch.ops.workbench_cpu.store_kvcache(key, value, *caches[0], slots)
     reference.store_kvcache(key, value, *caches[1], slots)
-    assert all(torch.equal(a, b) for a, b in zip(caches[0], caches[1]))
-    assert caches[0][0].view(-1, 3, 64)[[17, 0, 63, 40]].abs().sum(dim=(1, 2)).all()  # written
-    assert caches[0][0].view(-1, 3, 64).abs().sum(dim=(1, 2)).count_nonzero() == 4  # the -1 token nowhere
+    for a, b in zip(caches[0], caches[1]):  # a NaN stays a NaN (torch's own conversions differ in its bits)
+        torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+    assert caches[0][1].view(-1, 3, head_dim)[[17, 0, 63, 40]].abs().sum(dim=(1, 2)).all()  # written
+    assert caches[0][1].view(-1, 3, head_dim).abs().sum(dim=(1, 2)).count_nonzero() == 4  # the -1 token nowhere
+    transposed = key.transpose(0, 1).contiguous().transpose(0, 1)  # token stride head_dim, head stride 5 * head_dim
+    torch.ops.workbench_cpu.store_kvcache(transposed, value, *caches[0], slots)
+    torch.testing.assert_close(caches[0][0], caches[1][0], atol=0, rtol=0, equal_nan=True)
     with pytest.raises(RuntimeError, match="slot 64 is past the cache's 64 slots"):
         torch.ops.workbench_cpu.store_kvcache(key[:1], value[:1], *caches[0], torch.tensor([64]))
 

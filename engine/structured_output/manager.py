@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -139,9 +139,17 @@ class StructuredOutputManager:
 
     def wait_for_any(self, request_ids: list[str], timeout: float) -> None:
         """Block until one of these requests' grammars is compiled (or `timeout` seconds pass)."""
+        self._wait(request_ids, timeout, FIRST_COMPLETED)
+
+    def wait_for_all(self, request_ids: list[str], timeout: float) -> None:
+        """Block until all of these requests' grammars are compiled (or `timeout` seconds pass): a benchmark that
+        wants them scheduled together (the compiles run in threads, and a request waits for its own)."""
+        self._wait(request_ids, timeout, ALL_COMPLETED)
+
+    def _wait(self, request_ids: list[str], timeout: float, return_when: str) -> None:
         futures = [so.future for rid in request_ids if (so := self.requests.get(rid)) and so.future is not None]
         if futures and not self.scripted:  # a scripted grammar is made ready between steps, never during one
-            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+            wait(futures, timeout=timeout, return_when=return_when)
 
     def error(self, request_id: str) -> str | None:
         so = self.requests.get(request_id)

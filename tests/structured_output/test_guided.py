@@ -475,3 +475,26 @@ def test_drafts_the_grammar_refuses_are_cut_and_counted(tiny_model_path) -> None
     assert (whole.draft_token_ids, whole.num_cut_by_grammar) == ((), 4) and request.spec_token_ids == []
     (none_cut,) = step(digit["3"], [digit["1"], digit["2"]])
     assert (none_cut.draft_token_ids, none_cut.num_cut_by_grammar) == ((digit["1"], digit["2"]), 0)
+
+
+def test_wait_for_all_returns_with_every_grammar_compiled_and_they_schedule_together(tiny_model_path) -> None:
+    """`bench guided` waits so for its batch: a grammar compiled late would start its request after the others."""
+    from transformers import AutoTokenizer
+
+    from engine.core.kv_cache_manager import KVCacheManager
+    from engine.core.sched.scheduler import Scheduler
+    from engine.events import EventLog
+    from engine.structured_output.manager import StructuredOutputManager
+    from tests.core.helpers import make_config, make_request
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    config, events = make_config(), EventLog()
+    kv = KVCacheManager(64, config.block_size, False, config.prefix_caching_hash_algo, events)
+    scheduler = Scheduler(config, kv, events, StructuredOutputManager(tokenizer, len(tokenizer), events))
+    patterns = {"digits": "[0-9]+", "letters": "[a-z]{3,9}", "json": '\\{"a": [0-9]{1,4}\\}'}
+    for rid, pattern in patterns.items():
+        params = StructuredOutputsParams(regex=pattern)
+        scheduler.add_request(make_request(rid, 8, max_tokens=8, structured_outputs=params))
+    scheduler.structured.wait_for_all(list(patterns), timeout=60)
+    assert all(scheduler.structured.requests[rid].future.done() for rid in patterns)
+    assert {s.request.request_id for s in scheduler.schedule().scheduled} == set(patterns)

@@ -45,6 +45,9 @@ def guided_step_costs(llm: LLM, prompts: Sequence[BenchRequest], steps: int, war
     aborted after."""
     eng = llm.engine
     ids = [eng.add_request(r.prompt_token_ids, request_params(r)) for r in prompts]
+    # each request waits for its grammar, compiled in a thread: all of them ready first, or one compiled late starts
+    # after the others and they may finish before any step has them all decoding
+    eng.structured.wait_for_all(ids, timeout=120)
     batch = len(ids)
     samples: list[tuple[float, float, float, float]] = []
     seen = 0

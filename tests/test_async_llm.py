@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -71,12 +72,23 @@ def test_leaving_the_iterator_aborts_at_once_even_while_paused(llm):
 
 def test_a_cancelled_task_aborts_its_request(llm):
     async def main():
-        task = asyncio.ensure_future(_drain(llm.generate(PROMPTS[1], SamplingParams(max_tokens=60, ignore_eos=True))))
-        while not llm.step_count or _used_blocks(llm) == 0:
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        # held, one step at a time: the request is surely running, not finished, when its task is cancelled. Polling
+        # a free loop for its blocks missed one that ran to its end between two looks, and waited forever (make test)
+        llm.pause()
+        try:
+            task = asyncio.ensure_future(
+                _drain(llm.generate(PROMPTS[1], SamplingParams(max_tokens=60, ignore_eos=True)))
+            )
+            deadline = time.monotonic() + 30
+            while _used_blocks(llm) == 0:
+                assert time.monotonic() < deadline, "the request never ran"
+                if not await asyncio.to_thread(llm.step, 1, 10):
+                    await asyncio.sleep(0.01)  # not added yet: nothing to step
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            llm.resume()
         assert await asyncio.to_thread(llm.wait_until_idle, 10)
 
     asyncio.run(main())

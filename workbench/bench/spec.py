@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,22 @@ def methods(k: int, draft_model: str, names: Sequence[str] = METHODS) -> dict[st
     return {name: configs[name] for name in ("none", *names) if name in configs}
 
 
+def cache_blocks(
+    workloads: Iterable[Sequence[BenchRequest]], batch_sizes: Iterable[int], lookahead: int, block_size: int
+) -> int:
+    """KV blocks for the largest batch of any workload at its full length plus `lookahead` draft slots per request,
+    and the null block: a batch's requests run together, each batch after the last has finished."""
+    need = 0
+    for requests in workloads:
+        for bs in batch_sizes:
+            for i in range(0, len(requests), bs):
+                batch = requests[i : i + bs]
+                need = max(
+                    need, sum(-(-(len(r.prompt_token_ids) + r.output_len + lookahead) // block_size) for r in batch)
+                )
+    return need + 1
+
+
 def _generate(llm: LLM, batch: Sequence[BenchRequest]) -> Callable[[], list[RequestOutput]]:
     """A call that runs one batch of requests together on `llm` (its arguments made now, outside any timing)."""
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=r.ignore_eos) for r in batch]
@@ -132,16 +148,18 @@ def run_spec(
     statistics and the proposer's time from the engines' SpecDecodingStats; the load average before the first run
     and after the last."""
     configs = methods(k, draft_model or model, methods_)
-    llms = {
-        name: LLM(
+    engine_kwargs = dict(engine_kwargs or {})
+
+    def engine(cfg: dict | None, **cache: int) -> LLM:
+        return LLM(
             model=model,
             seed=seed,
             speculative_config=cfg,
             max_num_batched_tokens=max_num_batched_tokens,
-            **(engine_kwargs or {}),
+            **{**cache, **engine_kwargs},
         )
-        for name, cfg in configs.items()
-    }
+
+    llms = {"none": engine(configs["none"])}
     tok = llms["none"].tokenizer
     editing = [
         BenchRequest(r.prompt_token_ids, min(r.output_len, output_len), ignore_eos=False)
@@ -152,6 +170,16 @@ def run_spec(
         for name, w in (("editing", editing), ("chat", chat_requests(tok, num_requests, output_len)))
         if name in workloads_
     }
+    # Every engine is alive at once, taking turns: at the default 1 GiB of cache each, the 13 methods held 17 GB
+    # (the out-of-memory kill of a CI run). The drafting engines get the blocks their largest batch can use; the
+    # cache's size does not enter a step's time (the "none" engine, built first to read the prompts, keeps its own).
+    block_size = llms["none"].engine.config.block_size
+    cache = (
+        {}
+        if {"num_kv_blocks", "kv_cache_memory"} & engine_kwargs.keys()
+        else {"num_kv_blocks": cache_blocks(workloads.values(), batch_sizes, max(k, TREE_NODES) + 1, block_size)}
+    )
+    llms |= {name: engine(cfg, **cache) for name, cfg in configs.items() if name != "none"}
     times: dict[tuple, list[float]] = {}
     results: dict[tuple, dict] = {}
     load = LoadAverage()

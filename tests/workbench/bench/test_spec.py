@@ -9,7 +9,8 @@ from engine.model.loader import resolve_model
 from engine.spec_decode import draft_heads
 from engine.spec_decode.draft_heads import save_head
 from workbench import train_draft as td
-from workbench.bench.spec import METHODS, format_markdown, format_text, run_spec
+from workbench.bench.datasets import BenchRequest
+from workbench.bench.spec import METHODS, cache_blocks, format_markdown, format_text, run_spec
 
 
 def _default_heads(tmp_path, monkeypatch) -> None:
@@ -76,3 +77,13 @@ def test_the_methods_take_turns_batch_by_batch(monkeypatch) -> None:
     prompts = [p for _, p in calls[::2]]
     assert [plain for plain, _ in calls] == [True, False] * 3  # none, then n-gram, for each request
     assert prompts == [p for _, p in calls[1::2]] and len({tuple(p) for p in prompts}) == 3
+
+
+def test_the_cache_holds_the_largest_batch_at_full_length_and_no_more() -> None:
+    """Every engine of the bench is alive at once: at the default 1 GiB of cache each, its 13 methods held 17 GB and
+    a CI worker was killed for memory. Each batch's requests at their full length, drafts included, are its need."""
+    reqs = [BenchRequest([1] * n, out) for n, out in ((10, 6), (30, 3), (1, 1))]
+    # 16-token blocks, 4 draft slots: 20 -> 2 blocks, 37 -> 3, 6 -> 1; batches of 2: (2 + 3), (1); plus the null block
+    assert cache_blocks([reqs], [2], lookahead=4, block_size=16) == 6
+    assert cache_blocks([reqs], [1], lookahead=4, block_size=16) == 4
+    assert cache_blocks([reqs, reqs[:1]], [1, 3], lookahead=4, block_size=16) == 7

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 # The fixed sets a setting is checked against, vLLM's names: the config refuses anything else and the command line
 # offers them as choices (engine/arg_utils.py reads them off the annotations)
 DType = Literal["float32", "bfloat16", "float16"]
+# vLLM's CacheDType, of which a CPU has "auto" and "bfloat16" (its others are fp8 formats of CUDA, ROCm and Gaudi)
+KVCacheDType = Literal["auto", "bfloat16"]
 # engine/core/block_hash.py's HASH_FUNCTIONS, by name (named here so that the config imports no engine module)
 PrefixCachingHashAlgo = Literal["sha256", "sha256_cbor", "builtin"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -303,6 +305,10 @@ class EngineConfig:
     """KV cache size in blocks; none: sized from kv_cache_memory."""
     kv_cache_memory: int = 1 << 30
     """Bytes for K and V of all layers, where num_kv_blocks is not given."""
+    kv_cache_dtype: KVCacheDType = "auto"
+    """vLLM's: how K and V are stored; "auto": as the weights (dtype). "bfloat16" under float32 or int8 weights on a
+    CPU halves the cache: twice the blocks in kv_cache_memory, and half the bytes a decode's attention reads (the
+    arithmetic stays float32, as it is for bfloat16 weights). Elsewhere only "auto" or the weights' own dtype."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of a prefix already computed (automatic prefix caching)."""
     prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"
@@ -452,6 +458,12 @@ class EngineConfig:
         if self.dtype is None:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         _check_choice("dtype", self.dtype, DType)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KVCacheDType)
+        if self.kv_cache_dtype not in ("auto", self.dtype) and self.device != "cpu" and not self.simulated:
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} under {self.dtype} weights runs on a CPU only (device is "
+                f"{self.device!r}); use 'auto'"
+            )
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, Quantization)
         if self.quantization is not None and self.device != "cpu":
@@ -653,6 +665,11 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """How weights and the KV cache are stored."""
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """How the KV cache is stored: kv_cache_dtype, or the weights' dtype where it is "auto"."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -68,7 +68,14 @@ def test_every_field_has_its_help_under_it_in_the_config():
 
 def test_choices_are_the_sets_the_config_checks():
     by_dest = {a.dest: a for a in _parser()._actions}
-    for name in ("scheduling_policy", "executor", "prefix_caching_hash_algo", "dtype", "data_parallel_routing"):
+    for name in (
+        "scheduling_policy",
+        "executor",
+        "prefix_caching_hash_algo",
+        "dtype",
+        "kv_cache_dtype",
+        "data_parallel_routing",
+    ):
         value = by_dest[name].choices[0]
         EngineConfig(**{name: value, **({"hardware": "cpu"} if value in ("simulated", "scripted") else {})})
         if name != "executor":  # a scripted executor needs its script, which has no flag
@@ -82,6 +89,7 @@ def test_choices_are_the_sets_the_config_checks():
 ROUND_TRIPS = [  # settings that go together; between them, every flag with a value other than its default
     [
         "--model tiny-llama --block-size 8 --num-kv-blocks 64 --kv-cache-memory 1000000 --no-enable-prefix-caching",
+        "--kv-cache-dtype bfloat16",
         "--prefix-caching-hash-algo builtin --max-num-batched-tokens 128 --max-num-seqs 4 --max-model-len 256",
         "--no-enable-chunked-prefill --long-prefill-token-threshold 16 --scheduling-policy priority",
         "--no-scheduler-reserve-full-isl --max-logprobs 5 --dtype bfloat16 --device cpu --revision main",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams, StepRecord
 
@@ -49,6 +50,8 @@ def test_bad_sampling_params_name_the_field(kwargs, exc, field) -> None:
         ({"prefix_caching_hash_algo": "md5"}, ValueError, "prefix_caching_hash_algo"),
         ({"max_num_seqs": 1.5}, TypeError, "max_num_seqs"),
         ({"num_kv_blocks": 1}, ValueError, "num_kv_blocks"),
+        ({"kv_cache_dtype": "fp8"}, ValueError, "kv_cache_dtype"),
+        ({"kv_cache_dtype": "bfloat16", "device": "cuda", "dtype": "float16"}, ValueError, "kv_cache_dtype"),
         ({"no_such_knob": 1}, TypeError, "no_such_knob"),
     ],
 )
@@ -322,6 +325,24 @@ def test_engine_numbers_equal_the_internals() -> None:
     assert engine.vocab_size == runner.vocab_size == runner.hf_config.vocab_size
     sized = LLM(model="tiny-llama", kv_cache_memory=40 * engine.bytes_per_block).engine  # sized from memory
     assert sized.num_kv_blocks == sized.runner.num_blocks == 40
+
+
+def test_a_bfloat16_cache_under_float32_weights_holds_twice_the_blocks() -> None:
+    """kv_cache_dtype (vLLM's): K and V stored in bfloat16 under float32 weights, in the target's cache and in a
+    draft model's; the same kv_cache_memory then holds twice the blocks."""
+    draft = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 2}
+    full, half = (
+        LLM(model="tiny-llama", kv_cache_memory=1 << 22, speculative_config=draft, **kw).engine
+        for kw in ({}, {"kv_cache_dtype": "bfloat16"})
+    )
+    assert half.config.torch_dtype == torch.float32 and half.config.kv_cache_torch_dtype == torch.bfloat16
+    assert full.bytes_per_block == 2 * half.bytes_per_block and half.num_kv_blocks == 2 * full.num_kv_blocks
+    for engine, dtype in ((full, torch.float32), (half, torch.bfloat16)):
+        caches = [*engine.runner.kv_caches, *engine.runner.spec.proposer.kv_caches]
+        assert {t.dtype for pair in caches for t in pair} == {dtype}
+    # the runs meet the cache where it is: one request end to end, its blocks freed
+    out = LLM(model="tiny-llama", kv_cache_dtype="bfloat16").generate([[3, 4, 5, 6]], SamplingParams(max_tokens=8))
+    assert len(out[0].token_ids) == 8
 
 
 def test_get_block_ids_is_the_block_table() -> None:

@@ -44,7 +44,13 @@ class SimulatedExecutor(Executor):
         assert config.hardware is not None and config.dtype is not None
         self.clock: SimulatedClock = clock
         self.hardware = get_hardware(config.hardware)
-        self.cost_model = CostModel(self.spec, self.hardware, config.tensor_parallel_size, config.dtype)
+        self.cost_model = CostModel(
+            self.spec,
+            self.hardware,
+            config.tensor_parallel_size,
+            config.dtype,
+            kv_cache_dtype=None if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+        )
         self.model_shape = ModelShape(**self.spec.to_shape_dict())
         self.vocab_size = self.spec.vocab_size
         self.eos_token_id = self.spec.eos_token_id

@@ -96,6 +96,7 @@ class KVStoreConnector(KVConnectorBase):
         self.identity = {
             "model": str(config.model),
             "dtype": config.dtype,
+            "kv_cache_dtype": str(config.kv_cache_torch_dtype).removeprefix("torch."),
             "block_size": config.block_size,
             "num_layers": num_layers,
             "num_kv_heads": num_kv_heads,

@@ -111,11 +111,11 @@ class ModelRunner:
         shape = self.model.shape
         self.num_layers, self.num_kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         self.bytes_per_block = kv_cache_bytes_per_block(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, config.torch_dtype
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, config.kv_cache_torch_dtype
         )
         self.num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // self.bytes_per_block)
         self.kv_caches = allocate_kv_caches(
-            self.model, self.num_blocks, self.block_size, config.torch_dtype, self.device
+            self.model, self.num_blocks, self.block_size, config.kv_cache_torch_dtype, self.device
         )
         # compiled now rather than at the step where a growing context first changes the split choice
         self.attention_variants_warmed = kernels.warm_up_paged_attention(

@@ -43,7 +43,9 @@ class DraftModelProposer(Proposer):
         device: torch.device,
         target_vocab_size: int,
         default_generator: torch.Generator,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
+        """`kv_cache_dtype`: how the draft's K and V are stored (none: as its weights, `dtype`)."""
         self.model, config = load_model(path, dtype, device)
         if config.vocab_size != target_vocab_size:
             raise ValueError(
@@ -54,7 +56,7 @@ class DraftModelProposer(Proposer):
         self.block_size = block_size
         self.device = device
         self.default_generator = default_generator
-        self.kv_caches = allocate_kv_caches(self.model, num_blocks, block_size, dtype, device)
+        self.kv_caches = allocate_kv_caches(self.model, num_blocks, block_size, kv_cache_dtype or dtype, device)
 
     @classmethod
     def from_config(cls, target: TargetModel) -> DraftModelProposer:
@@ -70,6 +72,7 @@ class DraftModelProposer(Proposer):
             target.device,
             target.vocab_size,
             target.default_generator,
+            config.kv_cache_torch_dtype,
         )
 
     def mirror(self, batch: TargetBatch) -> None:

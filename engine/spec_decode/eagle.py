@@ -158,9 +158,9 @@ class EagleProposer(Proposer):
         self.device = target.device
         self.default_generator = target.default_generator
         self.scale = cast(EagleLayer, cast(nn.ModuleList, head.layers)[0]).head_dim ** -0.5  # items typed Module
-        self.dtype = config.torch_dtype  # of the states and the head's cache (its matrices may be narrower)
+        self.dtype = config.torch_dtype  # of the states (the head's matrices may be narrower)
         self.kv_caches = allocate_kv_caches(
-            head, target.num_blocks, config.block_size, config.torch_dtype, target.device
+            head, target.num_blocks, config.block_size, config.kv_cache_torch_dtype, target.device
         )
         # what the last mirror made, one row per batch row: the states read out, and the states the next draft
         # step reads (EAGLE-1's are the same: its head predicts the target's final state, which both are)

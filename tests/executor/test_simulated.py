@@ -25,6 +25,17 @@ def test_block_map_shows_vllms_block_count() -> None:
     assert eng.step().kv.total == 89476  # the null block is not counted
 
 
+def test_a_narrower_kv_cache_dtype_gives_more_blocks_and_reads_fewer_bytes() -> None:
+    """kv_cache_dtype in the simulator: float32 weights with a bfloat16 cache, each block half the bytes (vLLM's
+    split then fits more of them), and a decode's attention reads half the cache's bytes."""
+    full, half = (_sim(dtype="float32", **kw).engine for kw in ({}, {"kv_cache_dtype": "bfloat16"}))
+    assert full.bytes_per_block == 2 * half.bytes_per_block
+    assert half.num_kv_blocks - 1 >= 2 * (full.num_kv_blocks - 1)  # usable blocks (the null block apart)
+    shapes = [ScheduledShape(num_computed=4000, num_new=1, num_logits=1)] * 32
+    full_s, half_s = (e.executor.cost_model.step_cost(shapes).attention_s for e in (full, half))
+    assert 1.9 < full_s / half_s <= 2  # the queries' bytes are the same in both
+
+
 def test_config_refuses_what_the_executor_cannot_do() -> None:
     with pytest.raises(ValueError, match="hardware: only the simulated executor"):
         EngineConfig(hardware="h100-sxm")

@@ -90,15 +90,19 @@ class CostModel:
         tensor_parallel_size: int = 1,
         dtype: str = "bfloat16",
         efficiency: Efficiency | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> None:
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype: must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+        """`kv_cache_dtype`: how K and V are stored (none: as the weights, `dtype`)."""
+        for name, value in (("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype or dtype)):
+            if value not in DTYPE_BYTES:
+                raise ValueError(f"{name}: must be one of {sorted(DTYPE_BYTES)}, got {value!r}")
         tp = tensor_parallel_size
         if spec.num_heads % tp:
             raise ValueError(f"tensor_parallel_size: {tp} must divide the model's {spec.num_heads} attention heads")
         self.spec, self.hardware, self.tp, self.dtype = spec, hardware, tp, dtype
         self.eff = hardware.efficiency if efficiency is None else efficiency
         self.weight_elt = DTYPE_BYTES[dtype]
+        self.kv_elt = DTYPE_BYTES[kv_cache_dtype or dtype]
         # a CPU computes in float32 whatever the storage (as the engine does there); an accelerator in the dtype
         self.compute_dtype = "float32" if hardware.default_dtype == "float32" else dtype
         self.act_elt = DTYPE_BYTES[self.compute_dtype]
@@ -119,7 +123,7 @@ class CostModel:
         return (-(-split // self.tp) + self.spec.num_replicated_params()) * self.weight_elt
 
     def bytes_per_block(self, block_size: int) -> int:
-        return 2 * block_size * self.kv_r * self.weight_elt * self.spec.num_layers
+        return 2 * block_size * self.kv_r * self.kv_elt * self.spec.num_layers
 
     def activation_peak_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """A forward of max_num_batched_tokens tokens: the residual and normed hidden states, q/k/v, the attention
@@ -201,7 +205,7 @@ class CostModel:
         total = 0.0
         for c, q, _ in shapes:
             flops = 4 * self.heads_r * s.head_dim * (q * c + q * (q + 1) / 2)
-            nbytes = (c + q) * 2 * self.kv_r * self.weight_elt + q * 2 * self.q_r * self.act_elt
+            nbytes = (c + q) * 2 * self.kv_r * self.kv_elt + q * 2 * self.q_r * self.act_elt
             total += self._roofline(flops, nbytes)
         return total * s.num_layers / self.eff.attention
 

@@ -216,12 +216,14 @@ def run_roofline(
     matmul_n: int = 2048,
     seed: int = 0,
     max_num_batched_tokens: int = 2048,
+    kv_cache_dtype: str = "auto",
     engine_kwargs: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Measure the machine (bandwidth, matmul peak) before and after timing the engine's decode step at each batch
     size, compute the model's per-step cost; returns the floors (from the better of each machine figure) and where
-    the engine stands."""
+    the engine stands. `kv_cache_dtype` (the engine's): how every format's K and V are stored; the step's bytes
+    count them so."""
     load = LoadAverage()
     engine_kwargs = dict(engine_kwargs or {})
     machine = [measure_machine(bandwidth_bytes, matmul_n, runs)]  # again after the steps: the floors take the best
@@ -233,6 +235,7 @@ def run_roofline(
             model=model,
             max_num_batched_tokens=max_num_batched_tokens,
             seed=seed,
+            kv_cache_dtype=kv_cache_dtype,
             **{**engine_kwargs, **WEIGHT_FORMATS[weights]},
         )
         model_ = llm.engine.runner.model
@@ -243,7 +246,7 @@ def run_roofline(
             shape.num_heads,
             shape.num_kv_heads,
             shape.head_dim,
-            llm.engine.config.torch_dtype.itemsize,
+            llm.engine.config.kv_cache_torch_dtype.itemsize,
         )
         decode_step_ms(llm, 1, prompt_len, 1, warmup=0, seed=seed)  # first steps pay for allocation: untimed
         for batch in batch_sizes:
@@ -252,6 +255,7 @@ def run_roofline(
             rows.append(
                 {
                     "weights": weights,
+                    "kv_cache_dtype": kv_cache_dtype,
                     "batch": batch,
                     **measured,
                     "bytes": nbytes,
@@ -287,7 +291,7 @@ def run_roofline(
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    add_common_args(parser)
+    add_common_args(parser, engine=["kv_cache_dtype"])
     parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 64])
     parser.add_argument(
         "--weight-formats",
@@ -326,7 +330,8 @@ _HEADERS = (
 def _rows(result: dict[str, Any]) -> list[list[object]]:
     return [
         [
-            r.get("weights", "float32"),
+            r.get("weights", "float32")
+            + ("" if r.get("kv_cache_dtype", "auto") == "auto" else f", {r['kv_cache_dtype']} KV"),
             r["batch"],
             r["context"],
             r["bytes"] / 1e6,

@@ -92,6 +92,31 @@ def test_reduced_roofline_through_the_cli(tmp_path, capsys):
     assert "<!-- bench:roofline:start -->" in doc.read_text()
 
 
+def test_a_bfloat16_kv_cache_halves_the_bytes_a_step_reads_beyond_its_weights():
+    def run(kv_cache_dtype: str) -> dict:
+        return roofline.run_roofline(
+            model="tiny-llama",
+            batch_sizes=(2,),
+            prompt_len=8,
+            weight_formats=("float32",),
+            steps=2,
+            runs=1,
+            bandwidth_bytes=4 << 20,
+            matmul_n=64,
+            kv_cache_dtype=kv_cache_dtype,
+            engine_kwargs={"num_kv_blocks": 64},
+            log=lambda line: None,
+        )
+
+    full, half = run("auto"), run("bfloat16")
+    weights = full["weight_bytes"]["float32"]
+    assert half["weight_bytes"]["float32"] == weights
+    (row_full,), (row_half,) = full["rows"], half["rows"]
+    assert row_full["context"] == row_half["context"]
+    assert row_full["bytes"] - weights == 2 * (row_half["bytes"] - weights) > 0
+    assert "| float32, bfloat16 KV | 2 |" in roofline.format_markdown(half, "workbench bench roofline")
+
+
 def test_roofline_floor_is_the_larger_bound():
     result = roofline.run_roofline(
         model="tiny-llama",

@@ -28,6 +28,7 @@ from workbench.bench.timing import LoadAverage, alternate, load_line
 HELP = "single-stream decode tok/s: the engine in each weight format vs transformers and llama.cpp (llama-bench)"
 IN_ALL: tuple[int, list[str]] = (10, [])  # `workbench bench all` runs it: (place, flags)
 PROMPT = "The history of the printing press begins"
+# how the engine stores its weights on a CPU, as its settings (the arithmetic is float32 around each format's linears)
 WEIGHT_FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
 TRANSFORMERS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # transformers has no int8 on CPU
 LLAMACPP = "llama.cpp (llama-bench)"
@@ -225,13 +226,13 @@ def run_decode(
 
 
 def add_weight_formats_arg(parser: argparse.ArgumentParser) -> None:
-    """--weight-formats: the engine's sides, one per format."""
+    """--weight-formats: the formats the engine is measured in, each its own side or set of rows."""
     parser.add_argument(
         "--weight-formats",
         nargs="+",
         choices=tuple(WEIGHT_FORMATS),
         default=list(WEIGHT_FORMATS),
-        help="how the engine stores its weights, a side each (default: all)",
+        help="how the engine stores its weights, each measured apart (default: all)",
     )
 
 

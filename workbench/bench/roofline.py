@@ -25,6 +25,7 @@ from engine.model.linear import Linear
 from kernels.cpu.build import has_isa
 from workbench.bench.args import add_common_args, add_positive_ints, positive_int, run_with_flags
 from workbench.bench.datasets import random_requests, token_id_range
+from workbench.bench.decode import WEIGHT_FORMATS, add_weight_formats_arg
 from workbench.bench.report import Line, Part, Table, described, formatters, run_settings
 from workbench.bench.timing import LoadAverage, load_line, timed
 
@@ -189,10 +190,6 @@ def decode_step_ms(llm: LLM, batch: int, prompt_len: int, steps: int, warmup: in
     }
 
 
-# how a decode step's weights are stored on a CPU (the arithmetic is float32 in each): the engine's settings
-WEIGHT_FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
-
-
 def log_machine(machine: dict[str, dict[str, float]], log: Callable[[str], None]) -> None:
     """One measurement of the machine, as a progress line."""
     bandwidth, rates, peaks = machine["bandwidth"], machine["rates"], machine["peaks"]
@@ -293,13 +290,7 @@ def run_roofline(
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser, engine=["kv_cache_dtype"])
     parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 64])
-    parser.add_argument(
-        "--weight-formats",
-        nargs="+",
-        choices=tuple(WEIGHT_FORMATS),
-        default=list(WEIGHT_FORMATS),
-        help="how the weights are stored, each a set of rows (default: all)",
-    )
+    add_weight_formats_arg(parser)
     add_positive_ints(parser, prompt_len=128)
     parser.add_argument("--steps", type=positive_int, default=10, help="decode steps timed per batch size")
     parser.add_argument("--bandwidth-mib", type=positive_int, default=1024, help="array size for the bandwidth test")

@@ -15,6 +15,7 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypedDict
 
 import torch
@@ -149,6 +150,29 @@ def time_linears(model: nn.Module, batch: int, runs: int = 5) -> float:
     return timed(lambda: [m(inputs[m.in_features]) for m in layers], runs).median_s
 
 
+def library_linear(weights: str, m: int, n: int, k: int) -> Callable[[], object]:
+    """A call of the product the format's arithmetic peak is measured with (measure_arithmetic_peaks) at one linear's
+    shape, m rows of x by an n x k weight of its own: oneDNN's float32 or bf16 GEMM, torch._int_mm for int8 (int8
+    in, int32 out: no scales, no quantization of x, no bias)."""
+    if weights == "int8":
+        xq, wq = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        return partial(torch._int_mm, xq, wq.t())
+    onednn = torch.backends.mkldnn.is_available()
+    dtype = torch.bfloat16 if weights == "bfloat16" and onednn and has_isa("avx512_bf16") else torch.float32
+    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    if onednn:
+        return partial(torch.ops.mkldnn._linear_pointwise, x, w, None, "none", [], "")
+    return partial(torch.nn.functional.linear, x, w)
+
+
+def time_library_linears(model: nn.Module, weights: str, batch: int, runs: int = 5) -> float:
+    """Seconds torch's own GEMMs take over the model's linear shapes at `batch` rows, each with its own weight (read
+    from memory, as in a step), in the arithmetic of `weights`' peak: what the library gets at these shapes, where
+    the floor takes its peak from one large square product."""
+    calls = [library_linear(weights, batch, m.out_features, m.in_features) for m in linear_layers(model)]
+    return timed(lambda: [call() for call in calls], runs).median_s
+
+
 class DecodeStep(TypedDict):
     forward_ms: float
     total_ms: float
@@ -258,6 +282,7 @@ def run_roofline(
                     "bytes": nbytes,
                     "flops": flops,
                     "linears_ms": time_linears(model_, batch, runs) * 1e3,
+                    "library_ms": time_library_linears(model_, weights, batch, runs) * 1e3,
                 }
             )
             log(f"{weights} batch {batch}: forward {measured['forward_ms']:.1f} ms")
@@ -312,6 +337,7 @@ _HEADERS = (
     "compute floor ms",
     "floor ms",
     "linears alone ms",
+    "torch's GEMMs ms",
     "forward ms",
     "step ms",
     "forward / floor",
@@ -331,6 +357,7 @@ def _rows(result: dict[str, Any]) -> list[list[object]]:
             r["compute_floor_ms"],
             r["floor_ms"],
             r["linears_ms"],
+            r.get("library_ms", "-"),
             r["forward_ms"],
             r["total_ms"],
             f"{r['forward_ms'] / r['floor_ms']:.2f}x",
@@ -354,7 +381,9 @@ _DOCS = _MACHINE + (
     "arithmetic: float32 FMAs, bf16 dot products (oneDNN's bf16 GEMM, where the CPU has AVX512-BF16; else the "
     "weights are widened and float32's peak counts), int8 products summed in int32 (torch._int_mm)). "
     "Linears alone: the model's own linear layers run one after another at B rows (weights read from "
-    "memory, as in a step), without the model around them. Engine: "
+    "memory, as in a step), without the model around them. Torch's GEMMs: the product each format's peak is "
+    "measured with, at the same shapes and rows, one weight per layer (int8: torch._int_mm, without scales or "
+    "quantizing the input). Engine: "
     "B requests of {prompt_len}-token prompts in steady decode, median of {steps} steps (forward = "
     "model + LM head; step = the whole engine step).{note}"
 )

@@ -88,7 +88,7 @@ def test_reduced_roofline_through_the_cli(tmp_path, capsys):
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "weights read per decode step float32" in out and "forward / floor" in out
+    assert "weights read per decode step float32" in out and "forward / floor" in out and "torch's GEMMs ms" in out
     assert "<!-- bench:roofline:start -->" in doc.read_text()
 
 
@@ -115,6 +115,16 @@ def test_a_bfloat16_kv_cache_halves_the_bytes_a_step_reads_beyond_its_weights():
     assert row_full["context"] == row_half["context"]
     assert row_full["bytes"] - weights == 2 * (row_half["bytes"] - weights) > 0
     assert "| float32, bfloat16 KV | 2 |" in roofline.format_markdown(half, "workbench bench roofline")
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_torchs_gemm_beside_each_format_is_the_product_its_peak_is_measured_with(weights):
+    """The column "torch's GEMMs": the library's product at the linear's shape, in the format's arithmetic."""
+    out = roofline.library_linear(weights, 3, 96, 64)()
+    expected = {"float32": torch.float32, "int8": torch.int32}.get(weights)
+    if expected is None:  # bf16 products where the CPU has them (else the weights would be widened to float32)
+        expected = torch.bfloat16 if torch.backends.mkldnn.is_available() and has_isa("avx512_bf16") else torch.float32
+    assert out.shape == (3, 96) and out.dtype == expected
 
 
 def test_roofline_floor_is_the_larger_bound():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig
 
+from engine import LLM
 from engine.model.loader import resolve_model
 from engine.spec_decode import draft_heads
 from engine.spec_decode.draft_heads import save_head
@@ -28,7 +29,11 @@ def _default_heads(tmp_path, monkeypatch) -> None:
 
 
 def test_spec_bench_reports_every_configuration(tmp_path, monkeypatch) -> None:
+    from workbench.bench import spec
+
     _default_heads(tmp_path, monkeypatch)
+    built = []  # each engine's KV blocks: every drafting engine's cache sized to the workloads, not the 1 GiB default
+    monkeypatch.setattr(spec, "LLM", lambda **kw: built.append(kw.get("num_kv_blocks")) or LLM(**kw))
     result = run_spec(
         model="tiny-llama", k=3, batch_sizes=(1, 4), num_requests=4, output_len=12, runs=1, log=lambda line: None
     )
@@ -47,6 +52,8 @@ def test_spec_bench_reports_every_configuration(tmp_path, monkeypatch) -> None:
         else:
             assert 0 < r["draft_share"] < 1
     assert set(result["load_average"]) == {"before", "after"} and set(result["heads"]) == {"eagle", "eagle3", "medusa"}
+    # 70 blocks each here, where tiny-llama's default 1 GiB cache is 65,536 of them
+    assert built[0] is None and len(built) == len(methods) and all(0 < n <= 256 for n in built[1:]), built
     assert "## Speculative decoding" in format_markdown(result, "workbench bench spec")
     assert "Load average" in format_text(result)
 

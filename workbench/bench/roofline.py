@@ -91,16 +91,29 @@ def measure_bandwidth(nbytes: int = 1 << 30, runs: int = 5) -> dict[str, float]:
     return {"read": read, "copy": copy, "threads": torch.get_num_threads()}
 
 
+def library_linear(weights: str, m: int, n: int, k: int) -> Callable[[], object]:
+    """A call of the library's product in a format's arithmetic, m rows of x by an n x k weight of its own: oneDNN's
+    float32 or bf16 GEMM (bf16 where the CPU has AVX512-BF16), torch._int_mm for int8 (int8 in, int32 out: no
+    scales, no quantization of x, no bias). The machine's peaks are measured with it at n x n x n, the "torch's
+    GEMMs" column at each linear's shape."""
+    if weights == "int8":
+        xq, wq = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        return partial(torch._int_mm, xq, wq.t())
+    onednn = torch.backends.mkldnn.is_available()
+    dtype = torch.bfloat16 if weights == "bfloat16" and onednn and has_isa("avx512_bf16") else torch.float32
+    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    if onednn:
+        return partial(torch.ops.mkldnn._linear_pointwise, x, w, None, "none", [], "")
+    return partial(torch.nn.functional.linear, x, w)
+
+
 def measure_matmul(n: int = 2048, runs: int = 5) -> dict[str, float]:
     """fp32 matmul throughput (FLOP/s) of an n x n by n x n product, median of `runs`: torch's default (MKL) and
     oneDNN with the weight as is (where torch has it); the better one is the machine's compute peak."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     rates = {"mkl": 2 * n**3 / timed(lambda: a @ b, runs).median_s}
     if torch.backends.mkldnn.is_available():
-        w = b.t().contiguous()
-        rates["onednn"] = (
-            2 * n**3 / timed(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""), runs).median_s
-        )
+        rates["onednn"] = 2 * n**3 / timed(library_linear("float32", n, n, n), runs).median_s
     return rates
 
 
@@ -111,12 +124,8 @@ def measure_arithmetic_peaks(fp32_peak: float, n: int = 2048, runs: int = 5) -> 
     widened; int8 products summed in int32 (torch._int_mm, oneDNN's VNNI or AVX2 kernels)."""
     peaks = {"float32": fp32_peak, "bfloat16": fp32_peak}
     if torch.backends.mkldnn.is_available() and has_isa("avx512_bf16"):
-        a, w = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
-        linear = torch.ops.mkldnn._linear_pointwise
-        peaks["bfloat16"] = 2 * n**3 / timed(lambda: linear(a, w, None, "none", [], ""), runs).median_s
-    qa = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    qb = torch.randint(-127, 128, (n, n), dtype=torch.int8)
-    peaks["int8"] = 2 * n**3 / timed(lambda: torch._int_mm(qa, qb), runs).median_s
+        peaks["bfloat16"] = 2 * n**3 / timed(library_linear("bfloat16", n, n, n), runs).median_s
+    peaks["int8"] = 2 * n**3 / timed(library_linear("int8", n, n, n), runs).median_s
     return peaks
 
 
@@ -148,21 +157,6 @@ def time_linears(model: nn.Module, batch: int, runs: int = 5) -> float:
     layers = linear_layers(model)
     inputs = {m.in_features: torch.randn(batch, m.in_features) for m in layers}
     return timed(lambda: [m(inputs[m.in_features]) for m in layers], runs).median_s
-
-
-def library_linear(weights: str, m: int, n: int, k: int) -> Callable[[], object]:
-    """A call of the product the format's arithmetic peak is measured with (measure_arithmetic_peaks) at one linear's
-    shape, m rows of x by an n x k weight of its own: oneDNN's float32 or bf16 GEMM, torch._int_mm for int8 (int8
-    in, int32 out: no scales, no quantization of x, no bias)."""
-    if weights == "int8":
-        xq, wq = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.randint(-127, 128, (n, k), dtype=torch.int8)
-        return partial(torch._int_mm, xq, wq.t())
-    onednn = torch.backends.mkldnn.is_available()
-    dtype = torch.bfloat16 if weights == "bfloat16" and onednn and has_isa("avx512_bf16") else torch.float32
-    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    if onednn:
-        return partial(torch.ops.mkldnn._linear_pointwise, x, w, None, "none", [], "")
-    return partial(torch.nn.functional.linear, x, w)
 
 
 def time_library_linears(model: nn.Module, weights: str, batch: int, runs: int = 5) -> float:

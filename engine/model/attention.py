@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from engine.model.hugepages import zeros_on_hugepages
 
 
 @dataclass
@@ -33,12 +34,15 @@ class AttentionMetadata:
 def allocate_kv_caches(
     model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, each [num_blocks, block_size, kv heads, head dim]."""
+    """One (K, V) pair per layer, each [num_blocks, block_size, kv heads, head dim], zeroed; on a CPU all of them in
+    one arena on huge pages (engine/model/hugepages.py: a decode step's attention reads faster there)."""
     shape = (num_blocks, block_size, model.shape.num_kv_heads, model.shape.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(model.shape.num_layers)
-    ]
+    layers = model.shape.num_layers
+    if device.type == "cpu":
+        caches, _ = zeros_on_hugepages([shape] * (2 * layers), dtype)
+    else:
+        caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * layers)]
+    return [(caches[2 * i], caches[2 * i + 1]) for i in range(layers)]
 
 
 def sliding_window_attention(

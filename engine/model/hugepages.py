@@ -7,14 +7,15 @@ parameter into one arena the kernel is asked (madvise MADV_HUGEPAGE) to back wit
 parameters there. On the AVX-512 EPYC, the 121 bf16 linears of smollm2-135m at one row read 33 GB/s on 4 KiB pages
 and 42-46 GB/s on huge ones (2 threads, alternating in one process, 2026-12-03).
 
-The KV cache lies on huge pages too (`zeros_on_hugepages`, which `allocate_kv_caches` calls on a CPU). A decode
-step reads each sequence's blocks where they lie, a few KiB at a time, and its attention waits on those reads: a
-core keeps only so many misses in flight (random lines read 5.8 GB/s on one thread, 230-290 ns each), and on 4 KiB
-pages nearly every block adds a page walk to them. 64 decodes of 137 keys, the op alone, 30 layers' caches cycled
-(AVX-512 EPYC, 2026-12-05), 4 KiB -> 2 MiB pages, ms a call: blocks scattered, bf16 0.356 -> 0.317, float32 0.505
--> 0.401; each sequence's blocks in a row, bf16 0.356 -> 0.290, float32 0.515 -> 0.397. In the engine's steps,
-smaller: a step of 64 decodes after 128-token prompts (two engines alternating in one process, 5-6 rounds of 8
-steps), forward ms: bf16 66.0 -> 65.1, float32 99.2 -> 97.8, int8 43.3 -> 42.7, lower in every round.
+The KV cache lies on huge pages too (`zeros_on_hugepages`, which `allocate_kv_caches` calls on a CPU). A decode step
+reads each sequence's blocks where they lie, a few KiB at a time, and its attention waits on those reads: a core
+keeps only so many misses in flight (random lines read 5.8 GB/s on one thread; a dependent read took 228-290 ns over
+1 GiB), and on 4 KiB pages a block's reads likely wait on page walks too (not measured apart). 64 decodes of 137
+keys, the op alone, 30 layers' caches cycled (AVX-512 EPYC, 2026-12-05), 4 KiB -> 2 MiB pages, ms a call: blocks
+scattered, bf16 0.356 -> 0.317, float32 0.505 -> 0.401; each sequence's blocks in a row, bf16 0.356 -> 0.290,
+float32 0.515 -> 0.397. In the engine's steps, smaller: a step of 64 decodes after 128-token prompts (two engines
+alternating in one process, 5-6 rounds of 8 steps), forward ms: bf16 66.0 -> 65.1 (lower in 5 of 6 rounds), float32
+99.2 -> 97.8 and int8 43.3 -> 42.7 (lower in every round).
 
 Where the kernel has transparent huge pages "never", or the platform has no madvise, an arena is still one
 allocation and its tensors still work: only the pages stay small (`HugePageArena.huge` says which).
